@@ -1,0 +1,33 @@
+"""backward_doctor: find the root cause of a failing PyTorch training step.
+
+>>> import backward_doctor as bd
+>>> report = bd.diagnose("import torch\\nw = torch.ones(3, requires_grad=True)\\nw += 1")
+>>> report.findings[0].kind, report.findings[0].line
+('inplace', 3)
+
+In IPython/Jupyter: ``%load_ext backward_doctor`` then ``%%backward_doctor`` on a cell.
+Importing this package imports neither IPython nor matplotlib.
+"""
+from __future__ import annotations
+
+from .api import diagnose, last_report
+from .capture import Capture
+from .findings import Finding
+from .report import Report
+from .trace import Trace
+
+__all__ = ["diagnose", "last_report", "Capture", "Finding", "Report", "Trace", "load_ipython_extension"]
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's API
+    """Called by ``%load_ext backward_doctor``: registers ``%%backward_doctor``."""
+    from .magic import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:  # noqa: ANN001
+    from .magic import unload_ipython_extension as _unload
+
+    _unload(ipython)

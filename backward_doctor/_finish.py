@@ -1,0 +1,139 @@
+"""Closing a capture: the exception as evidence, names for modules, what NaN reached.
+
+Split from ``capture.py`` so the per-op hot path stays in one short module.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .memory import storage_key
+from .namespace import module_paths
+from .stats import screen_nonfinite
+from .trace import CATEGORIES, ExceptionInfo, Trace
+
+if TYPE_CHECKING:
+    from .capture import Capture
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_MAX_POINTS = 20_000
+
+
+def record_exception(cap: "Capture", exc: BaseException) -> None:
+    frames = cap._frames.from_traceback(exc.__traceback__)
+    info = ExceptionInfo(type=type(exc).__name__, message=str(exc).strip(), frames=frames)
+    info.where = cap._frames.where_in(frames)
+    modules: list[int] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        in_torch = os.path.abspath(code.co_filename).startswith(_TORCH_DIR)
+        if code.co_name in ("_engine_run_backward", "run_backward") or (in_torch and code.co_name == "backward"):
+            info.in_backward = True
+        if code.co_name != "<module>":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module):
+                cap._register_module(owner)
+                modules.append(id(owner))
+            elif isinstance(owner, torch.Tensor) and in_torch and code.co_name == "backward" and info.loss is None:
+                key = storage_key(owner)
+                info.loss = {"shape": list(owner.shape), "requires_grad": bool(owner.requires_grad),
+                             "grad_fn": type(owner.grad_fn).__name__ if owner.grad_fn is not None else None,
+                             "key": key or 0, "writer": cap._writer.get(key) if key else None}
+        del frame
+        tb = tb.tb_next
+    if modules:
+        cap._where_stacks.append((info.where, tuple(modules)))
+    if isinstance(exc, torch.OutOfMemoryError):
+        info.oom = cap._oom or cap._memory_breakdown(cap.trace.op_count, None)
+    cap.trace.exception = info
+    cap.trace.completed = False
+
+
+def _resolve_modules(cap: "Capture") -> None:
+    paths = module_paths(cap.namespace)
+    cache: dict[tuple[int, ...], str] = {}
+    for where, stack in cap._where_stacks:
+        name = cache.get(stack)
+        if name is None:
+            inner = stack[-1]
+            name = paths.get(inner)
+            if name is None:
+                name = cap._modules.get(inner, (None, "module"))[1]
+            cache[stack] = name
+        where.module = name
+    oom = cap.trace.exception.oom if cap.trace.exception else None
+    if oom and "by_producer" in oom:
+        by_module: dict[str, int] = {}
+        for producer, nbytes in oom.pop("by_producer").items():
+            rec = cap.trace.op(producer) if producer >= 0 else None
+            label = (rec.where.module or "(outside modules)") if rec else "(existing before the step)"
+            if rec and rec.phase == "backward":
+                label = "(gradients in backward)"
+            by_module[label] = by_module.get(label, 0) + nbytes
+        oom["by_module"] = dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
+
+
+def _downsample(cap: "Capture") -> None:
+    mem = cap.trace.memory
+    n = len(cap._timeline_index)
+    step = max(1, -(-n // _MAX_POINTS))
+    if step == 1:
+        mem.op_index = cap._timeline_index.tolist()
+        mem.by_category = {c: cap._timeline[c].tolist() for c in CATEGORIES}
+        return
+    # Keep, from each bucket, the sample with the largest total so peaks survive.
+    totals = [sum(cap._timeline[c][i] for c in CATEGORIES) for i in range(n)]
+    keep = [max(range(s, min(s + step, n)), key=totals.__getitem__) for s in range(0, n, step)]
+    mem.op_index = [cap._timeline_index[i] for i in keep]
+    mem.by_category = {c: [cap._timeline[c][i] for i in keep] for c in CATEGORIES}
+    cap.trace.notes.append(f"memory timeline downsampled from {n} to {len(keep)} points (peaks kept)")
+
+
+def _nonfinite_reach(cap: "Capture") -> None:
+    trace = cap.trace
+    reached: set[int] = set()
+    flags = {"loss": False, "gradients": False, "parameters": False}
+    for ev in trace.nonfinite:
+        if ev.phase == "backward":
+            reached.add(ev.origin)
+            flags["gradients"] = True
+    for root in cap._roots:
+        if root is not None and root in cap._nf_by_index:
+            reached.add(cap._nf_by_index[root])
+            flags["loss"] = True
+    for p in cap.parameters():
+        for t, what in ((p, "parameters"), (p.grad, "gradients")):
+            if t is not None and screen_nonfinite(t):
+                flags[what] = True
+                key = storage_key(t)
+                if key in cap._nf_origin:
+                    reached.add(cap._nf_origin[key])
+    for ev in trace.nonfinite:
+        ev.reached = ev.origin in reached
+    trace.nonfinite_reached = flags
+
+
+def finish(cap: "Capture") -> Trace:
+    trace = cap.trace
+    trace.ops.extend(cap._tail)
+    cap._tail.clear()
+    trace.ops_dropped = trace.op_count - len(trace.ops)
+    if trace.ops_dropped:
+        trace.notes.append(f"{trace.ops_dropped} ops in the middle of the step were aggregated, not kept "
+                           f"one by one (kept the first {cap._max_ops} and the last {len(trace.ops) - cap._max_ops})")
+    _resolve_modules(cap)
+    _downsample(cap)
+    _nonfinite_reach(cap)
+    params = cap.parameters()
+    trace.parameters = {"count": len(params), "trainable": sum(bool(p.requires_grad) for p in params),
+                        "bytes": sum(p.numel() * p.element_size() for p in params)}
+    del params
+    cap._pending.clear()
+    cap._ledger.close()
+    cap._where_stacks.clear()
+    return trace

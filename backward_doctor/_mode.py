@@ -1,0 +1,26 @@
+"""The private dispatch mode: a thin shim that hands every aten op to a recorder.
+
+Kept separate (as PyTorch does for FlopCounterMode/ModuleTracker) so the public
+context manager (:class:`backward_doctor.capture.Capture`) owns all state and the
+mode itself owns none.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Recorder(Protocol):
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
+
+
+class _DoctorMode(TorchDispatchMode):
+    """Forwards each op to ``recorder.dispatch``, which must call ``func`` exactly once."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self._recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D401 - torch API
+        return self._recorder.dispatch(func, args, kwargs or {})

@@ -1,0 +1,83 @@
+"""The public entry point: :func:`diagnose` a cell's source, :func:`last_report`.
+
+>>> import backward_doctor as bd
+>>> bd.diagnose("import torch\\ntorch.ones(2) + torch.ones(3)").findings[0].kind
+'shape_mismatch'
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .report import Report
+from .rules import analyze
+from .trace import Trace
+from .units import parse_size
+
+#: Fixes the product will offer; implemented by the fixes issue.
+KNOWN_FIXES = ("accumulate", "amp", "sync", "checkpoint")
+_last: list[Report] = []
+_lock = threading.Lock()
+
+
+def check_fix(fix: str | None) -> None:
+    """Raise ``ValueError`` for an unknown or not-yet-implemented fix (before anything runs)."""
+    if fix is None:
+        return
+    if not isinstance(fix, str):
+        raise ValueError(f"fix must be a string such as 'accumulate:4', not {fix!r}")
+    name = fix.split(":", 1)[0]
+    if name not in KNOWN_FIXES:
+        raise ValueError(f"unknown fix {fix!r}: choose one of {', '.join(KNOWN_FIXES)}")
+    raise ValueError(f"fix {fix!r} is not implemented yet in this version of backward_doctor")
+
+
+def check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def build_report(trace: Trace, fix: str | None = None) -> Report:
+    """Run the rules over ``trace`` and remember the result as the last report."""
+    exc = trace.exception.summary() if trace.exception else None
+    report = Report(findings=analyze(trace), exception=exc, trace=trace, fix=fix)
+    with _lock:
+        _last[:] = [report]
+    return report
+
+
+def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: float | None = None,
+             memory_limit: int | str | None = None, fix: str | None = None) -> Report:
+    """Run ``source`` (one cell: a training step) in ``namespace`` and diagnose it.
+
+    The namespace is mutated exactly as ``exec`` would; the cell's exception is
+    recorded in the report, never raised. ``timeout`` (s) turns a stuck run into a
+    ``hang`` finding; ``memory_limit`` (bytes or ``"300MB"``) simulates a device
+    of that size. Bad arguments raise ``ValueError`` before anything runs.
+
+    >>> import backward_doctor as bd
+    >>> bd.diagnose("x = 1").ok
+    True
+    """
+    from .runner import run_source
+
+    if not isinstance(source, str):
+        raise ValueError(f"source must be the code of a cell as a string, not {type(source).__name__}")
+    if namespace is not None and not isinstance(namespace, dict):
+        raise ValueError(f"namespace must be a dict of globals, not {type(namespace).__name__}")
+    timeout = check_timeout(timeout)
+    limit = parse_size(memory_limit)
+    check_fix(fix)
+    ns = {} if namespace is None else namespace
+    ns.setdefault("__builtins__", __builtins__)
+    trace = run_source(source, ns, timeout=timeout, memory_limit=limit)
+    return build_report(trace, fix)
+
+
+def last_report() -> Report | None:
+    """The latest report made in this process (by ``diagnose``, the magic or the CLI)."""
+    with _lock:
+        return _last[0] if _last else None

@@ -1,0 +1,80 @@
+"""Index-range checks for the ops that index with tensors.
+
+On CPU these ops raise a readable error themselves; on CUDA a bad index is a
+device-side assert that kills the CUDA context. Checking the range before the
+kernel launches turns that into an ordinary Python ``IndexError`` while the
+context is still alive. The same function explains a CPU failure after the fact.
+
+>>> import torch
+>>> w, idx = torch.zeros(5, 3), torch.tensor([1, 7])
+>>> index_check(torch.ops.aten.embedding.default, (w, idx), {})["bad"]
+[7]
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _range_check(values: torch.Tensor, lo: int, hi: int, argument: str, what: str,
+                 ignore: int | None = None) -> dict[str, Any] | None:
+    if values.device.type == "meta" or values.numel() == 0:
+        return None
+    v = values.detach().reshape(-1)
+    if ignore is not None:
+        v = v[v != ignore]
+        if v.numel() == 0:
+            return None
+    bad_mask = (v < lo) | (v > hi)
+    n_bad = int(bad_mask.sum())
+    if not n_bad:
+        return None
+    bad = torch.unique(v[bad_mask])[:8].tolist()
+    return {"argument": argument, "what": what, "valid": [lo, hi], "bad": bad, "bad_count": n_bad,
+            "min": int(v.min()), "max": int(v.max())}
+
+
+def _embedding(args, kwargs):
+    weight, indices = args[0], args[1]
+    return _range_check(indices, 0, weight.shape[0] - 1, "indices", f"num_embeddings={weight.shape[0]}")
+
+
+def _nll(args, kwargs):
+    inp, target = args[0], args[1]
+    ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    classes = inp.shape[1] if inp.dim() >= 2 else inp.shape[0]
+    return _range_check(target, 0, classes - 1, "target", f"{classes} classes", ignore=ignore)
+
+
+def _dim_index(args, kwargs):
+    inp, dim, index = args[0], args[1], args[2]
+    size = inp.shape[dim] if inp.dim() else 1
+    return _range_check(index, 0, size - 1, "index", f"size {size} of dimension {dim}")
+
+
+_CHECKS: dict[Any, Callable] = {
+    aten.embedding.default: _embedding,
+    aten.nll_loss_forward.default: _nll,
+    aten.nll_loss2d_forward.default: _nll,
+    aten.gather.default: _dim_index,
+    aten.index_select.default: _dim_index,
+}
+
+
+def has_index_check(func: Any) -> bool:
+    return func in _CHECKS
+
+
+@torch.no_grad()
+def index_check(func: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """Out-of-range index values of ``func(*args)``, or None when all are valid."""
+    check = _CHECKS.get(func)
+    if check is None:
+        return None
+    try:
+        return check(args, kwargs)
+    except Exception:  # evidence only: never fail because the check could not run
+        return None

@@ -1,0 +1,81 @@
+"""Reading the user's namespace: which tensors, modules and optimizers it holds, by name.
+
+Used at the start of a run (to count what already exists and to remember names)
+and at the end (to name modules by the variable that holds them, e.g.
+``model.body.2.act``). Only names, ids and weak references leave this module.
+
+>>> import torch
+>>> ns = {"model": torch.nn.Sequential(torch.nn.Linear(2, 2))}
+>>> module_paths(ns)[id(ns["model"][0])]
+'model.0'
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+_MAX_ITEMS = 64  # containers are looked into, but a list of 10k batches is not walked
+
+
+def _children(name: str, value: Any, depth: int) -> Iterator[tuple[str, Any]]:
+    yield name, value
+    if depth <= 0 or isinstance(value, (torch.Tensor, nn.Module, str, bytes)):
+        return
+    if isinstance(value, dict):
+        for i, (k, v) in enumerate(value.items()):
+            if i >= _MAX_ITEMS:
+                break
+            yield from _children(f"{name}[{k!r}]", v, depth - 1)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value[:_MAX_ITEMS]):
+            yield from _children(f"{name}[{i}]", v, depth - 1)
+
+
+def user_items(namespace: dict[str, Any], depth: int = 2) -> Iterator[tuple[str, Any]]:
+    """(name, value) of the namespace's public variables and small containers in them."""
+    for name, value in list(namespace.items()):
+        if name.startswith("_") or isinstance(value, type) or callable(value) and not isinstance(value, nn.Module):
+            continue
+        yield from _children(name, value, depth)
+
+
+def tensors(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, value in user_items(namespace):
+        if isinstance(value, torch.Tensor):
+            yield name, value
+
+
+def modules(namespace: dict[str, Any]) -> Iterator[tuple[str, nn.Module]]:
+    """Top-level modules, including ones held as an attribute of a plain object."""
+    for name, value in user_items(namespace, depth=1):
+        if isinstance(value, nn.Module):
+            yield name, value
+        elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, torch.optim.Optimizer)):
+            for attr, sub in list(vars(value).items())[:_MAX_ITEMS]:
+                if isinstance(sub, nn.Module):
+                    yield f"{name}.{attr}", sub
+
+
+def optimizers(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.optim.Optimizer]]:
+    for name, value in user_items(namespace, depth=1):
+        if isinstance(value, torch.optim.Optimizer):
+            yield name, value
+
+
+def module_paths(namespace: dict[str, Any]) -> dict[int, str]:
+    """id(module) -> dotted path from the variable that holds it (first name wins)."""
+    paths: dict[int, str] = {}
+    for name, mod in modules(namespace):
+        for sub_name, sub in mod.named_modules(remove_duplicate=False):
+            paths.setdefault(id(sub), f"{name}.{sub_name}" if sub_name else name)
+    return paths
+
+
+def optimizer_state_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in list(opt.state.values()):
+        if isinstance(state, dict):
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    yield v

@@ -1,0 +1,89 @@
+"""Plain-text report: what a terminal, a log file or CI shows.
+
+>>> from backward_doctor.report import Report
+>>> print(render_text(Report()).splitlines()[0])
+backward_doctor: OK - the step ran and nothing looks wrong
+"""
+from __future__ import annotations
+
+import os
+import textwrap
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from .findings import source_line
+from .stats import format_stats
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from .report import Report
+
+_WIDTH = 100
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, _WIDTH, initial_indent=indent, subsequent_indent=indent) or [indent]
+
+
+def summary_line(report: "Report") -> str:
+    tr = report.trace
+    phases = Counter(op.phase for op in tr.ops)
+    parts = [f"{tr.op_count} ops in {tr.duration_s:.2f} s"]
+    if phases:
+        parts[-1] += " (" + ", ".join(f"{p} {n}" for p, n in phases.items()) + ")"
+    mem = tr.memory
+    if mem.peak_bytes:
+        peak = tr.op(mem.peak_index)
+        at = f" at {peak.op}, line {peak.where.line}" if peak and peak.where.line else ""
+        limit = f" of {format_bytes(mem.limit_bytes)} limit" if mem.limit_bytes else ""
+        parts.append(f"peak live tensors {format_bytes(mem.peak_bytes)}{limit}{at}")
+    return "; ".join(parts)
+
+
+def render_text(report: "Report") -> str:
+    """The whole report as text (verdict, summary, each finding with its source line)."""
+    tr = report.trace
+    out: list[str] = []
+    if report.ok:
+        out.append("backward_doctor: OK - the step ran and nothing looks wrong")
+    else:
+        top = report.findings[0] if report.findings else None
+        verdict = f"{top.kind} at {top.location()}" if top else "the step did not complete"
+        out.append(f"backward_doctor: PROBLEM - {verdict}")
+    out.append("  " + summary_line(report))
+    if report.exception:
+        out.extend(_wrap(f"exception: {report.exception.splitlines()[0]}", "  "))
+    for i, f in enumerate(report.findings, 1):
+        out.append("")
+        out.append(f"[{i}] {f.kind} ({f.severity}) at {f.location()}{' - ' + f.title if f.title else ''}")
+        code = source_line(tr, f.line, f.file)
+        if code:
+            out.append(f"    > {f.line:>4} | {code}")
+        if f.op:
+            out.append(f"    op: {f.op}")
+        out.extend(_wrap(f.message, "    "))
+        if f.fixes:
+            out.append(f"    fixes: {', '.join(f.fixes)}  (re-run with fix=NAME / --fix NAME)")
+        ev = f.evidence
+        if f.kind == "oom" and ev.get("predicted_peak_text"):
+            preds = ", ".join(f"{k} {v}" for k, v in ev["predicted_peak_text"].items())
+            out.extend(_wrap(f"predicted peak (lower bound): {preds}", "    "))
+            if ev.get("by_module"):
+                mods = ", ".join(f"{k} {format_bytes(v)}" for k, v in list(ev["by_module"].items())[:6])
+                out.extend(_wrap(f"by module: {mods}", "    "))
+    if tr.failed_op and any(f.op == tr.failed_op.op for f in report.findings):
+        out.append("")
+        out.append(f"failing op {tr.failed_op.op} inputs:")
+        for m in tr.failed_op.inputs:
+            out.append(f"    {m.short():<28} {format_stats(m.stats)}")
+    if any(f.kind == "hang" for f in report.findings):
+        out.append("")
+        out.append("thread stacks (innermost last):")
+        for stack in tr.threads:
+            out.append(f"  {stack.name}{' (main)' if stack.is_main else ''}:")
+            for fi in stack.frames[-8:]:
+                loc = "cell" if fi.in_cell else os.path.basename(fi.file)
+                out.append(f"    {loc}:{fi.line} in {fi.function}: {fi.code}")
+    for note in tr.notes:
+        out.append(f"  note: {note}")
+    return "\n".join(out)

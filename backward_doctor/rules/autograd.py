@@ -1,0 +1,182 @@
+"""Graph errors: in-place writes, a second backward, a loss without a graph.
+
+PyTorch raises these at ``loss.backward()``; the root cause is earlier. The
+capture's in-place events and per-op data flow lead back to the line that did it.
+
+>>> from backward_doctor.trace import Trace
+>>> inplace(Trace()) + backward_twice(Trace()) + no_grad_path(Trace())
+[]
+"""
+from __future__ import annotations
+
+import re
+
+from ..findings import Finding, at, source_line
+from ..trace import InplaceEvent, OpRecord, Trace
+
+_VERSION = re.compile(r"\[torch\.\w+ \[([\d, ]*)\]\], which is output (\d+) of (\w+), "
+                      r"is at version (\d+); expected version (\d+)")
+_LEAF = "a leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _node_op(node: str) -> str:
+    """``SigmoidBackward0`` -> ``sigmoid`` (the forward op behind an autograd node)."""
+    return re.sub(r"Backward\d*$", "", node).lower()
+
+
+def _pick_inplace(trace: Trace, shape: list[int] | None, node: str | None,
+                  expected: int | None) -> InplaceEvent | None:
+    events = [e for e in trace.inplace if shape is None or e.shape == shape]
+    if node:
+        base = _node_op(node)
+        named = [e for e in events if e.producer_op and e.producer_op.split("::")[-1].rstrip("_") == base]
+        events = named or events
+    if expected is not None:
+        exact = [e for e in events if e.version == expected + 1]
+        events = exact or events
+    return events[0] if events else None
+
+
+def inplace(trace: Trace) -> list[Finding]:
+    """In-place write on a leaf that requires grad, or on a tensor saved for backward."""
+    exc = trace.exception
+    if exc is None:
+        return []
+    if _LEAF in exc.message:
+        code = source_line(trace, exc.where.line, exc.where.file)
+        msg = (f"`{code or 'an in-place op'}` writes in place into a leaf tensor that requires grad "
+               "(a parameter or an input created with requires_grad=True). Autograd cannot record a change "
+               "to a leaf. If this is a weight update, do it under `with torch.no_grad():`; otherwise use "
+               "the out-of-place form (`w = w + 1` instead of `w += 1`).")
+        return [at("inplace", exc.where, msg, title="In-place write on a leaf that requires grad",
+                   evidence={"code": code})]
+    if "modified by an inplace operation" not in exc.message:
+        return []
+    m = _VERSION.search(exc.message)
+    shape = [int(s) for s in m.group(1).split(",") if s.strip()] if m else None
+    node, expected = (m.group(3), int(m.group(5))) if m else (None, None)
+    ev_ = _pick_inplace(trace, shape, node, expected)
+    evidence = {"shape": shape, "saved_by": node, "expected_version": expected,
+                "backward_line": exc.where.line}
+    if ev_ is None:
+        msg = ("A tensor that autograd saved for the backward pass was changed in place before "
+               f"`backward()` ran ({exc.message.splitlines()[0]}). Use the out-of-place form of the op.")
+        return [at("inplace", exc.where, msg, title="Saved tensor modified in place", evidence=evidence)]
+    code = source_line(trace, ev_.where.line, ev_.where.file)
+    producer = ev_.producer_op or "an earlier op"
+    evidence.update(op=ev_.op, producer_op=ev_.producer_op, code=code)
+    alt = ev_.op.split("::")[-1].rstrip("_")
+    msg = (f"`{ev_.op}` at {'line ' + str(ev_.where.line)} (`{code}`) overwrote a {list(ev_.shape)} tensor "
+           f"made by `{producer}`, which autograd had saved to compute gradients ({node or 'a backward node'}). "
+           f"`backward()` then found it changed (version {ev_.version}, expected {expected}) and refused "
+           f"to compute wrong gradients. Use the out-of-place form (`{alt}` instead of `{alt}_`, `y = y + 1` "
+           "instead of `y += 1`, `nn.ReLU()` instead of `nn.ReLU(inplace=True)`), or `.clone()` before writing.")
+    return [at("inplace", ev_.where, msg, op=ev_.op, title="Saved tensor modified in place", evidence=evidence)]
+
+
+def backward_twice(trace: Trace) -> list[Finding]:
+    """backward() through a graph whose saved tensors were already freed."""
+    exc = trace.exception
+    if exc is None or "backward through the graph a second time" not in exc.message:
+        return []
+    used = {k for op in trace.ops if op.phase == "forward" for k in op.in_keys}
+    carriers = [c for c in trace.carriers if c.get("key") in used] or trace.carriers
+    if carriers:
+        names = ", ".join(f"`{c['variable']}`" for c in carriers)
+        var = carriers[0]["variable"]
+        msg = (f"{names} still carried the autograd graph of an earlier run of this cell (it was computed "
+               "from tensors that required grad and never detached). This run's loss depends on it, so "
+               "`backward()` walked into the old graph, whose saved tensors the previous backward already "
+               f"freed. Detach the carried state at the start of each step: `{var} = {var}.detach()` "
+               "(truncated backprop). `retain_graph=True` would hide the error while the graph, and the "
+               "memory it holds, grows with every step.")
+    else:
+        first = trace.backward_calls[0] if trace.backward_calls else None
+        where_first = f" at line {first.cell_line or first.line}" if first else ""
+        msg = ("The graph was already consumed: the first `backward()`" + where_first + " freed the tensors "
+               "it saved, and this second `backward()` needed them. Add the losses and call backward once "
+               "(`(loss_a + loss_b).backward()`), or compute the second loss from a fresh forward pass; "
+               "use `retain_graph=True` on the first call only if you truly need both.")
+    return [at("backward_twice", exc.where, msg, title="Backward through a freed graph",
+               evidence={"carriers": [c["variable"] for c in carriers]})]
+
+
+def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
+    """Walk the data flow back from the loss to the op where requires_grad was lost."""
+    writer: dict[int, int] = {}
+    producers: dict[int, list[int]] = {}
+    seen_rg: set[int] = set()
+    for op in trace.ops:
+        producers[op.index] = [writer[k] for k in op.in_keys if k in writer]
+        for k, m in zip(op.in_keys, op.inputs):
+            if m.requires_grad:
+                seen_rg.add(k)
+        for k in op.out_keys:
+            writer[k] = op.index
+    queue, visited = [start], set()
+    while queue:
+        idx = queue.pop(0)
+        if idx is None or idx in visited:
+            continue
+        visited.add(idx)
+        op = trace.op(idx)
+        if op is None or op.phase != "forward":
+            continue
+        rg = [m.requires_grad for m in op.inputs]
+        if any(rg) and not op.grad_enabled:
+            return op, "no_grad"
+        if op.op in ("aten::detach", "aten::alias") and any(rg):
+            return op, "detach"
+        if op.op == "aten::_local_scalar_dense":
+            return op, "item"
+        if any(k in seen_rg and not r for k, r in zip(op.in_keys, rg)):
+            return op, "data"
+        if not op.inputs or op.op in ("aten::lift_fresh", "aten::scalar_tensor"):
+            return op, "new_tensor"
+        queue.extend(producers.get(idx, []))
+    return None
+
+
+_WHY = {
+    "no_grad": "runs inside `torch.no_grad()` (or inference mode), so no graph was recorded from here on",
+    "detach": "calls `.detach()`, which returns a tensor cut off from the graph",
+    "item": "turns a tensor into a Python number (`.item()`), which has no graph",
+    "data": "uses `.data`, which reads the values without the graph",
+    "new_tensor": "creates a new tensor from Python numbers or NumPy (`torch.tensor(...)`, "
+                  "`torch.from_numpy(...)`), which starts with no history",
+}
+
+
+def no_grad_path(trace: Trace) -> list[Finding]:
+    """The loss has no grad_fn: find the line where the graph was cut."""
+    exc = trace.exception
+    if exc is None or "does not require grad and does not have a grad_fn" not in exc.message:
+        return []
+    loss = exc.loss or {}
+    params = trace.parameters
+    if params.get("count") and params.get("trainable") == 0:
+        first = next((op for op in trace.ops if op.phase == "forward" and op.where.module), None)
+        where = first.where if first else exc.where
+        msg = ("Every parameter is frozen (requires_grad=False), so the forward pass built no graph and "
+               "there is nothing to backpropagate. Unfreeze what you want to train "
+               "(`for p in model.head.parameters(): p.requires_grad_(True)`) before building the optimizer.")
+        return [at("no_grad_path", where, msg, op=first.op if first else None, title="All parameters frozen",
+                   evidence={"parameters": params.get("count")})]
+    found = _cut(trace, loss.get("writer"))
+    if found is None:
+        msg = ("The loss does not require grad: it was computed from tensors that are not connected to any "
+               "parameter. Make sure the loss is computed from the model's output inside the step, "
+               "with gradients enabled.")
+        return [at("no_grad_path", exc.where, msg, title="Loss has no graph", evidence={"loss": loss})]
+    op, how = found
+    code = source_line(trace, op.where.line, op.where.file)
+    fix = {"no_grad": "compute the loss outside the `no_grad` block (keep `no_grad` for evaluation only)",
+           "detach": "remove `.detach()` on the way to the loss (detach only what you log or store)",
+           "item": "keep the value as a tensor; call `.item()` only for logging, after backward",
+           "data": "use the tensor itself instead of `.data`",
+           "new_tensor": "compute the loss with torch ops on the model output; do not rebuild it from "
+                         "`.item()`, `.tolist()` or `.numpy()` values"}[how]
+    msg = (f"The loss has no `grad_fn`, so `backward()` has nothing to differentiate. The graph was cut at "
+           f"line {op.where.line} (`{code}`), which {_WHY[how]}. Fix: {fix}.")
+    return [at("no_grad_path", op.where, msg, op=op.op, title="The graph was cut before the loss",
+               evidence={"cut": how, "code": code, "loss": loss})]

@@ -1,0 +1,125 @@
+"""Run a cell's source in a namespace under a :class:`Capture`, with a hang watchdog.
+
+The watchdog interrupts a run that exceeds ``timeout``: it first photographs every
+thread's stack (that is where the hang is), then raises ``KeyboardInterrupt`` in
+the running thread, exactly as Ctrl-C would. Signal handlers are restored after.
+
+>>> trace = run_source("x = 1 + 1", {})
+>>> trace.completed
+True
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import linecache
+import signal
+import threading
+from typing import Any, Callable
+
+from .capture import Capture
+from .frames import UserFrames
+from .trace import Trace
+
+_cells = itertools.count(1)
+
+
+class Watchdog:
+    """Interrupt the calling thread after ``timeout`` seconds (None: never)."""
+
+    def __init__(self, timeout: float | None, frames: UserFrames) -> None:
+        self.timeout = timeout
+        self.fired = False
+        self.stacks: list = []
+        self._frames = frames
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._target = threading.get_ident()
+        self._thread: threading.Thread | None = None
+        self._old_handler: Any = None
+
+    def __enter__(self) -> "Watchdog":
+        if self.timeout is None:
+            return self
+        self._target = threading.get_ident()
+        if threading.current_thread() is threading.main_thread():
+            # Our interrupt must become a KeyboardInterrupt even where SIGINT is ignored.
+            self._old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+        self._thread = threading.Thread(target=self._watch, name="backward_doctor-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        if self._done.wait(self.timeout):
+            return
+        with self._lock:
+            if self._done.is_set():
+                return
+            self.stacks = self._frames.thread_stacks()
+            self.fired = True
+            if self._old_handler is not None:
+                signal.pthread_kill(self._target, signal.SIGINT)
+            else:  # not the main thread: no signals; interrupt at the next bytecode
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target),
+                                                           ctypes.py_object(KeyboardInterrupt))
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._done.set()
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.disarm()
+        if self._thread is not None:
+            self._thread.join()
+        if self._old_handler is not None:
+            signal.signal(signal.SIGINT, self._old_handler)
+        return False
+
+
+def cell_filename() -> str:
+    return f"<backward_doctor-cell-{next(_cells)}>"
+
+
+def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
+                      timeout: float | None) -> Trace:
+    """Call ``run()`` (which returns the cell's exception or None) under capture and watchdog."""
+    watchdog = Watchdog(timeout, capture._frames)
+    exc: BaseException | None = None
+    try:
+        with watchdog:
+            with capture:
+                try:
+                    exc = run()
+                except BaseException as e:  # noqa: BLE001 - the cell's error is data here
+                    exc = e
+                finally:
+                    watchdog.disarm()
+    except KeyboardInterrupt as e:  # the interrupt landed after the cell ended
+        exc = exc or e
+    trace = capture.trace
+    trace.timeout_s = timeout
+    if watchdog.fired:
+        trace.timed_out = True
+        trace.threads = watchdog.stacks
+    if exc is not None:
+        capture.record_exception(exc)
+        if isinstance(exc, KeyboardInterrupt) and not trace.threads:
+            trace.threads = capture._frames.thread_stacks()
+    del exc
+    return capture.finish()
+
+
+def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
+               memory_limit: int | None = None, filename: str | None = None) -> Trace:
+    """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace."""
+    filename = filename or cell_filename()
+    # Register the source so tracebacks and reports can show the cell's lines.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    capture = Capture(namespace, cell_file=filename, source=source, memory_limit=memory_limit)
+
+    def run() -> BaseException | None:
+        code = compile(source, filename, "exec")
+        exec(code, namespace)
+        return None
+
+    return run_under_capture(run, capture, timeout)

@@ -1,0 +1,108 @@
+"""Small, safe statistics of tensors, taken at record time (never the tensor itself).
+
+Statistics are over finite values, with explicit NaN/Inf counts (the lovely-tensors
+convention), so a single NaN does not hide the range of the rest.
+
+>>> import torch
+>>> tensor_stats(torch.tensor([1.0, float("nan"), 3.0]))["nan"]
+1
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .trace import TensorMeta
+
+_NO_DATA_DEVICES = ("meta",)
+
+
+def _has_data(t: torch.Tensor) -> bool:
+    if t.device.type in _NO_DATA_DEVICES or t.numel() == 0:
+        return False
+    # Tensor subclasses (FakeTensor, functional wrappers) may carry no readable data.
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def meta(t: torch.Tensor, with_stats: bool = False) -> TensorMeta:
+    """Shape/dtype/device (and optionally statistics) of ``t``."""
+    m = TensorMeta(shape=list(t.shape), dtype=dtype_name(t.dtype), device=str(t.device),
+                   requires_grad=bool(t.requires_grad))
+    if with_stats:
+        m.stats = tensor_stats(t)
+    return m
+
+
+@torch.no_grad()
+def tensor_stats(t: torch.Tensor) -> dict[str, Any] | None:
+    """min/max/mean over finite values plus NaN/+Inf/-Inf counts (None if unreadable)."""
+    if not _has_data(t):
+        return None
+    try:
+        x = t.detach()
+        if x.is_complex():
+            x = x.abs()
+        if x.dtype == torch.bool:
+            x = x.to(torch.uint8)
+        out: dict[str, Any] = {"numel": int(x.numel())}
+        if x.is_floating_point():
+            x = x.float()
+            nan = torch.isnan(x)
+            posinf = torch.isposinf(x)
+            neginf = torch.isneginf(x)
+            out["nan"] = int(nan.sum())
+            out["posinf"] = int(posinf.sum())
+            out["neginf"] = int(neginf.sum())
+            finite = x[~(nan | posinf | neginf)]
+        else:
+            finite = x
+            out["nan"] = out["posinf"] = out["neginf"] = 0
+        if finite.numel():
+            out["min"] = float(finite.min())
+            out["max"] = float(finite.max())
+            out["mean"] = float(finite.double().mean())
+        return out
+    except Exception:  # statistics are evidence, never a reason to fail the user's step
+        return None
+
+
+@torch.no_grad()
+def screen_nonfinite(t: torch.Tensor) -> bool:
+    """Cheap check: True when ``t`` (floating point) holds NaN or Inf.
+
+    One reduction screens the tensor: a NaN or Inf anywhere makes the sum non-finite.
+    Only when the sum is non-finite (which finite values can also cause, by
+    overflow) does the exact element-wise check run.
+    """
+    if not t.is_floating_point() or not _has_data(t):
+        return False
+    try:
+        s = t.detach().sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.detach().sum()
+        if bool(torch.isfinite(s)):
+            return False
+        return not bool(torch.isfinite(t.detach()).all())
+    except Exception:
+        return False
+
+
+def format_stats(s: dict[str, Any] | None) -> str:
+    """``min=-1.2 max=3.4 mean=0.1 nan!3 inf!1`` for reports."""
+    if not s:
+        return ""
+    parts = []
+    if "min" in s:
+        parts.append(f"min={s['min']:.4g} max={s['max']:.4g} mean={s['mean']:.4g}")
+    else:
+        parts.append("no finite values")
+    if s.get("nan"):
+        parts.append(f"nan!{s['nan']}")
+    if s.get("posinf"):
+        parts.append(f"+inf!{s['posinf']}")
+    if s.get("neginf"):
+        parts.append(f"-inf!{s['neginf']}")
+    return " ".join(parts)

@@ -1,0 +1,61 @@
+"""Byte sizes: parse ``"300MB"`` / ``"2GiB"`` and format byte counts for people.
+
+>>> parse_size("2GiB")
+2147483648
+>>> format_bytes(1536)
+'1.5 KiB'
+"""
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str | None) -> int | None:
+    """Return ``value`` as a number of bytes (None stays None).
+
+    Accepts an int, or a string with an SI (``MB``) or binary (``MiB``) unit.
+    Raises ``ValueError`` with the accepted forms for anything else.
+
+    >>> parse_size("300MB"), parse_size(1024), parse_size(None)
+    (300000000, 1024, None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"memory size must be bytes or a string like '300MB', not {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            if size > 0:
+                return size
+    raise ValueError(
+        f"cannot read memory size {value!r}: use bytes (int) or a string like "
+        "'300MB', '1.5GB', '512MiB', '2GiB'"
+    )
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.0 MiB'``."""
+    if n is None:
+        return "?"
+    n = float(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    return f"{sign}{n:.1f} TiB"  # pragma: no cover - unreachable
