@@ -106,9 +106,11 @@ class Capture:
         return False
 
     def start(self) -> None:
+        import torch._dynamo  # noqa: F401  (the first dispatch mode imports it: keep that out of step time)
+
         self._scan_namespace()
         self.trace.memory.baseline_bytes = self._ledger.total
-        self._handles = [
+        self._handles += [
             _nn_module.register_module_forward_pre_hook(self._module_pre),
             _nn_module.register_module_forward_hook(self._module_post, always_call=True),
             _optim.register_optimizer_step_pre_hook(self._optim_pre),
@@ -324,10 +326,11 @@ class Capture:
             if i < len(args) and isinstance(args[i], torch.Tensor):
                 t = args[i]
                 key = storage_key(t) or 0
+                # The version counter is bumped above this dispatch level, after we return: +1.
                 producer = self._ledger.producer(key)
                 prod = self.trace.op(producer)
                 self.trace.inplace.append(InplaceEvent(
-                    index=index, op=name, key=key, version=int(t._version), shape=list(t.shape),
+                    index=index, op=name, key=key, version=int(t._version) + 1, shape=list(t.shape),
                     requires_grad=bool(t.requires_grad), where=where, producer_index=producer,
                     producer_op=prod.op if prod else None))
 

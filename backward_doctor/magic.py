@@ -1,0 +1,91 @@
+"""``%%backward_doctor``: run a cell through the shell and diagnose it.
+
+Loaded lazily by ``%load_ext backward_doctor``; this is the only module of the
+core that imports IPython. The cell runs with ``shell.run_cell`` so variables,
+traceback, ``Out[]`` and history are exactly those of a normal run; the report
+is displayed after it (HTML in Jupyter, text in a terminal).
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.display import display
+
+from .api import build_report, check_fix, check_timeout
+from .capture import Capture
+from .runner import run_under_capture
+from .units import parse_size
+
+
+@magics_class
+class BackwardDoctorMagics(Magics):
+    """Magics of backward_doctor."""
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("--timeout", type=float, default=None, metavar="S",
+                              help="seconds before the step counts as a hang and is interrupted")
+    @magic_arguments.argument("--memory-limit", default=None, metavar="SIZE",
+                              help="simulated device capacity, e.g. 300MB or 2GiB")
+    @magic_arguments.argument("--fix", default=None, metavar="NAME",
+                              help="re-run with a fix: accumulate[:k], amp, sync, checkpoint")
+    @magic_arguments.argument("--quiet", action="store_true", help="do not display the report when all is well")
+    @cell_magic
+    def backward_doctor(self, line: str, cell: str) -> None:
+        """Run the cell as usual while capturing its training step, then show a diagnosis.
+
+        Example::
+
+            %%backward_doctor --memory-limit 2GiB
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step(); opt.zero_grad()
+
+        The report is also available as ``backward_doctor.last_report()``.
+        """
+        args = magic_arguments.parse_argstring(self.backward_doctor, line)
+        try:
+            timeout = check_timeout(args.timeout)
+            limit = parse_size(args.memory_limit)
+            check_fix(args.fix)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        shell = self.shell
+        # The same name run_cell will give the cell's code object, so frames map to its lines.
+        filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
+        capture = Capture(shell.user_ns, cell_file=filename, source=cell, memory_limit=limit)
+
+        def run() -> BaseException | None:
+            result = shell.run_cell(cell, store_history=False)
+            return result.error_in_exec or result.error_before_exec
+
+        trace = run_under_capture(run, capture, timeout)
+        report = build_report(trace, args.fix)
+        exc = shell._last_traceback if hasattr(shell, "_last_traceback") else None
+        if trace.exception is not None and trace.exception.type == "OutOfMemoryError":
+            _release_failed_frames()
+        del exc
+        if args.quiet and report.ok:
+            return None
+        display(report)
+        return None
+
+
+def _release_failed_frames() -> None:
+    """Free the failed step's locals that the traceback IPython keeps would hold forever."""
+    import sys
+
+    tb = getattr(sys, "last_traceback", None)
+    if tb is not None:
+        traceback.clear_frames(tb)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    ipython.register_magics(BackwardDoctorMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Nothing global is left installed between cells, so there is nothing to undo."""

@@ -1,0 +1,126 @@
+"""Rules of the house: same results, PyTorch's own errors, no memory held, globals restored."""
+from __future__ import annotations
+
+import gc
+import signal
+import textwrap
+import types
+
+import pytest
+import torch
+import torch.optim.optimizer as optim_mod
+from torch.nn.modules import module as nn_module
+
+import backward_doctor as bd
+
+
+def _global_state(params=()):
+    return {
+        "dispatch_stack": torch._C._len_torch_dispatch_stack(),
+        "function_stack": torch._C._len_torch_function_stack(),
+        "fwd_pre": len(nn_module._global_forward_pre_hooks),
+        "fwd": len(nn_module._global_forward_hooks),
+        "fwd_always": len(nn_module._global_forward_hooks_always_called),
+        "opt_pre": len(optim_mod._global_optimizer_pre_hooks),
+        "opt_post": len(optim_mod._global_optimizer_post_hooks),
+        "sigint": signal.getsignal(signal.SIGINT),
+        "grad": torch.is_grad_enabled(),
+        "anomaly": torch.is_anomaly_enabled(),
+        "autocast_cpu": torch.is_autocast_enabled("cpu"),
+        "param_hooks": [len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params],
+    }
+
+
+def _mlp_ns():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return {"torch": torch, "model": model, "opt": torch.optim.Adam(model.parameters()),
+            "x": torch.randn(32, 8), "y": torch.randn(32, 1)}
+
+
+CELLS = {
+    "ok": "loss = torch.nn.functional.mse_loss(model(x), y)\nloss.backward()\nopt.step()",
+    "raises_in_backward": "out = torch.sigmoid(model(x))\nout += 1\nout.sum().backward()",
+    "raises_in_forward_inside_autocast": textwrap.dedent("""
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                model(torch.randn(3, 5))
+    """),
+    "keyboard_interrupt": "model(x)\nraise KeyboardInterrupt",
+    "simulated_oom": "big = model(x.repeat(1000, 1))\nbig.sum().backward()",
+}
+
+
+@pytest.mark.parametrize("name", list(CELLS))
+def test_global_state_restored(name):
+    ns = _mlp_ns()
+    params = list(ns["model"].parameters())
+    before = _global_state(params)
+    kwargs = {"memory_limit": 200_000} if name == "simulated_oom" else {}
+    report = bd.diagnose(CELLS[name], ns, **kwargs)
+    assert _global_state(params) == before
+    assert (report.exception is None) == (name == "ok")
+
+
+def test_global_state_restored_after_timeout():
+    ns = _mlp_ns()
+    before = _global_state(list(ns["model"].parameters()))
+    report = bd.diagnose("model(x)\nwhile True:\n    pass", ns, timeout=0.5)
+    assert report.findings[0].kind == "hang"
+    assert _global_state(list(ns["model"].parameters())) == before
+
+
+def test_inplace_version_check_still_raises_exactly_as_pytorch():
+    src = "h = torch.sigmoid(model(x))\nh.mul_(2)\nh.sum().backward()"
+    plain_ns = _mlp_ns()
+    with pytest.raises(RuntimeError) as plain:
+        exec(src, plain_ns)
+    report = bd.diagnose(src, _mlp_ns())
+    assert report.exception == f"RuntimeError: {plain.value}"
+
+
+def test_gradients_bit_identical_with_and_without_doctor():
+    src = CELLS["ok"]
+    plain_ns, doc_ns = _mlp_ns(), _mlp_ns()
+    exec(src, plain_ns)
+    assert bd.diagnose(src, doc_ns).ok
+    for p, q in zip(plain_ns["model"].parameters(), doc_ns["model"].parameters()):
+        assert torch.equal(p.grad, q.grad)
+        assert torch.equal(p, q)
+
+
+SAVED_ACTIVATION = textwrap.dedent("""
+    import weakref
+    h = model[0](x.repeat(200, 1))          # ~200 KB activation saved by tanh
+    freed.append(False)
+    weakref.finalize(h.untyped_storage(), freed.__setitem__, 0, True)
+    out = model[2](model[1](h))
+    del h
+    loss = out.pow(2).mean()
+    loss.backward()
+""")
+
+
+@pytest.mark.parametrize("limit", [None, 700_000])  # 700 kB: OOM at the tanh, after h exists
+def test_doctor_keeps_no_activation_alive(limit):
+    ns = _mlp_ns()
+    ns["freed"] = []
+    report = bd.diagnose(SAVED_ACTIVATION, ns, memory_limit=limit)
+    assert (report.exception is None) == (limit is None)
+    for name in ("out", "loss"):
+        ns.pop(name, None)
+    gc.collect()
+    assert ns["freed"] == [True], "the activation's storage is still alive after the step"
+
+
+def test_report_holds_no_tensors():
+    ns = _mlp_ns()
+    report = bd.diagnose(CELLS["ok"], ns)
+    seen, stack = set(), [report]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        assert not isinstance(obj, (torch.Tensor, torch.nn.Module)), type(obj)
+        stack.extend(gc.get_referents(obj))
