@@ -838,9 +838,9 @@ def _setup_matrix_factorization():
 def _setup_tiny_lm_with_eos():
     torch.manual_seed(0)
     vocab_size = 32
-    tokens = torch.randint(0, vocab_size, (4, 12))
-    eos_id = vocab_size  # the tokenizer's "<eos>" was appended after the embedding was sized
-    tokens = torch.cat([tokens, torch.full((4, 1), eos_id)], dim=1)
+    tokens = torch.randint(0, vocab_size, (4, 13))
+    eos_id = vocab_size  # the tokenizer's "<eos>" was added after the embedding was sized
+    tokens[:, 6] = eos_id  # packed sequences: two documents per row, separated by <eos>
     model = bm.TinyLM(vocab_size, 16)
     return _ns(
         tokens=tokens,
@@ -942,7 +942,7 @@ INDEX = [
         module="model.tok_emb",
         bug="token_embedding",
         raises=(IndexError, "index out of range in self"),
-        doc="an <eos> id appended by the tokenizer is one past the embedding table.",
+        doc="an <eos> separator id added to the tokenizer is one past the embedding table.",
     ),
     _cell(
         "cross_entropy_target_one_based",
