@@ -121,11 +121,11 @@ def _nonfinite_reach(cap: "Capture") -> None:
 def finish(cap: "Capture") -> Trace:
     trace = cap.trace
     trace.ops.extend(cap._tail)
-    cap._tail.clear()
-    trace.ops_dropped = trace.op_count - len(trace.ops)
+    trace.ops_dropped = cap._tail_count - len(cap._tail)
     if trace.ops_dropped:
-        trace.notes.append(f"{trace.ops_dropped} ops in the middle of the step were aggregated, not kept "
-                           f"one by one (kept the first {cap._max_ops} and the last {len(trace.ops) - cap._max_ops})")
+        trace.notes.append(f"{trace.ops_dropped} ops in the middle of the step are only counted in the op "
+                           f"totals (kept the first {cap._max_ops} and the last {len(cap._tail)} one by one)")
+    cap._tail.clear()
     _resolve_modules(cap)
     _downsample(cap)
     _nonfinite_reach(cap)

@@ -74,6 +74,7 @@ class Capture:
         self._ledger = MemoryLedger()
         self._ledger.on_free = self._on_free
         self._max_ops, self._tail = max_ops, collections.deque(maxlen=tail_ops)
+        self._tail_count = 0  # records that went to the ring buffer (some since overwritten)
         self._run_id = next(_run_ids)
         self._handles: list[Any] = []
         self._mode: _DoctorMode | None = None
@@ -306,6 +307,7 @@ class Capture:
         if len(trace.ops) < self._max_ops:
             trace.ops.append(rec)
         else:
+            self._tail_count += 1
             self._tail.append(rec)
         if self.memory_limit is not None and total > self.memory_limit:
             self._raise_simulated_oom(index, name, total - before, where)

@@ -27,7 +27,8 @@ _FIXED = ("parameters", "gradients", "optimizer")
 
 def predict(by_category: dict[str, int], by_module: dict[str, int], requested: int) -> dict[str, int]:
     fixed = sum(by_category.get(c, 0) for c in _FIXED)
-    act = sum(v for c, v in by_category.items() if c not in _FIXED) + requested
+    # ``requested`` is already live: the failing op's output exists when the limit trips.
+    act = sum(v for c, v in by_category.items() if c not in _FIXED)
     out = {f"accumulate:{k}": fixed + act // k for k in (2, 4, 8)}
     out["amp"] = fixed + act // 2
     module_bytes = [v for k, v in by_module.items() if not k.startswith("(")]
@@ -58,10 +59,10 @@ def oom(trace: Trace) -> list[Finding]:
     live = info.get("live", sum(cats.values()))
     phase = rec.phase if rec is not None else "the step"
     breakdown = ", ".join(f"{c} {format_bytes(v)}" for c, v in cats.items() if v)
-    cap = f" of {format_bytes(limit)}" if limit else ""
     msg = (f"Memory ran out during {phase} at line {where.line}"
            f"{' in ' + where.module if where.module else ''}{' (' + rec.op + ')' if rec else ''}: "
-           f"{format_bytes(live)}{cap} live ({breakdown}).")
+           f"{format_bytes(live)} live tensors{' on a ' + format_bytes(limit) + ' device' if limit else ''} "
+           f"({breakdown}).")
     fixes: list[str] = []
     if limit and fixed >= 0.8 * limit:
         msg += (" Parameters, gradients and optimizer state alone nearly fill the device, so a smaller batch "
