@@ -58,29 +58,41 @@ class BackwardDoctorMagics(Magics):
         filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
         capture = Capture(shell.user_ns, cell_file=filename, source=cell, memory_limit=limit)
 
+        # The result of the cell that holds this magic: the inner run_cell's error is
+        # copied onto it so Jupyter marks the cell failed (and "Run All" stops), as usual.
+        outer = getattr(shell.displayhook, "exec_result", None)
+
         def run() -> BaseException | None:
             result = shell.run_cell(cell, store_history=False)
-            return result.error_in_exec or result.error_before_exec
+            error = result.error_in_exec or result.error_before_exec
+            if outer is not None:
+                outer.result = result.result
+                if error is not None:
+                    outer.error_in_exec = error
+            return error
 
         trace = run_under_capture(run, capture, timeout)
         report = build_report(trace, args.fix)
-        exc = shell._last_traceback if hasattr(shell, "_last_traceback") else None
         if trace.exception is not None and trace.exception.type == "OutOfMemoryError":
-            _release_failed_frames()
-        del exc
+            _release_failed_frames(outer)
         if args.quiet and report.ok:
             return None
         display(report)
         return None
 
 
-def _release_failed_frames() -> None:
-    """Free the failed step's locals that the traceback IPython keeps would hold forever."""
+def _release_failed_frames(outer: Any) -> None:
+    """Free the failed step's locals, which the traceback IPython keeps would hold forever.
+
+    After an OOM the frames of the failed forward still reference its activations;
+    clearing them lets the next cell have that memory back.
+    """
     import sys
 
-    tb = getattr(sys, "last_traceback", None)
-    if tb is not None:
-        traceback.clear_frames(tb)
+    for tb in (getattr(sys, "last_traceback", None),
+               getattr(getattr(outer, "error_in_exec", None), "__traceback__", None)):
+        if tb is not None:
+            traceback.clear_frames(tb)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -86,8 +86,9 @@ def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
     watchdog = Watchdog(timeout, capture._frames)
     exc: BaseException | None = None
     try:
-        with watchdog:
-            with capture:
+        # Capture first: its start-up (a one-time torch import) is not the cell's time.
+        with capture:
+            with watchdog:
                 try:
                     exc = run()
                 except BaseException as e:  # noqa: BLE001 - the cell's error is data here

@@ -310,23 +310,23 @@ class FineTuneNet(nn.Module):
         return self.head(self.backbone(x))
 
 
-class PredictMLP(nn.Module):
-    """MLP whose ``forward`` was decorated with ``@torch.no_grad()`` (copied
-    from a ``predict`` helper), so training through it builds no graph.
+class LinearProbe(nn.Module):
+    """Linear probe on precomputed features whose ``forward`` was decorated
+    with ``@torch.no_grad()`` (copied from a ``predict`` helper), so training
+    through it builds no graph.
 
-    The marker sits on the first op that consumes a parameter under no_grad:
-    the graph is cut there.
+    The forward is a single op line with a single submodule, so "the line
+    where the graph was cut" and its module are unambiguous (first op under
+    no_grad == last op under no_grad == the op whose output reaches the loss).
     """
 
-    def __init__(self, in_features: int = 10, hidden: int = 32, num_classes: int = 3):
+    def __init__(self, in_features: int = 10, num_classes: int = 3):
         super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden)
-        self.fc2 = nn.Linear(hidden, num_classes)
+        self.fc = nn.Linear(in_features, num_classes)
 
-    @torch.no_grad()  # the actual mistake; the graph is cut at the first op below
+    @torch.no_grad()  # the actual mistake; the graph is cut by the op below
     def forward(self, x):
-        h = F.relu(self.fc1(x))  # BUG:no_grad_forward
-        return self.fc2(h)
+        return self.fc(x)  # BUG:no_grad_forward
 
 
 # ---------------------------------------------------------------------------

@@ -124,9 +124,9 @@ def _ns(**values) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def module_params(ns: dict):
+def module_params(ns: dict, leaves: bool = True):
     """(qualified name, parameter) for every nn.Module in the namespace, plus
-    leaf tensors that require grad (raw-tensor models)."""
+    (if ``leaves``) leaf tensors that require grad (raw-tensor models)."""
     seen = set()
     for var, value in ns.items():
         if isinstance(value, nn.Module):
@@ -134,7 +134,7 @@ def module_params(ns: dict):
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield f"{var}.{pname}", p
-        elif isinstance(value, torch.Tensor) and value.is_leaf and value.requires_grad:
+        elif leaves and isinstance(value, torch.Tensor) and value.is_leaf and value.requires_grad:
             if id(value) not in seen:
                 seen.add(id(value))
                 yield var, value
@@ -151,7 +151,8 @@ def nonfinite_loss_or_grad(ns: dict) -> bool:
 
 
 def no_param_got_grad(ns: dict) -> bool:
-    return all(p.grad is None for _, p in module_params(ns))
+    """True when no nn.Module parameter received a gradient (the loss itself may be a leaf)."""
+    return all(p.grad is None for _, p in module_params(ns, leaves=False))
 
 
 LEAF_INPLACE = (RuntimeError, "a leaf Variable that requires grad is being used in an in-place operation")
@@ -1150,6 +1151,7 @@ BACKWARD_TWICE = [
 def _setup_distillation():
     torch.manual_seed(0)
     teacher = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
+    teacher.eval().requires_grad_(False)  # "pretrained" teacher, frozen as usual
     student = nn.Linear(20, 5)
     return _ns(
         x=torch.randn(32, 20),
@@ -1199,9 +1201,9 @@ def _setup_finetune_all_frozen():
     )
 
 
-def _setup_predict_mlp():
+def _setup_linear_probe():
     torch.manual_seed(0)
-    model = bm.PredictMLP(10, 32, 3)
+    model = bm.LinearProbe(10, 3)
     return _ns(
         x=torch.randn(32, 10),
         y=torch.randint(0, 3, (32,)),
@@ -1230,7 +1232,9 @@ NO_GRAD = [
         _setup_distillation,
         module="student",
         raises=NO_GRAD_FN,
-        doc="knowledge distillation: the student forward slipped into the teacher's no_grad block.",
+        doc="knowledge distillation: the student forward slipped into the teacher's no_grad block. "
+        "The (frozen) teacher's no_grad is legitimate: only the student's op consumes "
+        "parameters that require grad, so the graph is cut at the student line.",
     ),
     _cell(
         "detach_for_logging_reused_for_loss",
@@ -1300,8 +1304,8 @@ NO_GRAD = [
         "no_grad_decorator_on_forward",
         "no_grad_path",
         _STD_STEP,
-        _setup_predict_mlp,
-        module="model.fc1",
+        _setup_linear_probe,
+        module="model.fc",
         bug="no_grad_forward",
         raises=NO_GRAD_FN,
         doc="@torch.no_grad() on forward (copied from a predict helper).",

@@ -52,12 +52,18 @@ def run_cell(sc: S.Scenario, ns: dict) -> None:
     exec(compile(sc.source, CELL, "exec"), ns)
 
 
-def expected_frame_line(sc: S.Scenario, frames) -> int | None:
-    """Line of the innermost frame that the scenario's ``line`` refers to:
-    buggy_models.py for file-side scenarios, the cell otherwise."""
-    want = os.path.realpath(sc.file) if sc.file else CELL
+def frame_line(frames, file: str | None = None) -> int | None:
+    """Line of the innermost of ``frames`` ((filename, lineno), outermost
+    first) that lies in ``file``, or in the cell when ``file`` is None."""
+    want = os.path.realpath(file) if file else CELL
     lines = [fl for fn, fl in frames if (fn == CELL if want == CELL else os.path.realpath(fn) == want)]
     return lines[-1] if lines else None
+
+
+def expected_frame_line(sc: S.Scenario, frames) -> int | None:
+    """Innermost line in the place ``sc.line`` refers to: buggy_models.py for
+    file-side scenarios, the cell otherwise."""
+    return frame_line(frames, sc.file)
 
 
 def tb_frames(exc: BaseException):
@@ -295,3 +301,61 @@ def test_correct_scenario_runs_and_has_finite_grads(sc):
             assert g is None or torch.isfinite(g).all(), name
         loss = ns.get("loss")
         assert isinstance(loss, torch.Tensor) and math.isfinite(loss.item())
+
+
+# ---------------------------------------------------------------------------
+# nonfinite: where does the first non-finite value appear?
+# ---------------------------------------------------------------------------
+
+
+def _nonfinite(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+
+
+class _FirstNonFinite(TorchDispatchMode):
+    """Remembers the first op whose output holds NaN/Inf: its name, whether
+    any of its inputs already did, and the (file, line) stack."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.first is None and any(_nonfinite(t) for t in tree_leaves(out)):
+            inputs_bad = any(_nonfinite(t) for t in tree_leaves((args, kwargs or {})))
+            frames, f = [], sys._getframe()
+            while f is not None:
+                frames.append((f.f_code.co_filename, f.f_lineno))
+                f = f.f_back
+            self.first = (func._schema.name, inputs_bad, frames[::-1])
+        return out
+
+
+NONFINITE = [s for s in S.FAILING if s.kind == "nonfinite"]
+
+
+@pytest.mark.parametrize("sc", NONFINITE, ids=_ids(NONFINITE))
+def test_nonfinite_first_bad_value(sc):
+    """Forward-made NaN/Inf: the first op producing it (from finite inputs) is
+    ``op`` at ``line``.  Bad input data: the first op producing a non-finite
+    output already had a non-finite input, at ``line``.  Backward-only: the
+    forward stays finite and the first non-finite value is made during
+    ``backward()``, while ``op`` did run at ``line`` in the forward."""
+    ns = sc.setup()
+    mode = _FirstNonFinite()
+    with mode:
+        run_cell(sc, ns)
+    assert mode.first is not None
+    name, inputs_bad, frames = mode.first
+    if sc.evidence_mentions:  # non-finite input data
+        assert inputs_bad, name
+        assert expected_frame_line(sc, frames) == sc.line
+    elif "backward_only" in sc.name:
+        backward_line = S.cell_line(sc.source, "backward()")
+        assert frame_line(frames) == backward_line
+        assert not inputs_bad
+    else:
+        assert not inputs_bad, name
+        assert name == sc.op
+        assert expected_frame_line(sc, frames) == sc.line
