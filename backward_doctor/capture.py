@@ -257,6 +257,7 @@ class Capture:
         name = func._schema.name
         if phase == "backward" and self._last_phase != "backward":
             trace.backward_calls.append(where)
+            trace.backward_roots.append(node.name())
             self._roots.append(fwd_index)
         self._last_phase = phase
         in_keys = [storage_key(t) or 0 for t in ins]

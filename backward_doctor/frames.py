@@ -80,6 +80,7 @@ class UserFrames:
                     w.line = f.f_lineno
                     w.file = None if kind == 2 else f.f_code.co_filename
                     w.function = f.f_code.co_name
+                    w.lasti = f.f_lasti
                 if kind == 2:
                     w.cell_line = f.f_lineno
                     break

@@ -49,6 +49,7 @@ class Where:
     cell_line: int | None = None
     module: str | None = None
     function: str | None = None
+    lasti: int = -1  # bytecode offset in the user frame: tells apart two calls on one line
 
 
 @dataclass(slots=True)
@@ -191,6 +192,7 @@ class Trace:
     threads: list[ThreadStack] = field(default_factory=list)
     carriers: list[dict[str, Any]] = field(default_factory=list)
     backward_calls: list[Where] = field(default_factory=list)
+    backward_roots: list[str] = field(default_factory=list)  # autograd node each backward started at
     optimizer_steps: list[dict[str, Any]] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

@@ -36,12 +36,11 @@ call (loss functions from ``torch.nn.functional`` in the cell, ``.backward()``).
 from __future__ import annotations
 
 import math
-import re
 import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -561,7 +560,7 @@ INPLACE = [
 # ===========================================================================
 
 
-def _setup_model_on_device(move_x=False):
+def _setup_model_on_device():
     torch.manual_seed(0)
     device = torch.device("meta")  # stand-in for torch.device("cuda") on a CPU-only box
     model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)).to(device)
@@ -1344,6 +1343,21 @@ def _setup_long_context_lm():
     )
 
 
+def _setup_big_vocab_bag_of_words():
+    torch.manual_seed(0)
+    # A 32768 x 32 EmbeddingBag is 4.2 MB and fits the 6 MB device, and the
+    # forward pass is tiny (64 documents x 20 tokens).  But backward makes a
+    # *dense* gradient as big as the table: another 4.2 MB (sparse=True, or a
+    # bigger device, would fix it).
+    model = nn.Sequential(nn.EmbeddingBag(32768, 32, mode="mean"), nn.Linear(32, 2))
+    return _ns(
+        docs=torch.randint(0, 32768, (64, 20)),
+        y=torch.randint(0, 2, (64,)),
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+
+
 OOM = [
     _cell(
         "batch_size_raised_to_4096",
@@ -1375,6 +1389,23 @@ OOM = [
         bug="attn_scores",
         kwargs={"memory_limit": 8 * 1024 * 1024},
         doc="naive attention materialises a (B, H, T, T) matrix; context raised from 128 to 512.",
+    ),
+    _cell(
+        "dense_embedding_gradient_in_backward",
+        "oom",
+        """\
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(docs), y)
+        loss.backward()  # <-- root cause
+        optimizer.step()
+        """,
+        _setup_big_vocab_bag_of_words,
+        # The allocation that crosses the limit is the backward of model.0 (its
+        # dense weight gradient); backward ops are attributed to the module of
+        # the forward op they differentiate (backward() itself is in no module).
+        module="model.0",
+        kwargs={"memory_limit": "6MB"},
+        doc="large-vocabulary bag-of-words model: the weights fit, their dense gradient does not.",
     ),
 ]
 
@@ -1582,11 +1613,6 @@ def _setup_eval_after_step():
     return ns
 
 
-def _setup_tbptt():
-    ns = _setup_gru_stream()
-    return ns
-
-
 def _setup_padded_lm():
     torch.manual_seed(0)
     tokens = torch.randint(0, 50, (4, 17))
@@ -1731,7 +1757,7 @@ CORRECT: list[Scenario] = [
         loss.backward()
         optimizer.step()
         """,
-        _setup_tbptt,
+        _setup_gru_stream,
         doc="the fixed version of rnn_hidden_state_carried_across_cell_runs.",
     ),
     _correct(

@@ -8,10 +8,11 @@ broken scenario), and that every CORRECT step really is correct:
   (and, where the exception is raised at the root-cause line itself, the
   innermost cell / buggy_models.py frame is the expected ``line``);
 * nonfinite and silently-broken scenarios satisfy their ``check``;
-* oom scenarios: parameters and data fit under ``memory_limit`` while the
-  op at the expected line alone needs more than the limit, and every op
-  before it together stays under it, so any sensible accounting of "live
-  tensor bytes" runs out at exactly that op;
+* oom scenarios: parameters and data fit under ``memory_limit``; every op
+  before the one at the expected line together stays under it (counting
+  nothing as freed), while the parameters plus that op's output alone
+  exceed it, so any sensible accounting of "live tensor bytes" runs out at
+  exactly that op;
 * hang scenarios are interrupted with SIGALRM after their ``timeout`` (they
   are not left hanging) and must still be stuck at the expected line;
 * CORRECT steps run 3 times without error and give finite gradients.
@@ -232,15 +233,17 @@ class _AllocationTrace(TorchDispatchMode):
 def test_oom_scenario_crosses_limit_at_expected_line(sc):
     lo, hi = limit_bounds(sc.kwargs["memory_limit"])
     ns = sc.setup()
-    baseline = sum(_storages(list(ns.values()), {}).values())
+    baseline = sum(_storages(list(ns.values()), {}).values())  # params, buffers, data, optimizer state
+    params = sum(_storages([v for v in ns.values() if isinstance(v, nn.Module)], {}).values())
     assert baseline < lo, f"parameters + data ({baseline} B) must fit under the limit"
     trace = _AllocationTrace(_storages(list(ns.values()), {}))
     with trace:
         run_cell(sc, ns)  # runs fine without a limit
-    running = baseline
+    running = baseline  # upper bound of live bytes: nothing is ever freed
     for name, new, frames in trace.ops:
         if running + new >= lo:  # the first op that *could* cross the limit ...
-            assert new > hi, f"{name}: its output alone ({new} B) must exceed the limit, so it surely crosses"
+            # ... surely crosses: the parameters plus its own output are over the limit
+            assert params + new > hi, f"{name}: params {params} B + output {new} B must exceed the limit"
             assert expected_frame_line(sc, frames) == sc.line, name
             break
         running += new

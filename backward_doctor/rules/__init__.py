@@ -22,6 +22,8 @@ Rule = Callable[[Trace], list[Finding]]
 EXCEPTION_RULES: list[Rule] = [hang, oom, inplace, backward_twice, no_grad_path, index_out_of_range, mismatch]
 #: Rules that look at the whole run, whether or not it raised.
 RUN_RULES: list[Rule] = [nonfinite]
+#: Rules for a run that completed without an exception.
+SILENT_RULES: list[Rule] = [no_grad_path]
 
 
 def analyze(trace: Trace) -> list[Finding]:
@@ -34,6 +36,9 @@ def analyze(trace: Trace) -> list[Finding]:
                 break
         else:
             findings = generic_exception(trace)
+    else:
+        for rule in SILENT_RULES:
+            findings.extend(rule(trace))
     for rule in RUN_RULES:
         findings.extend(rule(trace))
     return findings

@@ -12,11 +12,24 @@ from __future__ import annotations
 import re
 
 from ..findings import Finding, at, source_line
-from ..trace import InplaceEvent, OpRecord, Trace
+from ..trace import InplaceEvent, OpRecord, Trace, Where
 
 _VERSION = re.compile(r"\[torch\.\w+ \[([\d, ]*)\]\], which is output (\d+) of (\w+), "
                       r"is at version (\d+); expected version (\d+)")
 _LEAF = "a leaf Variable that requires grad is being used in an in-place operation"
+
+
+_AUGMENTED = {"+=": "aten::add_", "-=": "aten::sub_", "*=": "aten::mul_", "/=": "aten::div_",
+              "**=": "aten::pow_", "@=": "aten::matmul"}
+
+
+def _op_from_code(code: str) -> str | None:
+    """The in-place op a line of code performs (``w -= g`` -> ``aten::sub_``), if it says."""
+    m = re.search(r"\.(\w+_)\(", code)
+    if m:
+        return f"aten::{m.group(1)}"
+    m = re.search(r"(\*\*=|[-+*/@]=)", code.split("#")[0])
+    return _AUGMENTED.get(m.group(1)) if m else None
 
 
 def _node_op(node: str) -> str:
@@ -48,8 +61,8 @@ def inplace(trace: Trace) -> list[Finding]:
                "(a parameter or an input created with requires_grad=True). Autograd cannot record a change "
                "to a leaf. If this is a weight update, do it under `with torch.no_grad():`; otherwise use "
                "the out-of-place form (`w = w + 1` instead of `w += 1`).")
-        return [at("inplace", exc.where, msg, title="In-place write on a leaf that requires grad",
-                   evidence={"code": code})]
+        return [at("inplace", exc.where, msg, op=_op_from_code(code),
+                   title="In-place write on a leaf that requires grad", evidence={"code": code})]
     if "modified by an inplace operation" not in exc.message:
         return []
     m = _VERSION.search(exc.message)
@@ -101,6 +114,23 @@ def backward_twice(trace: Trace) -> list[Finding]:
                evidence={"carriers": [c["variable"] for c in carriers]})]
 
 
+def _user_detach(trace: Trace, key: int, before: int, writer: OpRecord | None) -> OpRecord | None:
+    """The user's ``.detach()`` that produced ``key``, if any.
+
+    Autograd itself dispatches ``aten::detach`` when it saves an op's output; that
+    one runs inside the same Python call as the op (same frame position), a user's
+    ``.detach()`` is a call of its own.
+    """
+    found = None
+    for op in trace.ops:
+        if op.index >= before:
+            break
+        if op.op in ("aten::detach", "aten::alias") and key in op.out_keys:
+            if writer is None or (op.where.line, op.where.lasti) != (writer.where.line, writer.where.lasti):
+                found = op
+    return found
+
+
 def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
     """Walk the data flow back from the loss to the op where requires_grad was lost."""
     writer: dict[int, int] = {}
@@ -111,8 +141,9 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
         for k, m in zip(op.in_keys, op.inputs):
             if m.requires_grad:
                 seen_rg.add(k)
-        for k in op.out_keys:
-            writer[k] = op.index
+        if op.op not in ("aten::detach", "aten::alias"):  # views of a storage, not new values
+            for k in op.out_keys:
+                writer[k] = op.index
     queue, visited = [start], set()
     while queue:
         idx = queue.pop(0)
@@ -125,16 +156,27 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
         rg = [m.requires_grad for m in op.inputs]
         if any(rg) and not op.grad_enabled:
             return op, "no_grad"
-        if op.op in ("aten::detach", "aten::alias") and any(rg):
-            return op, "detach"
         if op.op == "aten::_local_scalar_dense":
             return op, "item"
-        if any(k in seen_rg and not r for k, r in zip(op.in_keys, rg)):
-            return op, "data"
+        for k, r in zip(op.in_keys, rg):
+            if k in seen_rg and not r:
+                wrote = trace.op(_last_writer_before(trace, k, op.index))
+                detach = _user_detach(trace, k, op.index, wrote)
+                return (detach, "detach") if detach is not None else (op, "data")
         if not op.inputs or op.op in ("aten::lift_fresh", "aten::scalar_tensor"):
             return op, "new_tensor"
         queue.extend(producers.get(idx, []))
     return None
+
+
+def _last_writer_before(trace: Trace, key: int, before: int) -> int | None:
+    last = None
+    for op in trace.ops:
+        if op.index >= before:
+            break
+        if key in op.out_keys and op.op not in ("aten::detach", "aten::alias"):
+            last = op.index
+    return last
 
 
 _WHY = {
@@ -147,16 +189,48 @@ _WHY = {
 }
 
 
+def _leaf_loss(trace: Trace) -> list[Finding]:
+    """backward() on a fresh leaf (``torch.tensor(loss.item(), requires_grad=True)``): silent, no grads."""
+    if "torch::autograd::AccumulateGrad" not in trace.backward_roots or not trace.parameters.get("trainable"):
+        return []
+    start = next((c for c, r in zip(trace.backward_calls, trace.backward_roots)
+                  if r == "torch::autograd::AccumulateGrad"), None)
+    first_bwd = next((op for op in trace.ops if op.phase == "backward" and op.where == start), None)
+    before = first_bwd.index if first_bwd else trace.op_count
+    cut = None
+    for op in trace.ops:
+        if op.index >= before:
+            break
+        if op.phase == "forward" and (op.op in ("aten::lift_fresh", "aten::scalar_tensor", "aten::_local_scalar_dense")
+                                      or not op.inputs):
+            cut = op
+    if cut is None:
+        return []
+    code = source_line(trace, cut.where.line, cut.where.file)
+    msg = (f"`backward()` ran on a tensor with no history: line {cut.where.line} (`{code}`) built the loss from "
+           "Python numbers, so it is a new leaf. No error is raised (it requires grad itself), but no gradient "
+           "reaches any parameter and the optimizer step does nothing. Compute the loss with torch ops on the "
+           "model outputs (`loss = loss_cls + 0.5 * loss_box`); use `.item()` only for logging.")
+    return [at("no_grad_path", cut.where, msg, op=cut.op, title="The loss was rebuilt from numbers",
+               evidence={"cut": "new_tensor", "code": code})]
+
+
 def no_grad_path(trace: Trace) -> list[Finding]:
     """The loss has no grad_fn: find the line where the graph was cut."""
     exc = trace.exception
-    if exc is None or "does not require grad and does not have a grad_fn" not in exc.message:
+    if exc is None:
+        return _leaf_loss(trace)
+    if "does not require grad and does not have a grad_fn" not in exc.message:
         return []
     loss = exc.loss or {}
     params = trace.parameters
     if params.get("count") and params.get("trainable") == 0:
         first = next((op for op in trace.ops if op.phase == "forward" and op.where.module), None)
-        where = first.where if first else exc.where
+        where = exc.where
+        if first is not None:  # the call of the model in the cell, not a line inside it
+            w = first.where
+            where = Where(line=w.cell_line or w.line, file=None if w.cell_line else w.file,
+                          cell_line=w.cell_line, module=w.module.split(".")[0] if w.module else None)
         msg = ("Every parameter is frozen (requires_grad=False), so the forward pass built no graph and "
                "there is nothing to backpropagate. Unfreeze what you want to train "
                "(`for p in model.head.parameters(): p.requires_grad_(True)`) before building the optimizer.")

@@ -17,10 +17,12 @@ from ..trace import FailedOp, Trace, Where
 _DEVICE = re.compile(r"same device|expected device|is not on the expected device|device type|"
                      r"Expected all tensors to be on|found at least two devices", re.I)
 _DTYPE = re.compile(r"same dtype|expected scalar type|Found dtype|dtype .* but expected|"
-                    r"expected both vectors to have same dtype|must have the same dtype", re.I)
+                    r"expected both vectors to have same dtype|must have the same dtype|expected target dtype|"
+                    r"dtype to be \w+", re.I)
 _SHAPE = re.compile(r"shapes cannot be multiplied|size mismatch|must match the size|The size of tensor|"
                     r"Expected input batch_size|is invalid for input of size|Expected .*D.* input|"
-                    r"mat1 and mat2 shapes|doesn't match the broadcast shape|expected input with shape", re.I)
+                    r"mat1 and mat2 shapes|doesn't match the broadcast shape|expected input with shape|"
+                    r"Expected size for|size of dimension|shape mismatch", re.I)
 _INDEX = re.compile(r"index out of range|out of bounds|index .* is out of|device-side assert", re.I)
 
 

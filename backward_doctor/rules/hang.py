@@ -21,6 +21,9 @@ def _main_where(trace: Trace) -> Where:
                     w.cell_line = fi.line
                     break
             if w.line is not None:
+                # The interrupt's traceback is this same stack: it knows the module on it.
+                if trace.exception is not None and trace.exception.where.line == w.line:
+                    w.module = trace.exception.where.module
                 return w
     return trace.exception.where if trace.exception else Where()
 
