@@ -26,9 +26,11 @@ _FIXED = ("parameters", "gradients", "optimizer")
 
 
 def predict(by_category: dict[str, int], by_module: dict[str, int], requested: int) -> dict[str, int]:
-    fixed = sum(by_category.get(c, 0) for c in _FIXED)
+    # Gradients being computed in backward have the parameters' size, not the batch's.
+    in_backward = by_module.get("(gradients in backward)", 0)
+    fixed = sum(by_category.get(c, 0) for c in _FIXED) + in_backward
     # ``requested`` is already live: the failing op's output exists when the limit trips.
-    act = sum(v for c, v in by_category.items() if c not in _FIXED)
+    act = max(0, sum(v for c, v in by_category.items() if c not in _FIXED) - in_backward)
     out = {f"accumulate:{k}": fixed + act // k for k in (2, 4, 8)}
     out["amp"] = fixed + act // 2
     module_bytes = [v for k, v in by_module.items() if not k.startswith("(")]
@@ -64,7 +66,17 @@ def oom(trace: Trace) -> list[Finding]:
            f"{format_bytes(live)} live tensors{' on a ' + format_bytes(limit) + ' device' if limit else ''} "
            f"({breakdown}).")
     fixes: list[str] = []
-    if limit and fixed >= 0.8 * limit:
+    activations = cats.get("activations", 0)
+    if rec is not None and rec.phase == "backward" and requested > activations:
+        fwd = trace.op(rec.fwd_index)
+        of = f" of `{fwd.op}`" if fwd else ""
+        msg += (f" The tensor being allocated, a gradient{of} of {format_bytes(requested)}, is larger than all "
+                f"saved activations ({format_bytes(activations)}): the parameter's gradient itself does not "
+                "fit, so smaller batches or checkpointing will not help. For a large embedding table use "
+                "`nn.Embedding(..., sparse=True)` with a sparse-capable optimizer, or freeze the table; "
+                "otherwise the model needs a bigger device.")
+        fixes = []
+    elif limit and fixed >= 0.8 * limit:
         msg += (" Parameters, gradients and optimizer state alone nearly fill the device, so a smaller batch "
                 "will not help: use a lighter optimizer state (SGD, or Adam with bf16 states), AMP, or a "
                 "smaller model.")
