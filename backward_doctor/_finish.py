@@ -4,6 +4,7 @@ Split from ``capture.py`` so the per-op hot path stays in one short module.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +35,14 @@ def record_exception(cap: "Capture", exc: BaseException) -> None:
         in_torch = os.path.abspath(code.co_filename).startswith(_TORCH_DIR)
         if code.co_name in ("_engine_run_backward", "run_backward") or (in_torch and code.co_name == "backward"):
             info.in_backward = True
-        if code.co_name != "<module>":
-            owner = frame.f_locals.get("self")
+        if code.co_flags & inspect.CO_OPTIMIZED:  # a function frame: f_locals is a snapshot
+            local_vars = frame.f_locals
+            owner = local_vars.get("self")
+            if type(local_vars) is dict:
+                # Before 3.13 the snapshot stays cached on the frame, and frame.clear() (IPython
+                # after an OOM) does not empty it: drop our copy of the user's locals now.
+                local_vars.clear()
+            del local_vars
             if isinstance(owner, nn.Module):
                 cap._register_module(owner)
                 modules.append(id(owner))

@@ -89,3 +89,20 @@ def test_cells_defined_earlier_count_as_user_code(shell):
     _run(shell, "%%backward_doctor\nt = torch.ones(3, requires_grad=True)\nstep(t).backward()")
     f = bd.last_report().findings[0]
     assert f.kind == "nonfinite" and f.line == 3 and f.file.startswith("<ipython-input")
+
+
+def test_memory_of_a_failed_oom_step_is_released(shell):
+    """IPython keeps the last traceback; its frames would keep the forward's activations alive."""
+    _run(shell, SETUP)
+    _run(shell, "import weakref\nfreed = []\n"
+                "class Probe(torch.nn.Module):\n"
+                "    def forward(self, t):\n"
+                "        h = t * 2\n"
+                "        weakref.finalize(h.untyped_storage(), freed.append, True)\n"
+                "        return torch.cat([h] * 50)\n"
+                "probe = Probe()")
+    result, cap = _run(shell, "%%backward_doctor --memory-limit 200KB\nout = probe(x.repeat(200, 1))")
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    import gc
+    gc.collect()
+    assert shell.user_ns["freed"] == [True]
