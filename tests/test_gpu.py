@@ -1,0 +1,56 @@
+"""GPU tier: CUDA-only paths. Marked ``gpu``; skipped without CUDA (run on the device machine)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import backward_doctor as bd
+
+pytestmark = pytest.mark.gpu
+
+
+def _ns():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda()
+    return {"torch": torch, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+            "x": torch.randn(32, 64, device="cuda"), "y": torch.randint(0, 10, (32,), device="cuda")}
+
+
+STEP = "loss = torch.nn.functional.cross_entropy(model(x), y)\nloss.backward()\nopt.step()"
+
+
+def test_allocator_and_nvml_figures_are_recorded():
+    report = bd.diagnose(STEP, _ns())
+    assert report.ok, str(report)
+    cuda = report.trace.memory.cuda
+    assert cuda["max_allocated"] > 0 and cuda["reserved"] >= cuda["allocated"]
+    assert report.trace.memory.device_total_bytes > 0
+    assert "total" in cuda["nvml"] or "error" in cuda["nvml"]
+
+
+def test_gradients_bit_identical_on_cuda():
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    a, b = _ns(), _ns()
+    exec(STEP, a)
+    assert bd.diagnose(STEP, b).ok
+    for p, q in zip(a["model"].parameters(), b["model"].parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_bad_index_is_caught_before_the_kernel_and_context_survives():
+    ns = _ns()
+    ns["emb"] = torch.nn.Embedding(10, 4).cuda()
+    report = bd.diagnose("out = emb(torch.tensor([1, 12], device='cuda'))\nout.sum().backward()", ns)
+    f = report.findings[0]
+    assert f.kind == "index_out_of_range" and f.line == 1 and f.evidence["bad"] == [12]
+    assert "checked by backward_doctor before the kernel ran" in report.exception
+    assert torch.ones(2, device="cuda").sum().item() == 2.0     # the CUDA context is still usable
+
+
+def test_real_allocator_oom():
+    ns = _ns()
+    free, total = torch.cuda.mem_get_info()
+    ns["n"] = int(total // 4 * 2)  # twice the device in float32 elements
+    report = bd.diagnose("big = torch.empty(n, device='cuda')", ns)
+    f = report.findings[0]
+    assert f.kind == "oom" and f.line == 1 and not f.evidence["simulated"]
