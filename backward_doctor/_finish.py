@@ -113,13 +113,15 @@ def _nonfinite_reach(cap: "Capture") -> None:
         if root is not None and root in cap._nf_by_index:
             reached.add(cap._nf_by_index[root])
             flags["loss"] = True
-    for p in cap.parameters():
-        for t, what in ((p, "parameters"), (p.grad, "gradients")):
-            if t is not None and screen_nonfinite(t):
-                flags[what] = True
-                key = storage_key(t)
-                if key in cap._nf_origin:
-                    reached.add(cap._nf_origin[key])
+    with torch.no_grad():
+        finals = [(t, what) for p in cap.parameters() for t, what in ((p, "parameters"), (p.grad, "gradients"))
+                  if t is not None and screen_nonfinite(t)]
+    for t, what in finals:
+        flags[what] = True
+        key = storage_key(t)
+        if key in cap._nf_origin:
+            reached.add(cap._nf_origin[key])
+    del finals
     for ev in trace.nonfinite:
         ev.reached = ev.origin in reached
     trace.nonfinite_reached = flags

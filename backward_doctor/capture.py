@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optim
 from torch.nn.modules import module as _nn_module
-from torch.utils._pytree import tree_leaves
 
 from . import checks, namespace as ns_mod
 from ._mode import _DoctorMode
@@ -38,18 +37,39 @@ from .units import format_bytes
 
 _META_KEY = "backward_doctor"  # key in autograd Node.metadata: (run id, forward op index)
 _run_ids = itertools.count(1)
-_MUTATED: dict[Any, tuple[int, ...]] = {}
 _MAX_EVENTS = 200
 
 
-def _mutated_args(func: Any) -> tuple[int, ...]:
-    """Positions of the arguments ``func`` writes into (cached per overload)."""
-    got = _MUTATED.get(func)
-    if got is None:
-        got = tuple(i for i, a in enumerate(func._schema.arguments)
+_current_node = torch._C._current_autograd_node
+_FUNCS: dict[Any, tuple[str, tuple[int, ...], bool, bool]] = {}
+
+
+def _func_info(func: Any) -> tuple[str, tuple[int, ...], bool, bool]:
+    """(name, positions of arguments it writes into, is a view, has an index check), cached."""
+    schema = func._schema
+    mutated = tuple(i for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only)
-        _MUTATED[func] = got
-    return got
+    is_view = not mutated and any(r.alias_info is not None for r in schema.returns)
+    info = (schema.name, mutated, is_view, checks.has_index_check(func))
+    _FUNCS[func] = info
+    return info
+
+
+def _tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
+    """Tensor arguments, looking one level into lists/tuples (``cat``'s list) — faster than pytree."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
 
 
 class Capture:
@@ -92,6 +112,7 @@ class Capture:
         self._roots: list[int | None] = []  # forward op of each backward's root node
         self._oom: dict[str, Any] | None = None
         self._timeline = {c: array("q") for c in CATEGORIES}
+        self._timeline_arrays = [self._timeline[c] for c in CATEGORIES]
         self._timeline_index = array("q")
         self._cuda = torch.cuda.is_available()
         self._cuda_alloc = array("q")
@@ -236,13 +257,14 @@ class Capture:
                     md[_META_KEY] = (self._run_id, index)
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        t_start = time.perf_counter()
         if self._pending:
             self._flush_pending()
+        info = _FUNCS.get(func) or _func_info(func)
+        name = info[0]
         trace = self.trace
         index = trace.op_count
         trace.op_count += 1
-        node = torch._C._current_autograd_node()
+        node = _current_node()
         fwd_index = None
         if node is not None:
             phase = "backward"
@@ -252,50 +274,69 @@ class Capture:
         else:
             phase = "optimizer" if self._opt_depth else "forward"
         grad_enabled = torch.is_grad_enabled()
-        ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        ins = _tensors(args, kwargs)
         where = self._where()
-        name = func._schema.name
         if phase == "backward" and self._last_phase != "backward":
             trace.backward_calls.append(where)
             trace.backward_roots.append(node.name())
             self._roots.append(fwd_index)
         self._last_phase = phase
+        led = self._ledger
         in_keys = [storage_key(t) or 0 for t in ins]
         for t, k in zip(ins, in_keys):
-            if k and not self._ledger.known(k):
-                self._ledger.track(t, "other")
-        check = self.check_indices if self.check_indices is not None else any(t.is_cuda for t in ins)
+            if k and not led.known(k):
+                led.track(t, "other")
+        t_op = time.perf_counter()
         try:
-            if check and checks.has_index_check(func):
-                bad = checks.index_check(func, args, kwargs)
-                if bad is not None:
-                    raise IndexError(f"{name}: {bad['argument']} value(s) {bad['bad']} out of range "
-                                     f"[{bad['valid'][0]}, {bad['valid'][1]}] ({bad['what']}); "
-                                     "checked by backward_doctor before the kernel ran")
+            if info[3] and (self.check_indices or (self.check_indices is None and any(t.is_cuda for t in ins))):
+                self._check_indices(func, name, args, kwargs)
             out = func(*args, **kwargs)
         except BaseException as exc:
             self._record_failure(index, name, phase, ins, where, exc, func, args, kwargs, fwd_index)
             raise
-        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
-        out_keys = [storage_key(o) or 0 for o in outs]
-        category = {"forward": "activations" if grad_enabled and any(t.requires_grad for t in ins) else "other",
-                    "backward": "other", "optimizer": "optimizer"}[phase]
+        t_op = time.perf_counter() - t_op
+        # Our own bookkeeping ops must never become part of the user's graph.
+        torch._C._set_grad_enabled(False)
+        try:
+            self._after(info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op)
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
+        return out
+
+    def _check_indices(self, func: Any, name: str, args: tuple, kwargs: dict) -> None:
+        bad = checks.index_check(func, args, kwargs)
+        if bad is not None:
+            raise IndexError(f"{name}: {bad['argument']} value(s) {bad['bad']} out of range "
+                             f"[{bad['valid'][0]}, {bad['valid'][1]}] ({bad['what']}); "
+                             "checked by backward_doctor before the kernel ran")
+
+    def _after(self, info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op) -> None:
+        name, mutated, is_view = info[0], info[1], info[2]
+        trace = self.trace
         led = self._ledger
+        outs = _tensors((out,), None)
+        out_keys = [storage_key(o) or 0 for o in outs]
+        builds_graph = grad_enabled and phase == "forward" and any(t.requires_grad for t in ins)
+        if phase == "forward":
+            category = "activations" if builds_graph else "other"
+        else:
+            category = "other" if phase == "backward" else "optimizer"
         before = led.total
+        writer = self._writer
         for o, k in zip(outs, out_keys):
             if k:
                 led.track(o, category, index)
-                self._writer[k] = index
-        mutated = _mutated_args(func)
+                writer[k] = index
         if mutated and phase == "forward":
             self._record_inplace(index, name, args, mutated, where)
-        if phase == "forward" and grad_enabled and any(t.requires_grad for t in ins):
+        if builds_graph:
             self._pending.extend((weakref.ref(o), index) for o in outs)
-        self._screen(index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated)
+        if not is_view:  # a view shows values its base already had: nothing new to screen
+            self._screen(index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated)
         total = led.total
-        tl = self._timeline
-        for i, c in enumerate(CATEGORIES):
-            tl[c].append(led.totals[i])
+        totals = led.totals
+        for arr, value in zip(self._timeline_arrays, totals):
+            arr.append(value)
         self._timeline_index.append(index)
         if self._cuda:
             self._cuda_alloc.append(torch.cuda.memory_allocated())
@@ -304,22 +345,21 @@ class Capture:
             mem.peak_bytes, mem.peak_index, mem.peak_by_category = total, index, led.snapshot()
         rec = OpRecord(index=index, op=name, phase=phase, inputs=[meta(t) for t in ins],
                        outputs=[meta(o) for o in outs], where=where, fwd_index=fwd_index,
-                       grad_enabled=grad_enabled, in_keys=in_keys, out_keys=out_keys, live_bytes=total)
+                       grad_enabled=grad_enabled, in_keys=in_keys, out_keys=out_keys, live_bytes=total,
+                       duration_us=t_op * 1e6)
         if len(trace.ops) < self._max_ops:
             trace.ops.append(rec)
         else:
             self._tail_count += 1
             self._tail.append(rec)
-        if self.memory_limit is not None and total > self.memory_limit:
-            self._raise_simulated_oom(index, name, total - before, where)
-        rec.duration_us = (time.perf_counter() - t_start) * 1e6
         tot = trace.op_totals.get(name)
         if tot is None:
             trace.op_totals[name] = [1, rec.duration_us]
         else:
             tot[0] += 1
             tot[1] += rec.duration_us
-        return out
+        if self.memory_limit is not None and total > self.memory_limit:
+            self._raise_simulated_oom(index, name, total - before, where)
 
     # ---------------------------------------------------------------- evidence
     def _record_inplace(self, index: int, name: str, args: tuple, mutated: tuple[int, ...], where: Where) -> None:
@@ -357,10 +397,12 @@ class Capture:
             if origin != index and len(events) >= _MAX_EVENTS:
                 return
             fwd = self.trace.op(fwd_index)
+            # Statistics cost a few reductions: the first origins get them, not every echo.
+            detail = origin == index and len(events) < _MAX_EVENTS // 10
             events.append(NonFiniteEvent(
                 index=index, op=name, phase=phase, where=where, origin=origin, is_origin=origin == index,
-                kind=kind, variable=variable, output=meta(o, with_stats=True),
-                inputs=[meta(t, with_stats=True) for t in ins], fwd_op=fwd.op if fwd else None,
+                kind=kind, variable=variable, output=meta(o, with_stats=detail),
+                inputs=[meta(t, with_stats=detail) for t in ins], fwd_op=fwd.op if fwd else None,
                 fwd_index=fwd_index))
             return
 

@@ -9,6 +9,7 @@ convention), so a single NaN does not hide the range of the rest.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -25,14 +26,19 @@ def _has_data(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def meta(t: torch.Tensor, with_stats: bool = False) -> TensorMeta:
     """Shape/dtype/device (and optionally statistics) of ``t``."""
-    m = TensorMeta(shape=list(t.shape), dtype=dtype_name(t.dtype), device=str(t.device),
-                   requires_grad=bool(t.requires_grad))
+    m = TensorMeta(list(t.shape), dtype_name(t.dtype), str(t.device), t.requires_grad)
     if with_stats:
         m.stats = tensor_stats(t)
     return m
@@ -71,21 +77,23 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any] | None:
         return None
 
 
-@torch.no_grad()
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 def screen_nonfinite(t: torch.Tensor) -> bool:
     """Cheap check: True when ``t`` (floating point) holds NaN or Inf.
 
     One reduction screens the tensor: a NaN or Inf anywhere makes the sum non-finite.
     Only when the sum is non-finite (which finite values can also cause, by
-    overflow) does the exact element-wise check run.
+    overflow) does the exact element-wise check run. Callers disable grad mode.
     """
     if not t.is_floating_point() or not _has_data(t):
         return False
     try:
-        s = t.detach().sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.detach().sum()
-        if bool(torch.isfinite(s)):
+        s = t.sum(dtype=torch.float32) if t.dtype in _LOW_PRECISION else t.sum()
+        if math.isfinite(s.item()):
             return False
-        return not bool(torch.isfinite(t.detach()).all())
+        return not bool(torch.isfinite(t).all())
     except Exception:
         return False
 
