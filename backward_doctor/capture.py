@@ -94,6 +94,7 @@ class Capture:
         self._ledger = MemoryLedger()
         self._ledger.on_free = self._on_free
         self._max_ops, self._tail = max_ops, collections.deque(maxlen=tail_ops)
+        self._detail_budget = 8  # non-finite origins that get full statistics
         self._tail_count = 0  # records that went to the ring buffer (some since overwritten)
         self._run_id = next(_run_ids)
         self._handles: list[Any] = []
@@ -398,7 +399,8 @@ class Capture:
                 return
             fwd = self.trace.op(fwd_index)
             # Statistics cost a few reductions: the first origins get them, not every echo.
-            detail = origin == index and len(events) < _MAX_EVENTS // 10
+            detail = origin == index and self._detail_budget > 0
+            self._detail_budget -= detail
             events.append(NonFiniteEvent(
                 index=index, op=name, phase=phase, where=where, origin=origin, is_origin=origin == index,
                 kind=kind, variable=variable, output=meta(o, with_stats=detail),

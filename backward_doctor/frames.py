@@ -72,14 +72,18 @@ class UserFrames:
     def where(self, frame: types.FrameType | None) -> Where:
         """Walk outwards from ``frame``; return the innermost user and cell lines."""
         w = Where()
+        cache = self._cache  # hot loop: one dict lookup per frame
         f = frame
         while f is not None:
-            kind = self._classify(f.f_code)
+            code = f.f_code
+            kind = cache.get(code)
+            if kind is None:
+                kind = self._classify(code)
             if kind:
                 if w.line is None:
                     w.line = f.f_lineno
-                    w.file = None if kind == 2 else f.f_code.co_filename
-                    w.function = f.f_code.co_name
+                    w.file = None if kind == 2 else code.co_filename
+                    w.function = code.co_name
                     w.lasti = f.f_lasti
                 if kind == 2:
                     w.cell_line = f.f_lineno

@@ -55,22 +55,20 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any] | None:
             x = x.abs()
         if x.dtype == torch.bool:
             x = x.to(torch.uint8)
-        out: dict[str, Any] = {"numel": int(x.numel())}
+        numel = x.numel()
+        out: dict[str, Any] = {"numel": int(numel), "nan": 0, "posinf": 0, "neginf": 0}
+        finite = x
         if x.is_floating_point():
-            x = x.float()
-            nan = torch.isnan(x)
-            posinf = torch.isposinf(x)
-            neginf = torch.isneginf(x)
-            out["nan"] = int(nan.sum())
-            out["posinf"] = int(posinf.sum())
-            out["neginf"] = int(neginf.sum())
-            finite = x[~(nan | posinf | neginf)]
-        else:
-            finite = x
-            out["nan"] = out["posinf"] = out["neginf"] = 0
+            mask = torch.isfinite(x)
+            n_finite = int(mask.sum())
+            if n_finite != numel:  # only then count what kind of non-finite it is
+                out["nan"] = int(torch.isnan(x).sum())
+                out["posinf"] = int((x == float("inf")).sum())
+                out["neginf"] = numel - n_finite - out["nan"] - out["posinf"]
+                finite = x[mask]
         if finite.numel():
-            out["min"] = float(finite.min())
-            out["max"] = float(finite.max())
+            lo, hi = torch.aminmax(finite)
+            out["min"], out["max"] = float(lo), float(hi)
             out["mean"] = float(finite.double().mean())
         return out
     except Exception:  # statistics are evidence, never a reason to fail the user's step
