@@ -127,6 +127,22 @@ def _nonfinite_reach(cap: "Capture") -> None:
     trace.nonfinite_reached = flags
 
 
+def _remember(cap: "Capture") -> None:
+    """Add this run to the cell's history and copy the history's numbers into the trace."""
+    from .history import RunSummary
+
+    trace = cap.trace
+    exc = trace.exception
+    from .rules.silent import skipped_amp_steps
+
+    cap.history.add(RunSummary(run_id=cap._run_id, live_bytes_end=cap._ledger.total,
+                               stepped=bool(trace.optimizer_steps), amp_skipped=len(skipped_amp_steps(trace)),
+                               exception=exc.type if exc else None))
+    runs = cap.history.runs
+    trace.history = {"runs": len(runs), "live_bytes_end": cap.history.live_bytes(),
+                     "run_ids": [r.run_id for r in runs], "amp_skipped": [r.amp_skipped for r in runs]}
+
+
 def finish(cap: "Capture") -> Trace:
     trace = cap.trace
     trace.ops.extend(cap._tail)
@@ -138,6 +154,12 @@ def finish(cap: "Capture") -> Trace:
     _resolve_modules(cap)
     _downsample(cap)
     _nonfinite_reach(cap)
+    from ._step_state import graph_holders, param_infos
+
+    trace.params = param_infos(cap)
+    trace.graph_holders = graph_holders(cap)
+    if cap.history is not None:
+        _remember(cap)
     params = cap.parameters()
     trace.parameters = {"count": len(params), "trainable": sum(bool(p.requires_grad) for p in params),
                         "bytes": sum(p.numel() * p.element_size() for p in params)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .history import history_for
 from .report import Report
 from .rules import analyze
 from .trace import Trace
@@ -73,7 +74,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     check_fix(fix)
     ns = {} if namespace is None else namespace
     ns.setdefault("__builtins__", __builtins__)
-    trace = run_source(source, ns, timeout=timeout, memory_limit=limit)
+    trace = run_source(source, ns, timeout=timeout, memory_limit=limit, history=history_for(source, ns))
     return build_report(trace, fix)
 
 

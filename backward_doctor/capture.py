@@ -21,7 +21,7 @@ import sys
 import time
 import weakref
 from array import array
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.optim.optimizer as _optim
@@ -35,12 +35,16 @@ from .stats import meta, screen_nonfinite
 from .trace import (CATEGORIES, FailedOp, InplaceEvent, NonFiniteEvent, OpRecord, Trace, Where)
 from .units import format_bytes
 
+if TYPE_CHECKING:
+    from .history import CellHistory
+
 _META_KEY = "backward_doctor"  # key in autograd Node.metadata: (run id, forward op index)
 _run_ids = itertools.count(1)
 _MAX_EVENTS = 200
 
 
 _current_node = torch._C._current_autograd_node
+_CLEARING = ("aten::zero_", "aten::_foreach_zero_")  # what zero_grad(set_to_none=False) does
 _FUNCS: dict[Any, tuple[str, tuple[int, ...], bool, bool]] = {}
 
 
@@ -84,7 +88,8 @@ class Capture:
 
     def __init__(self, namespace: dict[str, Any] | None = None, *, cell_file: str = "<cell>",
                  source: str = "", memory_limit: int | None = None, max_ops: int = 100_000,
-                 tail_ops: int = 10_000, check_indices: bool | None = None) -> None:
+                 tail_ops: int = 10_000, check_indices: bool | None = None,
+                 history: "CellHistory | None" = None) -> None:
         self.namespace = namespace if namespace is not None else {}
         self.memory_limit = memory_limit
         self.check_indices = check_indices
@@ -97,6 +102,9 @@ class Capture:
         self._detail_budget = 8  # non-finite origins that get full statistics
         self._tail_count = 0  # records that went to the ring buffer (some since overwritten)
         self._run_id = next(_run_ids)
+        self.trace.run_id = self._run_id
+        self.history = history
+        self._got_grad: set[int] = set()  # ids of parameters autograd accumulated into
         self._handles: list[Any] = []
         self._mode: _DoctorMode | None = None
         self._modules: dict[int, tuple[weakref.ref, str]] = {}
@@ -132,6 +140,8 @@ class Capture:
         import torch._dynamo  # noqa: F401  (the first dispatch mode imports it: keep that out of step time)
 
         self._scan_namespace()
+        if self.history is not None:
+            self._forget_zeroed_grads()
         self.trace.memory.baseline_bytes = self._ledger.total
         self._handles += [
             _nn_module.register_module_forward_pre_hook(self._module_pre),
@@ -181,6 +191,14 @@ class Capture:
                 self.trace.carriers.append({"variable": name, "shape": list(t.shape),
                                             "grad_fn": type(t.grad_fn).__name__, "key": key or 0})
 
+    def _forget_zeroed_grads(self) -> None:
+        """Gradients zeroed since their step (e.g. by zero_grad in another cell) are not stale."""
+        marks = self.history.stepped_grads
+        with torch.no_grad():
+            for grad in list(marks.keys()):
+                if not bool(grad.any()):
+                    marks.pop(grad, None)
+
     def _register_module(self, mod: torch.nn.Module) -> None:
         for sub in mod.modules():
             if id(sub) in self._modules:
@@ -197,9 +215,12 @@ class Capture:
         if p.grad is not None:
             self._ledger.track(p.grad, "gradients")
         if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-            led = self._ledger
-            self._handles.append(p.register_post_accumulate_grad_hook(
-                lambda param: param.grad is not None and led.reclassify(param.grad, "gradients")))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self._got_grad.add(id(param))
+        if param.grad is not None:
+            self._ledger.reclassify(param.grad, "gradients")
 
     def parameters(self) -> list[torch.Tensor]:
         """The live parameters seen during the run (strong refs only for the caller's use)."""
@@ -224,13 +245,32 @@ class Capture:
             for p in group["params"]:
                 self._register_param(p)
         where = self._frames.where(sys._getframe(1))
-        self.trace.optimizer_steps.append({"index": self.trace.op_count, "optimizer": type(opt).__name__,
-                                           "line": where.line, "file": where.file, "cell_line": where.cell_line})
+        step = {"index": self.trace.op_count, "optimizer": type(opt).__name__, "id": id(opt),
+                "line": where.line, "file": where.file, "cell_line": where.cell_line}
+        self.trace.optimizer_steps.append(step)
+        if self.history is not None:
+            self._check_stale(opt, step)
+
+    def _check_stale(self, opt: torch.optim.Optimizer, step: dict[str, Any]) -> None:
+        """A gradient an earlier step already consumed, never cleared since: accumulation by accident."""
+        marks = self.history.stepped_grads
+        stale = [(p, marks[p.grad]) for g in opt.param_groups for p in g["params"]
+                 if p.grad is not None and p.grad in marks]
+        if stale:
+            self.trace.stale_steps.append({**step, "params": len(stale),
+                                           "since_run": min(m[0] for _, m in stale),
+                                           "previous_line": stale[0][1][1]})
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._opt_depth = max(0, self._opt_depth - 1)
         for t in ns_mod.optimizer_state_tensors(opt):
             self._ledger.reclassify(t, "optimizer")
+        if self.history is not None:
+            line = self.trace.optimizer_steps[-1]["line"] if self.trace.optimizer_steps else None
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        self.history.stepped_grads[p.grad] = (self._run_id, line)
 
     def _on_free(self, key: int) -> None:
         self._writer.pop(key, None)
@@ -330,6 +370,10 @@ class Capture:
                 writer[k] = index
         if mutated and phase == "forward":
             self._record_inplace(index, name, args, mutated, where)
+            if name in _CLEARING and self.history is not None and args:
+                cleared = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+                for t in cleared:  # zero_grad(set_to_none=False) zeroes in place
+                    self.history.stepped_grads.pop(t, None)
         if builds_graph:
             self._pending.extend((weakref.ref(o), index) for o in outs)
         if not is_view:  # a view shows values its base already had: nothing new to screen

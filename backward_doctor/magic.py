@@ -17,6 +17,7 @@ from IPython.display import display
 
 from .api import build_report, check_fix, check_timeout
 from .capture import Capture
+from .history import history_for
 from .runner import run_under_capture
 from .units import parse_size
 
@@ -56,7 +57,8 @@ class BackwardDoctorMagics(Magics):
         shell = self.shell
         # The same name run_cell will give the cell's code object, so frames map to its lines.
         filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
-        capture = Capture(shell.user_ns, cell_file=filename, source=cell, memory_limit=limit)
+        capture = Capture(shell.user_ns, cell_file=filename, source=cell, memory_limit=limit,
+                          history=history_for(cell, shell.user_ns))
 
         # The result of the cell that holds this magic: the inner run_cell's error is
         # copied onto it so Jupyter marks the cell failed (and "Run All" stops), as usual.

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from .capture import Capture
 from .frames import UserFrames
+from .history import CellHistory
 from .trace import Trace
 
 _cells = itertools.count(1)
@@ -111,12 +112,14 @@ def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
 
 
 def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
-               memory_limit: int | None = None, filename: str | None = None) -> Trace:
+               memory_limit: int | None = None, filename: str | None = None,
+               history: CellHistory | None = None) -> Trace:
     """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace."""
     filename = filename or cell_filename()
     # Register the source so tracebacks and reports can show the cell's lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    capture = Capture(namespace, cell_file=filename, source=source, memory_limit=memory_limit)
+    capture = Capture(namespace, cell_file=filename, source=source, memory_limit=memory_limit,
+                      history=history)
 
     def run() -> BaseException | None:
         code = compile(source, filename, "exec")

@@ -168,6 +168,18 @@ class ExceptionInfo:
 
 
 @dataclass
+class ParamInfo:
+    """One parameter's part in the step (for starved-parameter and stale-gradient checks)."""
+
+    name: str
+    key: int
+    requires_grad: bool
+    got_grad: bool          # autograd accumulated a gradient into it during this run
+    stepped: bool           # it belongs to an optimizer that stepped during this run
+    numel: int = 0
+
+
+@dataclass
 class Trace:
     """Everything captured while one cell ran (see module docstring)."""
 
@@ -196,6 +208,11 @@ class Trace:
     optimizer_steps: list[dict[str, Any]] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    run_id: int = 0
+    params: list[ParamInfo] = field(default_factory=list)
+    graph_holders: list[dict[str, Any]] = field(default_factory=list)
+    stale_steps: list[dict[str, Any]] = field(default_factory=list)
+    history: dict[str, Any] = field(default_factory=dict)  # earlier runs of this cell, in numbers
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""
