@@ -14,13 +14,14 @@ from torch import nn
 from .memory import storage_key
 from .namespace import module_paths
 from .stats import screen_nonfinite
-from .trace import CATEGORIES, ExceptionInfo, Trace
+from .stats import dtype_name
+from .trace import CATEGORIES, ExceptionInfo, OpRecord, TensorMeta, Trace
 
 if TYPE_CHECKING:
     from .capture import Capture
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_MAX_POINTS = 20_000
+_sequence_nr = torch._C._autograd._get_sequence_nr
 
 
 def record_exception(cap: "Capture", exc: BaseException) -> None:
@@ -56,7 +57,7 @@ def record_exception(cap: "Capture", exc: BaseException) -> None:
     if modules:
         cap._where_stacks.append((info.where, tuple(modules)))
     if isinstance(exc, torch.OutOfMemoryError):
-        info.oom = cap._oom or cap._memory_breakdown(cap.trace.op_count, None)
+        info.oom = cap._oom or cap._memory_breakdown(cap._count, None)
     cap.trace.exception = info
     cap.trace.completed = False
 
@@ -85,20 +86,35 @@ def _resolve_modules(cap: "Capture") -> None:
         oom["by_module"] = dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
 
 
-def _downsample(cap: "Capture") -> None:
+def _timeline(cap: "Capture") -> None:
     mem = cap.trace.memory
-    n = len(cap._timeline_index)
-    step = max(1, -(-n // _MAX_POINTS))
-    if step == 1:
-        mem.op_index = cap._timeline_index.tolist()
-        mem.by_category = {c: cap._timeline[c].tolist() for c in CATEGORIES}
-        return
-    # Keep, from each bucket, the sample with the largest total so peaks survive.
-    totals = [sum(cap._timeline[c][i] for c in CATEGORIES) for i in range(n)]
-    keep = [max(range(s, min(s + step, n)), key=totals.__getitem__) for s in range(0, n, step)]
-    mem.op_index = [cap._timeline_index[i] for i in keep]
-    mem.by_category = {c: [cap._timeline[c][i] for i in keep] for c in CATEGORIES}
-    cap.trace.notes.append(f"memory timeline downsampled from {n} to {len(keep)} points (peaks kept)")
+    index, totals = cap._timeline.samples()
+    mem.op_index = index
+    mem.by_category = {c: [t[i] for t in totals] for i, c in enumerate(CATEGORIES)}
+    mem.peak_bytes, mem.peak_index, mem.peak_by_category = cap._peak, cap._peak_index, cap._peak_by_category
+    if cap._timeline.stride > 1:
+        cap.trace.notes.append(f"memory timeline: one point per {cap._timeline.stride} ops "
+                               f"({len(index)} points for {cap._count} ops; peaks kept)")
+
+
+def _meta(m: tuple) -> TensorMeta:
+    shape, dtype, device, requires_grad = m
+    return TensorMeta(list(shape), dtype_name(dtype), str(device), requires_grad)
+
+
+def _build_ops(cap: "Capture") -> None:
+    """Turn the compact per-op tuples into :class:`OpRecord` (once, after the step)."""
+    trace = cap.trace
+    ops = trace.ops
+    for recs in (cap._recs, cap._tail):
+        for (index, name, phase, fwd, grad, where, ins, outs, in_keys, out_keys, live, us) in recs:
+            ops.append(OpRecord(index=index, op=name, phase=phase, inputs=[_meta(m) for m in ins],
+                                outputs=[_meta(m) for m in outs], where=where, fwd_index=fwd, duration_us=us,
+                                grad_enabled=grad, in_keys=list(in_keys), out_keys=list(out_keys),
+                                live_bytes=live))
+    cap._recs, cap._tail = [], None
+    trace.op_count = cap._count
+    trace.op_totals = cap._op_totals
 
 
 def _nonfinite_reach(cap: "Capture") -> None:
@@ -125,6 +141,9 @@ def _nonfinite_reach(cap: "Capture") -> None:
     for ev in trace.nonfinite:
         ev.reached = ev.origin in reached
     trace.nonfinite_reached = flags
+    if not cap.detail and (cap._nonfinite_seen or flags["gradients"] or flags["parameters"]):
+        # The first tier saw NaN/Inf but screened too little to say where it was born.
+        trace.needs_detail = "nonfinite"
 
 
 def _remember(cap: "Capture") -> None:
@@ -136,6 +155,7 @@ def _remember(cap: "Capture") -> None:
     from .rules.silent import skipped_amp_steps
 
     cap.history.add(RunSummary(run_id=cap._run_id, live_bytes_end=cap._ledger.total,
+                               seq_start=cap._seq_start, seq_end=_sequence_nr(),
                                stepped=bool(trace.optimizer_steps), amp_skipped=len(skipped_amp_steps(trace)),
                                exception=exc.type if exc else None))
     runs = cap.history.runs
@@ -145,14 +165,14 @@ def _remember(cap: "Capture") -> None:
 
 def finish(cap: "Capture") -> Trace:
     trace = cap.trace
-    trace.ops.extend(cap._tail)
-    trace.ops_dropped = cap._tail_count - len(cap._tail)
+    tail = len(cap._tail)
+    trace.ops_dropped = cap._tail_count - tail
+    _build_ops(cap)
     if trace.ops_dropped:
         trace.notes.append(f"{trace.ops_dropped} ops in the middle of the step are only counted in the op "
-                           f"totals (kept the first {cap._max_ops} and the last {len(cap._tail)} one by one)")
-    cap._tail.clear()
+                           f"totals (kept the first {cap._max_ops} and the last {tail} one by one)")
     _resolve_modules(cap)
-    _downsample(cap)
+    _timeline(cap)
     _nonfinite_reach(cap)
     from ._step_state import graph_holders, param_infos
 
@@ -164,7 +184,6 @@ def finish(cap: "Capture") -> Trace:
     trace.parameters = {"count": len(params), "trainable": sum(bool(p.requires_grad) for p in params),
                         "bytes": sum(p.numel() * p.element_size() for p in params)}
     del params
-    cap._pending.clear()
     cap._ledger.close()
     cap._where_stacks.clear()
     return trace

@@ -18,7 +18,6 @@ from .trace import ParamInfo
 if TYPE_CHECKING:
     from .capture import Capture
 
-_META_KEY = "backward_doctor"
 _MAX_NODES = 2000      # graph nodes walked per holder
 _MAX_HOLDERS = 50
 
@@ -67,9 +66,12 @@ def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, boo
                     yield path, item, True
 
 
-def _runs_in_graph(fn: Any, current: int) -> tuple[set[int], tuple[int, int] | None]:
-    """Run ids tagged on the graph behind ``fn`` (bounded walk) and ``fn``'s own tag."""
-    own = fn.metadata.get(_META_KEY)
+def _runs_in_graph(fn: Any, start: int, earlier: list[tuple[int, int, int]]) -> set[int]:
+    """Earlier runs of this cell whose autograd nodes the graph behind ``fn`` still holds.
+
+    Nodes are numbered per thread in creation order, so a node's ``_sequence_nr()``
+    says which run made it: ``earlier`` is [(run id, first seq, end seq)].
+    """
     runs: set[int] = set()
     seen: set[int] = set()
     queue = collections.deque([fn])
@@ -78,18 +80,20 @@ def _runs_in_graph(fn: Any, current: int) -> tuple[set[int], tuple[int, int] | N
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        tag = node.metadata.get(_META_KEY) if hasattr(node, "metadata") else None
-        if tag is not None:
-            runs.add(tag[0])
-            if tag[0] != current:
-                break  # one older node is enough to know
-        queue.extend(n for n, _ in getattr(node, "next_functions", ()))
-    return runs, own
+        seq = node._sequence_nr()
+        if seq < start:
+            run = next((r for r, lo, hi in earlier if lo <= seq < hi), None)
+            if run is not None:
+                runs.add(run)
+                break  # one node of an earlier run is enough to know
+        queue.extend(n for n, _ in node.next_functions)
+    return runs
 
 
 def graph_holders(cap: "Capture") -> list[dict[str, Any]]:
-    """Namespace tensors that still carry an autograd graph, with the runs that graph came from."""
-    current = cap._run_id
+    """Namespace tensors that still carry an autograd graph, with the earlier runs that graph holds."""
+    start = cap._seq_start
+    earlier = [(r.run_id, r.seq_start, r.seq_end) for r in cap.history.runs] if cap.history else []
     out: list[dict[str, Any]] = []
     seen: set[int] = set()
     for path, t, contained in _holders(cap.namespace):
@@ -97,11 +101,12 @@ def graph_holders(cap: "Capture") -> list[dict[str, Any]]:
         if fn is None or id(t) in seen:
             continue
         seen.add(id(t))
-        runs, own = _runs_in_graph(fn, current)
+        seq = fn._sequence_nr()
+        own_index = cap._seq_map.get(seq) if seq >= start else None
         out.append({"path": path, "shape": list(t.shape), "bytes": t.untyped_storage().nbytes(),
                     "grad_fn": type(fn).__name__, "contained": contained,
-                    "earlier_runs": sorted(r for r in runs if r < current),
-                    "own_run": own[0] if own else None, "own_index": own[1] if own else None})
+                    "earlier_runs": sorted(_runs_in_graph(fn, start, earlier)),
+                    "own_run": cap._run_id if seq >= start else None, "own_index": own_index})
         if len(out) >= _MAX_HOLDERS:
             break
     return out

@@ -30,6 +30,8 @@ class RunSummary:
     run_id: int
     live_bytes_end: int
     stepped: bool
+    seq_start: int = 0  # autograd sequence numbers of the nodes this run created: [start, end)
+    seq_end: int = 0
     amp_skipped: int = 0
     exception: str | None = None
 

@@ -115,3 +115,55 @@ class MemoryLedger:
         """Stop counting and drop every weak reference (their callbacks go with them)."""
         self.active = False
         self._live.clear()
+
+
+class Timeline:
+    """Live bytes by category after each op, in bounded memory.
+
+    Up to ``capacity`` samples are kept; when full, neighbouring samples are merged
+    (the one with the larger total survives, so peaks are never lost) and each
+    sample from then on stands for twice as many ops.
+
+    >>> tl = Timeline(capacity=4)
+    >>> for i in range(10):
+    ...     tl.add(i, [i, 0], i)
+    >>> tl.samples()[0], tl.stride
+    ([3, 7, 9], 4)
+    """
+
+    def __init__(self, capacity: int = 20_000) -> None:
+        self.capacity = capacity
+        self.stride = 1
+        self.index: list[int] = []
+        self.totals: list[list[int]] = []   # one list of category totals per sample
+        self._pending: tuple[int, list[int], int] | None = None  # best sample of the open bucket
+        self._in_bucket = 0
+
+    def add(self, index: int, totals: list[int], total: int) -> None:
+        pending = self._pending
+        if pending is None or total >= pending[2]:
+            self._pending = (index, list(totals), total)
+        self._in_bucket += 1
+        if self._in_bucket >= self.stride:
+            self._close_bucket()
+
+    def _close_bucket(self) -> None:
+        if self._pending is None:
+            return
+        index, totals, _ = self._pending
+        self.index.append(index)
+        self.totals.append(totals)
+        self._pending, self._in_bucket = None, 0
+        if len(self.index) >= self.capacity:
+            keep = [max(i, i + 1, key=lambda j: sum(self.totals[j])) if i + 1 < len(self.index) else i
+                    for i in range(0, len(self.index), 2)]
+            self.index = [self.index[i] for i in keep]
+            self.totals = [self.totals[i] for i in keep]
+            self.stride *= 2
+
+    def samples(self) -> tuple[list[int], list[list[int]]]:
+        """(op indices, totals per sample), including the open bucket."""
+        if self._pending is not None:
+            index, totals, _ = self._pending
+            return self.index + [index], self.totals + [totals]
+        return list(self.index), list(self.totals)

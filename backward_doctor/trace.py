@@ -209,6 +209,7 @@ class Trace:
     parameters: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     run_id: int = 0
+    needs_detail: str | None = None  # the cheap first tier found something only a detailed run can place
     params: list[ParamInfo] = field(default_factory=list)
     graph_holders: list[dict[str, Any]] = field(default_factory=list)
     stale_steps: list[dict[str, Any]] = field(default_factory=list)

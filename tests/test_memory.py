@@ -95,7 +95,7 @@ def test_timeline_is_downsampled_keeping_the_peak():
     assert len(mem.op_index) <= 20_000
     assert mem.peak_bytes >= 40_000
     assert max(sum(v) for v in zip(*mem.by_category.values())) == mem.peak_bytes
-    assert any("downsampled" in n for n in trace.notes)
+    assert any("one point per 2 ops" in n for n in trace.notes)
 
 
 def test_simulated_oom_is_a_torch_out_of_memory_error():

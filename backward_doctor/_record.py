@@ -1,0 +1,256 @@
+"""The per-op hot path: what happens for every aten op while a step is captured.
+
+Kept lean on purpose (see benchmarks/): each op appends one compact tuple (shapes
+as ``torch.Size``, dtype/device objects, storage keys) and the trace's dataclasses
+are built once, at the end (``_finish.py``). Evidence that needs the tensors
+themselves (statistics, index values, in-place versions) is taken right here,
+because after the op returns the tensors may be gone.
+
+Backward ops find their forward op through autograd's per-thread sequence
+number: the node an op creates takes the counter's value just before the op is
+dispatched, and ``node._sequence_nr()`` gives it back in backward. No tensor,
+node or frame is kept.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from . import checks
+from .memory import storage_key
+from .stats import meta, screen_nonfinite
+from .trace import FailedOp, InplaceEvent, NonFiniteEvent, Where
+from .units import format_bytes
+
+_current_node = torch._C._current_autograd_node
+_sequence_nr = torch._C._autograd._get_sequence_nr
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
+_now = time.perf_counter
+_MAX_EVENTS = 200
+_CLEARING = ("aten::zero_", "aten::_foreach_zero_")  # what zero_grad(set_to_none=False) does
+
+#: op overload -> (name, positions it writes into, is a view, has an index check)
+_FUNCS: dict[Any, tuple[str, tuple[int, ...], bool, bool]] = {}
+
+
+def _func_info(func: Any) -> tuple[str, tuple[int, ...], bool, bool]:
+    schema = func._schema
+    mutated = tuple(i for i, a in enumerate(schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only)
+    is_view = not mutated and any(r.alias_info is not None for r in schema.returns)
+    info = (schema.name, mutated, is_view, checks.has_index_check(func))
+    _FUNCS[func] = info
+    return info
+
+
+def _tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
+    """Tensor arguments, looking one level into lists/tuples (``cat``'s list) — faster than pytree."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+def _metas(ts: list[torch.Tensor]) -> tuple:
+    return tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in ts)
+
+
+class OpRecorder:
+    """Mixin of :class:`~backward_doctor.capture.Capture`: the dispatch mode calls ``dispatch``."""
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        info = _FUNCS.get(func) or _func_info(func)
+        name = info[0]
+        index = self._count
+        self._count = index + 1
+        where = self._where()
+        node = _current_node()
+        if node is not None:
+            phase = "backward"
+            fwd_index = self._seq_map.get(node._sequence_nr())
+            if self._last_phase != "backward":  # a new backward() call starts at its root node
+                self.trace.backward_calls.append(where)
+                self.trace.backward_roots.append(node.name())
+                self._roots.append(fwd_index)
+        else:
+            phase = "optimizer" if self._opt_depth else "forward"
+            fwd_index = None
+        self._last_phase = phase
+        grad_enabled = _grad_enabled()
+        ins = _tensors(args, kwargs)
+        led = self._ledger
+        in_keys = tuple(storage_key(t) or 0 for t in ins)
+        for t, k in zip(ins, in_keys):
+            if k and not led.known(k):
+                led.track(t, "other")
+        seq = _sequence_nr()
+        t_op = _now()
+        try:
+            if info[3] and (self.check_indices or (self.check_indices is None and any(t.is_cuda for t in ins))):
+                self._check_indices(func, name, args, kwargs)
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            self._record_failure(index, name, phase, ins, where, exc, func, args, kwargs, fwd_index)
+            raise
+        t_op = _now() - t_op
+        if phase == "forward" and seq != self._last_seq:
+            # The counter moved since the previous op: this op's autograd node took seq - 1.
+            self._seq_map[seq - 1] = index
+            self._last_seq = seq
+        _set_grad(False)  # our own bookkeeping ops must never join the user's graph
+        try:
+            self._after(info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op)
+        finally:
+            _set_grad(grad_enabled)
+        return out
+
+    def _after(self, info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op) -> None:
+        name, mutated, is_view = info[0], info[1], info[2]
+        led = self._ledger
+        outs = _tensors((out,), None)
+        out_keys = tuple(storage_key(o) or 0 for o in outs)
+        if phase == "forward":
+            category = "activations" if grad_enabled and any(t.requires_grad for t in ins) else "other"
+        else:
+            category = "other" if phase == "backward" else "optimizer"
+        before = led.total
+        writer = self._writer
+        for o, k in zip(outs, out_keys):
+            if k:
+                led.track(o, category, index)
+                writer[k] = index
+        if mutated and phase == "forward":
+            self._record_inplace(index, name, args, mutated, where)
+        if not is_view:  # a view shows values its base already had: nothing new to screen
+            if self.detail:
+                self._screen(index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated)
+            elif phase == "forward" and outs and outs[0].dim() == 0:
+                self._screen_scalar(index, outs[0], where)
+        total = led.total
+        self._timeline.add(index, led.totals, total)
+        if self._cuda:
+            self._cuda_alloc.append(torch.cuda.memory_allocated())
+        if total > self._peak:
+            self._peak, self._peak_index, self._peak_by_category = total, index, led.snapshot()
+        rec = (index, name, phase, fwd_index, grad_enabled, where, _metas(ins), _metas(outs),
+               in_keys, out_keys, total, t_op * 1e6)
+        if len(self._recs) < self._max_ops:
+            self._recs.append(rec)
+        else:
+            self._tail_count += 1
+            self._tail.append(rec)
+        tot = self._op_totals.get(name)
+        if tot is None:
+            self._op_totals[name] = [1, t_op * 1e6]
+        else:
+            tot[0] += 1
+            tot[1] += t_op * 1e6
+        if self.memory_limit is not None and total > self.memory_limit:
+            self._raise_simulated_oom(index, name, total - before)
+
+    # ---------------------------------------------------------------- evidence
+    def _op_name(self, index: int | None) -> str | None:
+        if index is None:
+            return None
+        recs = self._recs
+        if index < len(recs) and recs[index][0] == index:
+            return recs[index][1]
+        return next((r[1] for r in self._tail if r[0] == index), None)
+
+    def _check_indices(self, func: Any, name: str, args: tuple, kwargs: dict) -> None:
+        bad = checks.index_check(func, args, kwargs)
+        if bad is not None:
+            raise IndexError(f"{name}: {bad['argument']} value(s) {bad['bad']} out of range "
+                             f"[{bad['valid'][0]}, {bad['valid'][1]}] ({bad['what']}); "
+                             "checked by backward_doctor before the kernel ran")
+
+    def _record_inplace(self, index: int, name: str, args: tuple, mutated: tuple[int, ...], where: Where) -> None:
+        if name in _CLEARING and self.history is not None and args:
+            cleared = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            for t in cleared:  # zero_grad(set_to_none=False) zeroes in place: not stale any more
+                self.history.stepped_grads.pop(t, None)
+        if len(self.trace.inplace) >= 10 * _MAX_EVENTS:
+            return
+        for i in mutated:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                t = args[i]
+                key = storage_key(t) or 0
+                producer = self._ledger.producer(key)
+                # The version counter is bumped above this dispatch level, after we return: +1.
+                self.trace.inplace.append(InplaceEvent(
+                    index=index, op=name, key=key, version=int(t._version) + 1, shape=list(t.shape),
+                    requires_grad=bool(t.requires_grad), where=where, producer_index=producer,
+                    producer_op=self._op_name(producer)))
+
+    def _screen_scalar(self, index: int, out: torch.Tensor, where: Where) -> None:
+        """First tier: a scalar forward output (a loss) that is NaN/Inf means the detailed run is needed."""
+        if self._nonfinite_seen is None and screen_nonfinite(out):
+            self._nonfinite_seen = {"index": index, "line": where.line, "file": where.file}
+
+    def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated) -> None:
+        for o, k in zip(outs, out_keys):
+            if not screen_nonfinite(o):
+                continue
+            origin = next((self._nf_origin[ik] for ik in in_keys if ik in self._nf_origin), None)
+            kind, variable = "op", None
+            if origin is None:
+                written = {in_keys[i] for i in mutated if i < len(in_keys)}
+                bad_inputs = [(t, ik) for t, ik in zip(ins, in_keys) if ik not in written and screen_nonfinite(t)]
+                if bad_inputs:
+                    kind = "input"
+                    variable = self._ns_names.get(bad_inputs[0][1])
+                origin = index
+            if k:
+                self._nf_origin[k] = origin
+            self._nf_by_index.setdefault(index, origin)
+            events = self.trace.nonfinite
+            if origin != index and len(events) >= _MAX_EVENTS:
+                return
+            # Statistics cost a few reductions: the first origins get them, not every echo.
+            stats = origin == index and self._detail_budget > 0
+            self._detail_budget -= stats
+            events.append(NonFiniteEvent(
+                index=index, op=name, phase=phase, where=where, origin=origin, is_origin=origin == index,
+                kind=kind, variable=variable, output=meta(o, with_stats=stats),
+                inputs=[meta(t, with_stats=stats) for t in ins], fwd_op=self._op_name(fwd_index),
+                fwd_index=fwd_index))
+            return
+
+    def _record_failure(self, index, name, phase, ins, where, exc, func, args, kwargs, fwd_index) -> None:
+        if isinstance(exc, torch.OutOfMemoryError) and self._oom is None:
+            self._oom = self._memory_breakdown(index, requested=None)
+        if not isinstance(exc, Exception):
+            return  # KeyboardInterrupt etc.: not this op's fault
+        idx = checks.index_check(func, args, kwargs) if isinstance(exc, (IndexError, RuntimeError)) else None
+        self.trace.failed_op = FailedOp(
+            index=index, op=name, phase=phase, inputs=[meta(t, with_stats=True) for t in ins], where=where,
+            error=f"{type(exc).__name__}: {exc}".split("\n")[0][:500], fwd_index=fwd_index, index_check=idx)
+
+    def _memory_breakdown(self, index: int, requested: int | None) -> dict[str, Any]:
+        by_producer: dict[int, int] = {}
+        for producer, nbytes in self._ledger.bytes_by_producer().items():
+            by_producer[producer if producer is not None else -1] = nbytes
+        return {"index": index, "requested": requested, "live": self._ledger.total,
+                "by_category": self._ledger.snapshot(), "by_producer": by_producer}
+
+    def _raise_simulated_oom(self, index: int, name: str, requested: int) -> None:
+        self._oom = self._memory_breakdown(index, requested)
+        self._oom["simulated"] = True
+        limit = self.memory_limit or 0
+        live = self._ledger.total
+        raise torch.OutOfMemoryError(
+            f"Simulated device out of memory (backward_doctor memory_limit={format_bytes(limit)}). "
+            f"Tried to allocate {format_bytes(requested)} in {name}; {format_bytes(live - requested)} "
+            f"already live, {format_bytes(max(0, limit - live + requested))} free.")
