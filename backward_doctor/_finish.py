@@ -97,19 +97,32 @@ def _timeline(cap: "Capture") -> None:
                                f"({len(index)} points for {cap._count} ops; peaks kept)")
 
 
-def _meta(m: tuple) -> TensorMeta:
-    shape, dtype, device, requires_grad = m
-    return TensorMeta(list(shape), dtype_name(dtype), str(device), requires_grad)
+_DEVICES: dict[torch.device, str] = {}
+
+
+def _meta(m: tuple, shared: dict[tuple, TensorMeta]) -> TensorMeta:
+    # Steps repeat a few shapes thousands of times: records share one TensorMeta per
+    # distinct (shape, dtype, device, requires_grad), which keeps long traces small.
+    got = shared.get(m)
+    if got is None:
+        shape, dtype, device, requires_grad = m
+        dev = _DEVICES.get(device)
+        if dev is None:
+            dev = _DEVICES[device] = str(device)
+        got = shared[m] = TensorMeta(list(shape), dtype_name(dtype), dev, requires_grad)
+    return got
 
 
 def _build_ops(cap: "Capture") -> None:
     """Turn the compact per-op tuples into :class:`OpRecord` (once, after the step)."""
     trace = cap.trace
     ops = trace.ops
+    shared: dict[tuple, TensorMeta] = {}
     for recs in (cap._recs, cap._tail):
         for (index, name, phase, fwd, grad, where, ins, outs, in_keys, out_keys, live, us) in recs:
-            ops.append(OpRecord(index=index, op=name, phase=phase, inputs=[_meta(m) for m in ins],
-                                outputs=[_meta(m) for m in outs], where=where, fwd_index=fwd, duration_us=us,
+            ops.append(OpRecord(index=index, op=name, phase=phase, inputs=[_meta(m, shared) for m in ins],
+                                outputs=[_meta(m, shared) for m in outs], where=where, fwd_index=fwd,
+                                duration_us=us,
                                 grad_enabled=grad, in_keys=list(in_keys), out_keys=list(out_keys),
                                 live_bytes=live))
     cap._recs, cap._tail = [], None

@@ -53,7 +53,7 @@ class Capture(OpRecorder):
     """
 
     def __init__(self, namespace: dict[str, Any] | None = None, *, cell_file: str = "<cell>",
-                 source: str = "", memory_limit: int | None = None, max_ops: int = 100_000,
+                 source: str = "", memory_limit: int | None = None, max_ops: int = 50_000,
                  tail_ops: int = 10_000, check_indices: bool | None = None,
                  history: "CellHistory | None" = None, detail: bool = True) -> None:
         self.namespace = namespace if namespace is not None else {}

@@ -20,7 +20,7 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
 PHASES = ("forward", "backward", "optimizer")
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorMeta:
     """Shape, dtype and device of one tensor argument, optionally with value statistics."""
 
@@ -36,7 +36,7 @@ class TensorMeta:
         return f"{self.dtype}{list(self.shape)}{dev}"
 
 
-@dataclass
+@dataclass(slots=True)
 class Where:
     """Where user code was when something happened.
 

@@ -1,0 +1,195 @@
+"""Overhead benchmark: plain step vs the doctor vs anomaly mode vs the profiler.
+
+    python benchmarks/run.py            # full: 15 rounds, 1M-op trace check
+    python benchmarks/run.py --quick    # < 2 minutes
+
+All modes run in one process, interleaved round by round on the same three CPU
+workloads (4-layer MLP, small CNN with BatchNorm, small GPT-style transformer), one
+thread. It prints medians and ratios against the plain step measured in the same
+rounds, ops per step and microseconds per op, the time to build the report, and
+peak RSS of a separate process per mode (with vs without the doctor).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+import warnings
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler's own logging off the results
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from backward_doctor.capture import Capture  # noqa: E402
+from backward_doctor.report import Report  # noqa: E402
+from backward_doctor.rules import analyze  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
+
+
+def plain(step):
+    step()
+
+
+def doctor(step):
+    """First tier: what the magic always runs."""
+    with Capture(detail=False) as cap:
+        step()
+    return cap
+
+
+def doctor_detail(step):
+    """Second tier: every op screened for NaN/Inf."""
+    with Capture(detail=True) as cap:
+        step()
+    return cap
+
+
+def anomaly(step):
+    with torch.autograd.detect_anomaly(check_nan=True):
+        step()
+
+
+def profiler(step):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True,
+                 with_stack=True) as prof:
+        step()
+    return prof
+
+
+MODES = {"plain": plain, "doctor": doctor, "doctor_detail": doctor_detail, "anomaly": anomaly,
+         "profiler": profiler}
+
+
+def report_time(cap: Capture) -> float:
+    t = time.perf_counter()
+    trace = cap.finish()
+    Report(findings=analyze(trace), trace=trace)
+    return time.perf_counter() - t
+
+
+def profiler_table_time(prof) -> float:
+    t = time.perf_counter()
+    prof.key_averages(group_by_input_shape=True).table(sort_by="cpu_time_total", row_limit=20)
+    return time.perf_counter() - t
+
+
+def bench_workload(name: str, rounds: int) -> dict:
+    step = WORKLOADS[name]()
+    for fn in MODES.values():  # warm-up: lazy imports, allocator, caches
+        fn(step)
+    times = {m: [] for m in MODES}
+    extra = {"report_s": [], "profiler_tables_s": []}
+    for _ in range(rounds):
+        for m, fn in MODES.items():
+            t = time.perf_counter()
+            out = fn(step)
+            times[m].append(time.perf_counter() - t)
+            if m == "doctor":
+                extra["report_s"].append(report_time(out))
+            elif m == "profiler":
+                extra["profiler_tables_s"].append(profiler_table_time(out))
+    cap = doctor(step)
+    ops = cap.finish().op_count
+    med = {m: statistics.median(v) for m, v in times.items()}
+    return {"workload": name, "ops": ops, "median_s": med,
+            "ratio": {m: med[m] / med["plain"] for m in MODES},
+            "us_per_op": {m: (med[m] - med["plain"]) * 1e6 / ops for m in MODES if m != "plain"},
+            "report_s": statistics.median(extra["report_s"]),
+            "report_vs_step": statistics.median(extra["report_s"]) / med["plain"],
+            "profiler_tables_steps": statistics.median(extra["profiler_tables_s"]) / med["plain"]}
+
+
+def rss_child(workload: str, mode: str, steps: int) -> int:
+    """Peak RSS (bytes) of a fresh process running ``steps`` steps in ``mode``."""
+    code = (f"import sys; sys.path[:0] = [{os.path.dirname(HERE)!r}, {HERE!r}]\n"
+            "import torch, resource; torch.set_num_threads(1)\n"
+            "from run import MODES, report_time; from workloads import WORKLOADS\n"
+            f"step = WORKLOADS[{workload!r}]()\n"
+            "MODES['plain'](step)\n"
+            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+            f"for _ in range({steps}):\n"
+            f"    out = MODES[{mode!r}](step)\n"
+            f"    if {mode!r} == 'doctor': report_time(out)\n"
+            "print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    base, peak = out.stdout.split()[-2:]
+    return int(base), int(peak)
+
+
+def million_ops(n: int) -> dict:
+    """Memory of a bounded trace: ``n`` tiny ops in one step (Python heap, via tracemalloc)."""
+    x = torch.ones(4)
+    with Capture(detail=False) as cap:  # warm-up: imports must not count as trace memory
+        x + 1
+    cap.finish()
+    tracemalloc.start()
+    t = time.perf_counter()
+    with Capture(detail=False) as cap:
+        y = x
+        for _ in range(n):
+            y = y + 1
+    trace = cap.finish()
+    elapsed = time.perf_counter() - t
+    current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"ops": trace.op_count, "kept": len(trace.ops), "trace_bytes": current, "peak_bytes": peak,
+            "seconds": elapsed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer rounds, smaller trace test (< 2 min)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    args = p.parse_args()
+    rounds = args.rounds or (5 if args.quick else 15)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    print(f"# {platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"torch {torch.__version__}, 1 thread, {rounds} rounds (medians)")
+    results = []
+    header = f"{'workload':<12}{'ops':>6}  " + "  ".join(f"{m:>15}" for m in MODES)
+    print(header)
+    for name in WORKLOADS:
+        r = bench_workload(name, rounds)
+        results.append(r)
+        cells = "  ".join(f"{r['median_s'][m] * 1e3:7.2f}ms {r['ratio'][m]:4.2f}x" for m in MODES)
+        print(f"{name:<12}{r['ops']:>6}  {cells}")
+    print("\nper op (us, over plain):", "; ".join(
+        f"{r['workload']}: " + ", ".join(f"{m} {v:.1f}" for m, v in r["us_per_op"].items()) for r in results))
+    print("report build / plain step:", "; ".join(f"{r['workload']} {r['report_vs_step']:.2f}" for r in results))
+    print("profiler tables / plain step:", "; ".join(f"{r['workload']} {r['profiler_tables_steps']:.1f}"
+                                                    for r in results))
+    steps = 3 if args.quick else 10
+    rss = {}
+    for name in WORKLOADS:
+        (b0, plain_rss), (b1, doc_rss) = rss_child(name, "plain", steps), rss_child(name, "doctor", steps)
+        rss[name] = {"plain": plain_rss, "doctor": doc_rss, "ratio": doc_rss / plain_rss,
+                     "plain_growth": plain_rss - b0, "doctor_growth": doc_rss - b1}
+        print(f"peak RSS {name}: plain {plain_rss / 2**20:.1f} MiB, doctor {doc_rss / 2**20:.1f} MiB "
+              f"({doc_rss / plain_rss:.3f}x); growth over one warm plain step: plain "
+              f"{(plain_rss - b0) / 2**20:.1f} MiB, doctor {(doc_rss - b1) / 2**20:.1f} MiB")
+    n = 200_000 if args.quick else 1_000_000
+    big = million_ops(n)
+    print(f"trace of {big['ops']} ops ({big['kept']} kept one by one): {big['trace_bytes'] / 2**20:.1f} MiB "
+          f"held after finish, {big['peak_bytes'] / 2**20:.1f} MiB peak while capturing, {big['seconds']:.1f} s")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"results": results, "rss": rss, "trace": big}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
