@@ -15,22 +15,19 @@ from .rules import analyze
 from .trace import Trace
 from .units import parse_size
 
-#: Fixes the product will offer; implemented by the fixes issue.
+#: Fixes backward_doctor applies with ``fix=`` (see ``backward_doctor.fixes``).
 KNOWN_FIXES = ("accumulate", "amp", "sync", "checkpoint")
 _last: list[Report] = []
 _lock = threading.Lock()
 
 
 def check_fix(fix: str | None) -> None:
-    """Raise ``ValueError`` for an unknown or not-yet-implemented fix (before anything runs)."""
+    """Raise ``ValueError`` for an unknown or malformed fix name (before anything runs)."""
     if fix is None:
         return
-    if not isinstance(fix, str):
-        raise ValueError(f"fix must be a string such as 'accumulate:4', not {fix!r}")
-    name = fix.split(":", 1)[0]
-    if name not in KNOWN_FIXES:
-        raise ValueError(f"unknown fix {fix!r}: choose one of {', '.join(KNOWN_FIXES)}")
-    raise ValueError(f"fix {fix!r} is not implemented yet in this version of backward_doctor")
+    from .fixes.spec import parse_fix
+
+    parse_fix(fix)
 
 
 def check_timeout(timeout: Any) -> float | None:
@@ -51,13 +48,18 @@ def build_report(trace: Trace, fix: str | None = None) -> Report:
 
 
 def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: float | None = None,
-             memory_limit: int | str | None = None, fix: str | None = None) -> Report:
+             memory_limit: int | str | None = None, fix: str | None = None, rollback: bool = True) -> Report:
     """Run ``source`` (one cell: a training step) in ``namespace`` and diagnose it.
 
     The namespace is mutated exactly as ``exec`` would; the cell's exception is
     recorded in the report, never raised. ``timeout`` (s) turns a stuck run into a
     ``hang`` finding; ``memory_limit`` (bytes or ``"300MB"``) simulates a device
     of that size. Bad arguments raise ``ValueError`` before anything runs.
+
+    ``fix`` (``"accumulate"``, ``"accumulate:4"``, ``"amp"``, ``"checkpoint"``, ``"sync"``)
+    runs the cell, restores the training state (``rollback=True``), runs the
+    rewritten cell and returns that run's report with ``report.fix_result``: the
+    code to keep, a diff and before/after numbers. See ``backward_doctor.fixes``.
 
     >>> import backward_doctor as bd
     >>> bd.diagnose("x = 1").ok
@@ -74,6 +76,10 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     check_fix(fix)
     ns = {} if namespace is None else namespace
     ns.setdefault("__builtins__", __builtins__)
+    if fix is not None:
+        from .fixes.run import run_fix
+
+        return run_fix(source, ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
     trace = run_source(source, ns, timeout=timeout, memory_limit=limit, history=history_for(source, ns))
     return build_report(trace, fix)
 

@@ -1,7 +1,8 @@
 """Command line: ``python -m backward_doctor FILE.py`` diagnoses a file as one cell.
 
 Exit status: 0 when the step ran and nothing was found, 1 when a problem was
-found, 2 for bad arguments (nothing is run then).
+found, 2 for bad arguments (nothing is run then). With ``--fix NAME`` the report
+(and the status) is that of the fixed run, with the code to keep.
 
 >>> main(["--help"])  # doctest: +ELLIPSIS
 Traceback (most recent call last):
@@ -25,7 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds before it counts as a hang")
     p.add_argument("--memory-limit", default=None, metavar="SIZE", help="simulated device capacity, e.g. 2GiB")
     p.add_argument("--fix", default=None, metavar="NAME", help="re-run with a fix (accumulate[:k], amp, sync, checkpoint)")
+    p.add_argument("--no-rollback", action="store_true",
+                   help="with --fix: do not restore the training state between the original and the fixed run")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
+    p.add_argument("--html", default=None, metavar="OUT",
+                   help="also write the report as one self-contained HTML page to OUT")
     return p
 
 
@@ -46,11 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     namespace = {"__name__": "__main__", "__file__": path}
     sys.path.insert(0, os.path.dirname(path))  # imports next to the script work, as with `python FILE`
     try:
-        report = diagnose(source, namespace, timeout=args.timeout, memory_limit=limit)
+        report = diagnose(source, namespace, timeout=args.timeout, memory_limit=limit, fix=args.fix,
+                          rollback=not args.no_rollback)
     finally:
         sys.path.remove(os.path.dirname(path))
     print(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(report.to_dict(), fh)
+    if args.html:
+        report.save_html(args.html)
     return 0 if report.ok else 1

@@ -33,6 +33,8 @@ class BackwardDoctorMagics(Magics):
                               help="simulated device capacity, e.g. 300MB or 2GiB")
     @magic_arguments.argument("--fix", default=None, metavar="NAME",
                               help="re-run with a fix: accumulate[:k], amp, sync, checkpoint")
+    @magic_arguments.argument("--no-rollback", action="store_true",
+                              help="with --fix: do not restore the training state between the original and fixed runs")
     @magic_arguments.argument("--quiet", action="store_true", help="do not display the report when all is well")
     @cell_magic
     def backward_doctor(self, line: str, cell: str) -> None:
@@ -55,6 +57,9 @@ class BackwardDoctorMagics(Magics):
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         shell = self.shell
+        if args.fix is not None:
+            _run_with_fix(shell, cell, args.fix, timeout, limit, not args.no_rollback, args.quiet)
+            return None
         # The same name run_cell will give the cell's code object, so frames map to its lines.
         filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
         capture = Capture(shell.user_ns, cell_file=filename, source=cell, memory_limit=limit,
@@ -103,3 +108,21 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Nothing global is left installed between cells, so there is nothing to undo."""
+
+
+def _run_with_fix(shell: Any, cell: str, fix: str, timeout: float | None, limit: int | None, rollback: bool,
+                  quiet: bool) -> None:
+    """``--fix``: the original cell, then the rewritten one (``backward_doctor.fixes``); show the fixed report.
+
+    The cell is marked failed (so "Run All" stops) when the step still fails after the fix.
+    """
+    from .fixes.run import run_fix
+
+    outer = getattr(shell.displayhook, "exec_result", None)
+    report = run_fix(cell, shell.user_ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
+    if outer is not None and report.exception is not None:
+        outer.error_in_exec = RuntimeError(f"backward_doctor --fix {fix}: the step still fails: "
+                                           f"{report.exception.splitlines()[0]}")
+    if quiet and report.ok:
+        return
+    display(report)

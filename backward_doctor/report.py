@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .findings import Finding
+from .fixes.result import FixResult
 from .trace import Trace
 
 
@@ -24,6 +25,8 @@ class Report:
     exception: str | None = None
     trace: Trace = field(default_factory=Trace)
     fix: str | None = None
+    #: set when the report is of a run with ``fix=...`` (see ``backward_doctor.fixes``)
+    fix_result: FixResult | None = None
 
     @property
     def ok(self) -> bool:
@@ -36,13 +39,15 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "exception": self.exception, "fix": self.fix,
-                "findings": [f.to_dict() for f in self.findings], "trace": self.trace.to_dict()}
+                "findings": [f.to_dict() for f in self.findings], "trace": self.trace.to_dict(),
+                "fix_result": self.fix_result.to_dict() if self.fix_result is not None else None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Report":
         return cls(findings=[Finding.from_dict(f) for f in data.get("findings", [])],
                    exception=data.get("exception"), fix=data.get("fix"),
-                   trace=Trace.from_dict(data.get("trace", {})))
+                   trace=Trace.from_dict(data.get("trace", {})),
+                   fix_result=FixResult.from_dict(data["fix_result"]) if data.get("fix_result") else None)
 
     def __str__(self) -> str:
         from .render_text import render_text

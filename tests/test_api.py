@@ -22,7 +22,8 @@ loss.backward()
     ({"timeout": 0}, "timeout must be a positive"),
     ({"timeout": "soon"}, "timeout must be a positive"),
     ({"fix": "magic"}, "unknown fix"),
-    ({"fix": "amp"}, "not implemented yet"),
+    ({"fix": "accumulate:1"}, "k >= 2"),
+    ({"fix": "amp:fp8"}, "amp takes"),
 ])
 def test_bad_arguments_raise_before_anything_runs(kwargs, fragment):
     ns = {}

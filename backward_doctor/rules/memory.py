@@ -1,18 +1,25 @@
 """Out of memory: what filled the device, and what each fix is predicted to need.
 
-Predictions come from the categories live when memory ran out. Parameters,
-gradients and optimizer state do not depend on the batch; activations do:
+Predictions start from what was live when memory ran out. What existed before
+the step (parameters, optimizer state, old gradients, the batch itself: micro-batches
+are views of it) stays whatever the fix; parameter gradients have the parameters'
+size; everything else the step made (activations, gradients of activations in
+flight, temporaries) scales with the batch:
 
-- ``accumulate:k``: fixed + activations / k
-- ``amp``: fixed + activations / 2 (16-bit activations; fp32 master weights stay)
-- ``checkpoint``: fixed + activations kept only at module boundaries plus one
-  module's activations recomputed at a time
+- ``accumulate:k``: fixed + every parameter's gradient (they exist from the second
+  micro-batch on) + the rest / k
+- ``amp``: fixed + a 16-bit copy of the weights + the rest, its float32 part halved
+- ``checkpoint``: fixed + the rest, with the chosen modules' saved activations
+  replaced by their inputs plus one module recomputed at a time (see ``fixes/plan.py``)
 
-They describe the step up to the failing op, so they are lower bounds when the
-step failed early; the fixes issue re-runs the step to measure them.
+When the step ran out during the forward pass the rest of the step is unknown, so
+the predictions are lower bounds (``evidence["lower_bound"]``); running out in
+backward they are close (within 20% on the models in ``tests/test_fixes_predict.py``).
+The fixes re-run the step and measure (``report.fix_result.comparison``).
 
->>> predict({"parameters": 100, "gradients": 0, "optimizer": 0, "activations": 800, "other": 0}, {}, 0)["accumulate:4"]
-300
+>>> cats = {"parameters": 100, "gradients": 0, "optimizer": 0, "activations": 800, "other": 0}
+>>> predict(cats, {}, 0)["accumulate:4"]  # 100 parameters + 100 gradients + 800 / 4
+400
 """
 from __future__ import annotations
 
@@ -25,20 +32,49 @@ from ..units import format_bytes
 _FIXED = ("parameters", "gradients", "optimizer")
 
 
-def predict(by_category: dict[str, int], by_module: dict[str, int], requested: int) -> dict[str, int]:
-    # Gradients being computed in backward have the parameters' size, not the batch's.
-    in_backward = by_module.get("(gradients in backward)", 0)
-    fixed = sum(by_category.get(c, 0) for c in _FIXED) + in_backward
+def predict(by_category: dict[str, int], by_module: dict[str, int], requested: int, *,
+            grads_at_start: int = 0, grads_full: int | None = None,
+            checkpoint: tuple[int, int] | None = None, amp_factor: float = 0.5) -> dict[str, int]:
+    """Predicted peak bytes per fix (see the module docstring).
+
+    ``grads_at_start``: gradient bytes live when the step began; ``grads_full``: bytes of
+    all trainable parameters' gradients (default: the parameters' bytes); ``checkpoint``:
+    (activation bytes saved in modules at the OOM, bytes kept with the planned checkpointing);
+    ``amp_factor``: what AMP leaves of the batch-sized part (0.5 when it is all float32).
+    """
     # ``requested`` is already live: the failing op's output exists when the limit trips.
-    act = max(0, sum(v for c, v in by_category.items() if c not in _FIXED) - in_backward)
-    out = {f"accumulate:{k}": fixed + act // k for k in (2, 4, 8)}
-    out["amp"] = fixed + act // 2
-    module_bytes = [v for k, v in by_module.items() if not k.startswith("(")]
-    if module_bytes:
-        biggest = max(module_bytes)
-        # Boundaries keep ~one input per module; the biggest module is recomputed at a time.
-        out["checkpoint"] = fixed + (act - sum(module_bytes)) + biggest + act // max(8, len(module_bytes) * 4)
+    live = sum(by_category.values())
+    params = by_category.get("parameters", 0)
+    grads = by_category.get("gradients", 0)
+    existing = by_module.get("(existing before the step)")
+    if existing is None:
+        existing = params + by_category.get("optimizer", 0) + min(grads, grads_at_start)
+    new_grads = max(0, grads - grads_at_start)      # parameter gradients made by this backward
+    fixed = existing + new_grads
+    scaled = max(0, live - fixed)
+    full = params if grads_full is None else grads_full
+    acc_grads = max(0, full - min(grads, grads_at_start) - new_grads)
+    out = {f"accumulate:{k}": fixed + acc_grads + scaled // k for k in (2, 4, 8)}
+    out["amp"] = fixed + params // 2 + int(scaled * amp_factor)
+    if checkpoint is not None:
+        saved, kept = checkpoint
+        out["checkpoint"] = fixed + max(0, scaled - saved) + kept
     return out
+
+
+def _step_facts(trace: Trace, by_module: dict[str, int]) -> dict[str, Any]:
+    """What the trace adds to the live breakdown: gradients at the start, all gradients' size, a checkpoint plan."""
+    grads = trace.memory.by_category.get("gradients") or [0]
+    facts: dict[str, Any] = {"grads_at_start": grads[0]}
+    params = getattr(trace, "params", None) or []
+    numel = sum(p.numel for p in params)
+    if numel and trace.parameters.get("bytes"):
+        facts["grads_full"] = trace.parameters["bytes"] * sum(p.numel for p in params if p.requires_grad) // numel
+    from ..fixes.plan import amp_factor, checkpoint_estimate
+
+    facts["checkpoint"] = checkpoint_estimate(trace, by_module)
+    facts["amp_factor"] = amp_factor(trace)
+    return facts
 
 
 def oom(trace: Trace) -> list[Finding]:
@@ -56,7 +92,7 @@ def oom(trace: Trace) -> list[Finding]:
     by_module = info.get("by_module", {})
     requested = info.get("requested") or 0
     limit = trace.memory.limit_bytes or trace.memory.device_total_bytes
-    preds = predict(cats, by_module, requested)
+    preds = predict(cats, by_module, requested, **_step_facts(trace, by_module))
     fixed = sum(cats.get(c, 0) for c in _FIXED)
     live = info.get("live", sum(cats.values()))
     phase = rec.phase if rec is not None else "the step"
@@ -92,4 +128,5 @@ def oom(trace: Trace) -> list[Finding]:
     return [at("oom", where, msg, op=rec.op if rec else None, fixes=fixes, title="Out of memory",
                evidence={"by_category": cats, "by_module": by_module, "requested": requested,
                          "limit": limit, "predicted_peak": preds, "predicted_peak_text": preds_text,
-                         "simulated": bool(info.get("simulated")), "lower_bound": True})]
+                         "simulated": bool(info.get("simulated")),
+                         "lower_bound": rec is None or rec.phase == "forward"})]

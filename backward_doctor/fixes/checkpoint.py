@@ -1,0 +1,112 @@
+"""``checkpoint``: run chosen submodules through ``torch.utils.checkpoint`` (non-reentrant).
+
+The modules are chosen from the original run's trace (see ``plan.py``): the
+activations saved for backward are added up per module and up the module tree; the
+modules at the depth whose checkpointing removes most bytes win. The rewrite
+patches their ``forward`` for the forward pass of this step only. Gradients are
+those of the original step, bit for bit on CPU.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+import torch
+
+from .. import namespace as ns_mod
+from ..trace import Trace
+from .accumulate import Rewrite
+from .plan import checkpoint_plan, inclusive, saved_by_module
+from .amp import forward_region
+from .cell import Cell, NotApplicable, check_compiles, fresh_name, indent
+
+def module_expr(namespace: dict[str, Any], path: str) -> tuple[str, torch.nn.Module] | None:
+    """A readable expression for the module at ``path`` (``model.blocks[2]``) and the module itself."""
+    for root_name, root in ns_mod.modules(namespace):
+        if path != root_name and not path.startswith(root_name + "."):
+            continue
+        expr, mod = root_name, root
+        rest = path[len(root_name):].lstrip(".")
+        for comp in rest.split(".") if rest else []:
+            child = mod._modules.get(comp)
+            if child is None:
+                return None
+            if comp.isdigit() and isinstance(mod, (torch.nn.Sequential, torch.nn.ModuleList)):
+                expr += f"[{comp}]"
+            elif comp.isidentifier() and getattr(mod, comp, None) is child:
+                expr += f".{comp}"
+            else:
+                expr += f".get_submodule({comp!r})"
+            mod = child
+        return expr, mod
+    return None
+
+
+def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
+    cell = Cell(source)
+    b = cell.backward_index()
+    first, last, with_backward = forward_region(cell, namespace)
+    trace: Trace | None = getattr(original, "trace", None)
+    if trace is None or not trace.ops:
+        raise NotApplicable("checkpointing needs the original run's trace to choose modules, and there is none")
+    finding = next((f for f in getattr(original, "findings", []) if f.kind == "oom"), None)
+    by_module = finding.evidence.get("by_module") if finding else None
+    chosen, total, kept = checkpoint_plan(trace, by_module)
+    saved = saved_by_module(trace, by_module)
+    if not saved:
+        raise NotApplicable("the original run shows no activations saved for backward inside any module, "
+                            "so there is nothing for checkpointing to drop")
+    incl = inclusive(saved)
+    top = max(saved.items(), key=lambda kv: kv[1])
+    if not chosen or kept > 0.9 * total:
+        raise NotApplicable(
+            f"checkpointing would not lower the peak: {top[1] * 100 // max(total, 1)}% of the saved activations are "
+            f"made by {top[0]}'s own forward code, and a checkpointed module is recomputed whole during backward, "
+            "so its activations come back at once. Use accumulate (smaller micro-batches) or amp instead.")
+    exprs = []
+    for path in chosen:
+        found = module_expr(namespace, path)
+        if found is None:
+            raise NotApplicable(f"module {path} from the trace is not reachable from the namespace any more")
+        expr, mod = found
+        if "forward" in vars(mod):
+            raise NotApplicable(f"{expr} already has its own `forward` attribute (patched or compiled); "
+                                "checkpointing it here could undo that")
+        exprs.append((expr, mod))
+    taken = cell.all_names() | set(namespace)
+    list_v = fresh_name("checkpointed", taken)
+    mod_v = fresh_name("module", taken)
+    parent = chosen[0].rsplit(".", 1)[0]
+    parent_found = module_expr(namespace, parent)
+    if parent_found and isinstance(parent_found[1], (torch.nn.Sequential, torch.nn.ModuleList)) \
+            and [m for _, m in exprs] == list(parent_found[1]):
+        list_expr = f"list({parent_found[0]})"
+    else:
+        list_expr = "[" + ", ".join(e for e, _ in exprs) + "]"
+        if len(list_expr) > 90:
+            list_expr = "[\n" + "".join(f"    {e},\n" for e, _ in exprs) + "]"
+    names = ", ".join(e for e, _ in exprs[:3]) + (f" ... ({len(exprs)} modules)" if len(exprs) > 3 else "")
+    head = ["import functools\n", "from torch.utils.checkpoint import checkpoint\n"]
+    lines = [f"# backward_doctor fix checkpoint: {names} keep only their inputs during the forward\n",
+             "# pass; backward recomputes their activations one module at a time (same gradients, about one more\n",
+             "# forward pass of compute). The modules are patched for this step only.\n",
+             f"{list_v} = {list_expr}\n",
+             f"for {mod_v} in {list_v}:\n",
+             f"    {mod_v}.forward = functools.partial(checkpoint, {mod_v}.forward, use_reentrant=False)\n",
+             "try:\n"]
+    for i in range(first, last + 1):
+        lines.append(indent(cell.chunks[i]))
+    lines += ["finally:\n", f"    for {mod_v} in {list_v}:\n", f"        del {mod_v}.forward  # back to the class's own forward\n"]
+    prefix = "".join(cell.chunks[i] for i in range(first))
+    suffix = "".join(cell.chunks[i] for i in range(last + 1, len(cell.stmts)))
+    code = "".join(head) + prefix + "".join(lines) + suffix
+    check_compiles(code)
+    warnings = []
+    if with_backward:
+        warnings.append("forward and backward are one statement here, so the modules stay patched during backward")
+    from ..units import format_bytes
+    msg = (f"Checkpoint {len(chosen)} module{'s' if len(chosen) > 1 else ''} ({names}): they hold "
+           f"{format_bytes(sum(incl[p] for p in chosen))} of the {format_bytes(total)} of activations saved for "
+           f"backward; with checkpointing about {format_bytes(kept)} stay saved at the peak.")
+    return Rewrite(code=code, message=msg, warnings=warnings,
+                   details={"modules": chosen, "saved_bytes": total, "kept_bytes": kept})

@@ -1,0 +1,237 @@
+"""Run a fix: snapshot, original run, restore, rewritten run, comparison.
+
+The rewritten cell is what runs (through the same capture as any cell), so the
+code the report offers to keep is the code that was measured.
+"""
+from __future__ import annotations
+
+import difflib
+import warnings as _warnings
+from typing import Any, Callable
+
+from .. import namespace as ns_mod
+from ..report import Report
+from ..trace import Trace
+from ..units import format_bytes, parse_size
+from . import accumulate, amp, checkpoint, sync
+from .cell import Cell, NotApplicable, stored_names
+from .compare import GradProbe, Watch, grad_max_rel_err, loss_value, run_numbers
+from .result import FixResult
+from .snapshot import Snapshot, available_ram, estimate_bytes
+from .spec import FixSpec, parse_fix
+
+Progress = Callable[[float, str], None]
+
+
+def _rewrite(spec: FixSpec, source: str, namespace: dict[str, Any], original: Report | None):
+    if spec.kind == "accumulate":
+        return accumulate.rewrite(source, namespace, spec.arg, original)
+    if spec.kind == "amp":
+        return amp.rewrite(source, namespace, spec.arg)
+    if spec.kind == "checkpoint":
+        return checkpoint.rewrite(source, namespace, original)
+    return sync.rewrite(source, namespace, original)
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:  # a cell we cannot parse: no names, no loss
+        return None
+
+
+def _diff(before: str, after: str) -> str:
+    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True),
+                                        fromfile="original cell", tofile="with fix"))
+
+
+def _cancelled(trace: Trace | None) -> bool:
+    return trace is not None and trace.exception is not None and trace.exception.type == "FixCancelled"
+
+
+def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original: Report | dict | None = None,
+            timeout: float | None = None, memory_limit: int | str | None = None, rollback: bool = True,
+            progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
+            run_original: Callable[[], Report] | None = None) -> Report:
+    """Apply ``fix`` to the cell ``source`` and run it; the report of the fixed run (see ``FixResult``).
+
+    Without ``original`` the original cell runs first (so the fix can be compared
+    with it and, for ``checkpoint``, planned from its trace); with ``rollback`` the
+    training state is snapshotted before and restored between the two runs, and
+    after a fixed run that fails or is cancelled. ``progress(fraction, text)`` is
+    called as work proceeds; ``cancel()`` returning True stops at the next model
+    call or optimizer step. Bad arguments raise ``ValueError`` before anything runs.
+    """
+    from ..api import build_report, check_timeout
+    from ..runner import run_source
+
+    spec = parse_fix(fix)
+    if not isinstance(source, str):
+        raise ValueError(f"source must be the code of a cell as a string, not {type(source).__name__}")
+    if namespace is not None and not isinstance(namespace, dict):
+        raise ValueError(f"namespace must be a dict of globals, not {type(namespace).__name__}")
+    timeout = check_timeout(timeout)
+    limit = parse_size(memory_limit)
+    if isinstance(original, dict):
+        original = Report.from_dict(original)
+    ns = {} if namespace is None else namespace
+    ns.setdefault("__builtins__", __builtins__)
+
+    def say(fraction: float, text: str) -> None:
+        if progress is not None:
+            progress(min(1.0, max(0.0, fraction)), text)
+
+    result = FixResult(name=spec.name)
+    cell = _safe(lambda: Cell(source))
+    names = set().union(*(cell.loads(i) for i in range(len(cell.stmts)))) if cell and cell.stmts else set()
+    rebinds = stored_names(cell.stmts) if cell else set()
+    loss_name = _safe(cell.loss_name) if cell else None
+    before_loss = loss_value(ns, loss_name) if original is not None and original.exception is None else None
+
+    # 1. Snapshot (when it fits in RAM).
+    snap: Snapshot | None = None
+    if rollback:
+        say(0.0, "saving the training state (rollback snapshot)")
+        need, avail = estimate_bytes(ns, rebinds), available_ram()
+        if avail is not None and need > 0.8 * avail:
+            text = (f"rollback skipped: the snapshot needs {format_bytes(need)} of RAM and only "
+                    f"{format_bytes(avail)} is available; the fix runs on top of the original run's state")
+            _warnings.warn(text, RuntimeWarning, stacklevel=2)
+            result.warnings.append(text)
+        else:
+            snap = Snapshot.take(ns, rebinds)
+    else:
+        result.warnings.append("rollback off: the fix runs on the state the original run left")
+
+    # 2. The original run.
+    probe_before = GradProbe(ns, enabled=original is None)
+    lo = 0.05 if original is None else 0.0
+    if original is None:
+        if cancel is not None and cancel():
+            return _stop(Report(exception="FixCancelled: cancelled by the user"), result, snap, ns,
+                         "Cancelled before anything ran.")
+        say(lo, "running the original cell")
+        with Watch(ns, names, lo, 0.45, "running the original cell", progress, cancel), probe_before:
+            if run_original is not None:
+                original = run_original()
+            else:
+                from ..history import history_for
+
+                original = build_report(run_source(source, ns, timeout=timeout, memory_limit=limit,
+                                                   history=history_for(source, ns)))
+        if _cancelled(original.trace):
+            original = Report(exception="FixCancelled: cancelled by the user", trace=original.trace)
+            return _stop(original, result, snap, ns, "Cancelled while the original cell ran; the state was "
+                         "restored." if snap else "Cancelled while the original cell ran.")
+        before_loss = loss_value(ns, loss_name) if original.exception is None else None
+    result.original = original.to_dict()
+    result.comparison = {"before": run_numbers(original.trace, before_loss), "after": run_numbers(None, None),
+                         "grad_max_rel_err": None}
+
+    # 3. The rewrite (an honest "cannot" leaves the namespace as the original run left it).
+    say(0.47, f"rewriting the cell for {spec.name}")
+    try:
+        rw = _rewrite(spec, source, ns, original)
+    except NotApplicable as exc:
+        result.message = f"{spec.name} cannot be applied: {exc}"
+        original.fix, original.fix_result = spec.name, result
+        say(1.0, "done (fix not applicable)")
+        return original
+    result.warnings.extend(rw.warnings)
+
+    # 4. Restore, then run the rewritten cell. Plain "accumulate" (no k) doubles k while the
+    #    step still runs out of memory, restoring the state before each try.
+    if snap is not None and probe_before.enabled:
+        snap.restore(ns)
+        result.rolled_back = True
+    # Gradients are compared only with an original step that ran to the end (and was run here).
+    compare = probe_before.enabled and original.exception is None and not original.trace.timed_out
+    tried: list[str] = []
+    while True:
+        name = f"accumulate:{rw.details['k']}" if spec.kind == "accumulate" else spec.name
+        result.name, result.code, result.diff = name, rw.code, _diff(source, rw.code)
+        result.comparison.pop("predicted_peak", None)
+        predicted = _predicted(original, name)
+        if predicted is not None:
+            result.comparison["predicted_peak"] = predicted
+        if snap is not None:
+            snap.add_names(ns, _safe(lambda: stored_names(Cell(rw.code).stmts)) or set())
+        if cancel is not None and cancel():
+            return _stop(original, result, snap, ns, "Cancelled before the fixed cell ran.")
+        say(0.5, f"running the cell with {name}")
+        probe_after = GradProbe(ns, enabled=compare)
+        with Watch(ns, names, 0.5, 0.95, f"running the cell with {name}", progress, cancel,
+                   rw.details.get("k", 1)), probe_after:
+            trace = run_source(rw.code, ns, timeout=timeout, memory_limit=limit)
+        if _cancelled(trace):
+            return _stop(original, result, snap, ns, "Cancelled while the fixed cell ran.")
+        oom = trace.exception is not None and trace.exception.type == "OutOfMemoryError"
+        k = rw.details.get("k")
+        if not (oom and spec.kind == "accumulate" and spec.arg is None and snap is not None
+                and k is not None and k < rw.details["batch_size"]):
+            break
+        tried.append(f"{name} still ran out of memory (peak {format_bytes(trace.memory.peak_bytes)})")
+        snap.restore(ns)
+        say(0.5, f"{name} ran out of memory; trying accumulate:{min(2 * k, rw.details['batch_size'])}")
+        rw = accumulate.rewrite(source, ns, min(2 * k, rw.details["batch_size"]), original)
+    report = build_report(trace, name)
+    after_loss = loss_value(ns, loss_name) if trace.exception is None else None
+    result.comparison["after"] = run_numbers(trace, after_loss)
+    if probe_after.enabled and trace.exception is None:
+        result.comparison["grad_max_rel_err"] = grad_max_rel_err(probe_before.grads, probe_after.grads)
+    result.applied = True
+    result.fits = trace.exception is None and not trace.timed_out
+    result.message = _outcome(rw.message, result, original, trace, limit)
+    if tried:
+        result.message += " Tried first: " + "; ".join(tried) + "."
+    if not result.fits and snap is not None:
+        snap.restore(ns)
+        result.rolled_back = True
+        result.message += " The training state was rolled back to before the fix."
+    report.fix_result = result
+    say(1.0, "done")
+    return report
+
+
+def _stop(report: Report, result: FixResult, snap: Snapshot | None, ns: dict[str, Any], message: str) -> Report:
+    if snap is not None:
+        snap.restore(ns)
+        result.rolled_back = True
+    result.cancelled = True
+    result.applied = False
+    result.message = message
+    if result.original is None and report.trace.ops:
+        result.original = report.to_dict()
+    report.fix, report.fix_result = result.name, result
+    return report
+
+
+def _predicted(original: Report, name: str) -> int | None:
+    finding = next((f for f in original.findings if f.kind == "oom"), None)
+    if finding is None:
+        return None
+    preds = finding.evidence.get("predicted_peak") or {}
+    key = name if name in preds else name.split(":")[0]
+    return preds.get(key)
+
+
+def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit: int | None) -> str:
+    before, after = result.comparison["before"], result.comparison["after"]
+    parts = [what.rstrip(". ") + "."]
+    if trace.exception is None and not trace.timed_out:
+        was = format_bytes(before["peak_bytes"]) if before.get("peak_bytes") else "?"
+        ran_out = "" if before.get("completed") else " when it failed"
+        of = f" (limit {format_bytes(limit)})" if limit else ""
+        parts.append(f"The fixed step ran: peak live tensors {format_bytes(after['peak_bytes'])}{of}, "
+                     f"was {was}{ran_out}.")
+        err = result.comparison.get("grad_max_rel_err")
+        if err is not None:
+            parts.append(f"Gradients differ from the original step's by at most {err:.2g} (relative).")
+        if before.get("loss") is not None and after.get("loss") is not None:
+            parts.append(f"Loss {after['loss']:.6g} (original {before['loss']:.6g}).")
+    else:
+        exc = trace.exception.summary().split("\n")[0][:200] if trace.exception else "timed out"
+        parts.append(f"The fixed step did not complete: {exc}.")
+    if result.warnings:
+        parts.append("Note: " + "; ".join(result.warnings) + ".")
+    return " ".join(parts)
