@@ -84,8 +84,31 @@ class BackwardDoctorMagics(Magics):
             _release_failed_frames(outer)
         if args.quiet and report.ok:
             return None
-        display(report)
+        _show(shell, report, cell, limit, timeout)
         return None
+
+
+def _show(shell: Any, report: Any, cell: str, limit: int | None, timeout: float | None) -> None:
+    """The panel in a kernel that shows widgets; else the report (HTML or text) and, in a kernel
+    without ipywidgets, a one-line hint to install it."""
+    if getattr(shell, "kernel", None) is None:  # terminal IPython, a plain InteractiveShell
+        display(report)
+        return
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        display(report)
+        print("backward_doctor: `pip install ipywidgets` for the interactive panel (memory, graph, fix buttons)")
+        return
+    from .panel import Panel
+
+    try:
+        panel = Panel(report, cell, shell.user_ns, memory_limit=limit, timeout=timeout)
+    except Exception as exc:  # never lose the diagnosis to a drawing problem
+        display(report)
+        print(f"backward_doctor: the panel could not be built ({type(exc).__name__}: {exc})")
+        return
+    display(panel)
 
 
 def _release_failed_frames(outer: Any) -> None:

@@ -1,49 +1,150 @@
-"""Simple static HTML report (the widget panel comes later); all user text escaped.
+"""The static HTML report: the panel's sections in one self-contained file.
+
+Plots are PNGs embedded as data URIs, the graph is inline SVG, styles are inline; no
+script, no CDN, nothing fetched, so it renders the same in a notebook output, on
+nbviewer and from a CI artifact. Everything from the user's code is escaped.
 
 >>> from backward_doctor.report import Report
->>> "OK" in render_html(Report())
+>>> "The step ran and nothing looks wrong" in render_html(Report())
 True
+>>> "<script>" in render_page(Report(trace=__import__("backward_doctor").Trace(source="</script><script>")))
+False
 """
 from __future__ import annotations
 
-from html import escape
-from typing import TYPE_CHECKING
+import base64
+from typing import TYPE_CHECKING, Any
 
-from .findings import source_line
-from .render_text import summary_line
+from . import sections as S
+from .sections import esc
 
 if TYPE_CHECKING:
     from .report import Report
 
-_COLORS = {"error": "#b00020", "warning": "#b26a00", "info": "#0b5cad", "ok": "#1b7f3b"}
+#: Composite modules drawn open under the graph (their insides), at most.
+MAX_INNER_GRAPHS = 8
+
+
+def png_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+def _img(data: bytes, alt: str) -> str:
+    return f'<img class="plot" alt="{esc(alt)}" src="{png_uri(data)}">'
+
+
+def memory_section(report: "Report") -> str:
+    tr = report.trace
+    if not tr.memory.op_index:
+        return '<div class="sub">No memory was recorded (no op ran).</div>'
+    try:
+        from . import plots
+
+        timeline = plots.memory_timeline_png(tr)
+        modules = plots.memory_by_module_png(tr)
+    except ImportError as exc:  # matplotlib missing: say so, keep the rest of the report
+        return f'<div class="sub">Plots need matplotlib ({esc(exc)}).</div>'
+    from .sections import memory_by_module
+
+    _, how = memory_by_module(tr)
+    return (_img(timeline, "memory timeline") +
+            f'<details><summary>Memory by module {esc(how)}</summary>{_img(modules, "memory by module")}</details>')
+
+
+def graph_section(report: "Report") -> str:
+    from .graph import build_graph, legend_html
+
+    g = build_graph(report.trace, report)
+    expanded = g.auto_expanded()
+    out = [legend_html(), f'<div class="graph">{g.render_svg(expanded)}</div>']
+    inner = g.expandable(expanded)
+    target = g._highlight_path() or ""
+    inner.sort(key=lambda m: not (target == m or target.startswith(m + ".")))
+    for m in inner[:MAX_INNER_GRAPHS]:
+        out.append(f"<details><summary>Inside <code>{esc(m)}</code></summary>"
+                   f'<div class="graph">{g.render_svg(expanded | {m}, within=m)}</div></details>')
+    if len(inner) > MAX_INNER_GRAPHS:
+        out.append(f'<div class="muted">{len(inner) - MAX_INNER_GRAPHS} more modules can be opened in the '
+                   "notebook panel.</div>")
+    return "".join(out)
+
+
+def ops_section(report: "Report") -> str:
+    tr = report.trace
+    if not tr.ops:
+        return '<div class="sub">No ops were recorded.</div>'
+    return (S.ops_table_html(tr, "op", "time", 15) +
+            "<details><summary>Ops by memory allocated</summary>" + S.ops_table_html(tr, "op", "memory", 15) +
+            "</details><details><summary>Modules by time</summary>" + S.ops_table_html(tr, "module", "time", 20) +
+            "</details><details><summary>Lines by time</summary>" + S.ops_table_html(tr, "line", "time", 20) +
+            "</details>")
+
+
+def fixes_section(report: "Report") -> str:
+    out = []
+    result = getattr(report, "fix_result", None)
+    if result is not None:
+        out.append(fix_after_html(result))
+    opts = S.applicable_fixes(report)
+    if opts:
+        rows = []
+        for o in opts:
+            pred = f"predicted peak ≥ {esc(S.format_bytes(o.predicted))}" if o.predicted else ""
+            rows.append(f"<tr><td><code>{esc(o.arg)}</code></td><td><b>{esc(o.title)}</b><br>"
+                        f'<span class="sub">{esc(o.description)}</span></td><td class="num">{pred}</td></tr>')
+        out.append('<table class="t">' + "".join(rows) + "</table>")
+        first = opts[0].arg
+        out.append(f'<div class="sub">Try one in the notebook with the panel\'s buttons, or '
+                   f'<code>%%backward_doctor --fix {esc(first)}</code>, or '
+                   f'<code>bd.diagnose(source, namespace, fix="{esc(first)}")</code>.</div>')
+    elif result is None:
+        out.append('<div class="sub">No one-click fix applies to this report.</div>')
+    return "".join(out)
+
+
+def fix_after_html(result: Any, with_code: bool = True) -> str:
+    """The after-view of a fix: verdict, comparison table and plot, diff, code to keep."""
+    out = [S.fix_result_html(result)]
+    comp = S._get(result, "comparison") or {}
+    if comp.get("before") and comp.get("after"):
+        try:
+            from . import plots
+
+            limit = (S._get(result, "original") or {}).get("trace", {}).get("memory", {}).get("limit_bytes") \
+                if isinstance(S._get(result, "original"), dict) else None
+            out.append(_img(plots.comparison_png(comp["before"], comp["after"], limit=limit), "before and after"))
+        except ImportError:
+            pass
+    for w in S._get(result, "warnings") or []:
+        out.append(f'<div class="sub">⚠ {esc(w)}</div>')
+    code = S._get(result, "code")
+    if code and with_code:
+        out.append(f'<div><b>Code to keep</b></div><div class="src"><pre style="padding:6px 8px">{esc(code)}</pre></div>')
+    return "".join(out)
 
 
 def render_html(report: "Report") -> str:
+    """The report as one HTML fragment (``<style>`` scoped to ``.bd``)."""
     tr = report.trace
-    if report.ok:
-        head = f'<b style="color:{_COLORS["ok"]}">backward_doctor: OK</b> - the step ran and nothing looks wrong'
-    else:
-        top = report.findings[0] if report.findings else None
-        color = _COLORS.get(top.severity if top else "error", _COLORS["error"])
-        verdict = escape(f"{top.kind} at {top.location()}") if top else "the step did not complete"
-        head = f'<b style="color:{color}">backward_doctor: PROBLEM</b> - {verdict}'
-    parts = [f'<div class="backward-doctor" style="font-family:sans-serif;font-size:13px">',
-             f"<div>{head}</div>", f'<div style="color:#555">{escape(summary_line(report))}</div>']
-    if report.exception:
-        parts.append(f"<div><code>{escape(report.exception.splitlines()[0])}</code></div>")
-    for f in report.findings:
-        code = source_line(tr, f.line, f.file)
-        parts.append('<div style="margin:8px 0;padding:6px 10px;border-left:4px solid '
-                     f'{_COLORS.get(f.severity, "#b00020")}">')
-        parts.append(f"<div><b>{escape(f.kind)}</b> at {escape(f.location())}"
-                     f"{' - ' + escape(f.title) if f.title else ''}</div>")
-        if code:
-            parts.append(f"<pre style='margin:4px 0;background:#f6f6f6'>{f.line:>4} | {escape(code)}</pre>")
-        if f.op:
-            parts.append(f"<div>op: <code>{escape(f.op)}</code></div>")
-        parts.append(f"<div>{escape(f.message)}</div>")
-        if f.fixes:
-            parts.append(f"<div>fixes: {escape(', '.join(f.fixes))}</div>")
-        parts.append("</div>")
-    parts.append("</div>")
-    return "\n".join(parts)
+    parts = [f"<style>{S.CSS}</style>", '<div class="bd">',
+             '<div class="muted" style="font-size:11px">backward_doctor report</div>', S.summary_html(report)]
+    sections = [("Memory timeline", memory_section), ("Root cause" if report.findings else "Findings",
+                                                      lambda r: S.findings_html(r)),
+                ("Autograd graph by module", graph_section), ("Ops", ops_section), ("Fixes", fixes_section)]
+    for title, fn in sections:
+        try:
+            body = fn(report)
+        except Exception as exc:  # a section that cannot be drawn must not hide the others
+            body = f'<div class="bad">This section could not be drawn: {esc(type(exc).__name__)}: {esc(exc)}</div>'
+        parts.append(f"<h3>{esc(title)}</h3>{body}")
+    parts.append(f'<div class="muted" style="margin-top:10px;font-size:11px">torch {esc(tr.torch_version)} · '
+                 f"device {esc(tr.device)} · {tr.op_count:,} ops recorded</div></div>")
+    return "".join(parts)
+
+
+def render_page(report: "Report", title: str = "backward_doctor report") -> str:
+    """A complete, self-contained HTML document (what ``report.save_html`` writes)."""
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{esc(title)}</title>"
+            "<style>body{margin:16px;background:#fff}</style></head><body>"
+            f"{render_html(report)}</body></html>\n")

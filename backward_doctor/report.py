@@ -59,10 +59,18 @@ class Report:
         return f"<backward_doctor.Report {'ok' if self.ok else 'problem'}: {kinds}>"
 
     def to_html(self) -> str:
-        """A self-contained HTML fragment of the report (user text escaped)."""
+        """The report as a self-contained HTML fragment: plots embedded, no script, user text escaped."""
         from .render_html import render_html
 
         return render_html(self)
+
+    def save_html(self, path: str) -> str:
+        """Write the report as one self-contained HTML page to ``path``; returns the path."""
+        from .render_html import render_page
+
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(render_page(self))
+        return path
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         return {"text/plain": str(self), "text/html": self.to_html()}
