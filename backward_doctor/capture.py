@@ -157,6 +157,7 @@ class Capture(OpRecorder):
                     self._register_param(p)
             for t in ns_mod.optimizer_state_tensors(opt):
                 led.track(t, "optimizer")
+            self.trace.optimizers.append(ns_mod.optimizer_summary(name, opt))  # for OOM predictions
         for name, t in ns_mod.tensors(self.namespace):
             key = storage_key(t)
             if key is not None:

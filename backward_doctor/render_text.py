@@ -86,4 +86,33 @@ def render_text(report: "Report") -> str:
                 out.append(f"    {loc}:{fi.line} in {fi.function}: {fi.code}")
     for note in tr.notes:
         out.append(f"  note: {note}")
+    if report.fix_result is not None:
+        out.extend(_fix_lines(report.fix_result))
     return "\n".join(out)
+
+
+def _fix_lines(fr) -> list[str]:  # noqa: ANN001 - a FixResult
+    """The fix section: verdict, before/after numbers, the code to keep."""
+    if fr.cancelled:
+        state = "cancelled"
+    elif not fr.applied:
+        state = "not applied"
+    else:
+        state = "applied, the step ran" if fr.fits else "applied, the step still fails"
+    out = ["", f"fix {fr.name}: {state}"]
+    out.extend(_wrap(fr.message, "    "))
+    cmp = fr.comparison or {}
+    before, after = cmp.get("before") or {}, cmp.get("after") or {}
+    if after.get("peak_bytes"):
+        line = f"peak live tensors {format_bytes(after['peak_bytes'])}"
+        if before.get("peak_bytes"):
+            line += f" (original {format_bytes(before['peak_bytes'])}{'' if before.get('completed') else ', failed'})"
+        if cmp.get("predicted_peak"):
+            line += f"; predicted {format_bytes(cmp['predicted_peak'])}"
+        if after.get("step_s") is not None and before.get("step_s") is not None:
+            line += f"; step {after['step_s']:.3f} s (original {before['step_s']:.3f} s)"
+        out.extend(_wrap(line, "    "))
+    if fr.code and fr.applied:
+        out.append("    code to keep:")
+        out.extend(f"    | {line}" for line in fr.code.rstrip("\n").splitlines())
+    return out

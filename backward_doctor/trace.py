@@ -206,6 +206,7 @@ class Trace:
     backward_calls: list[Where] = field(default_factory=list)
     backward_roots: list[str] = field(default_factory=list)  # autograd node each backward started at
     optimizer_steps: list[dict[str, Any]] = field(default_factory=list)
+    optimizers: list[dict[str, Any]] = field(default_factory=list)  # in the namespace at the start (sizes)
     parameters: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     run_id: int = 0

@@ -16,7 +16,7 @@ import torch
 from .. import namespace as ns_mod
 from ..trace import Trace
 from .accumulate import Rewrite
-from .plan import checkpoint_plan, inclusive, saved_by_module
+from .plan import checkpoint_plan, inclusive, path_key, saved_by_module
 from .amp import forward_region
 from .cell import Cell, NotApplicable, check_compiles, fresh_name, indent
 
@@ -42,6 +42,28 @@ def module_expr(namespace: dict[str, Any], path: str) -> tuple[str, torch.nn.Mod
     return None
 
 
+def _unseen_siblings(namespace: dict[str, Any], chosen: list[str]) -> list[str]:
+    """Siblings of the chosen modules, of the same class, that the failed run never reached (blocks after the OOM)."""
+    by_parent: dict[str, list[str]] = {}
+    for path in chosen:
+        if "." in path:
+            by_parent.setdefault(path.rsplit(".", 1)[0], []).append(path)
+    extra = []
+    for parent, kids in by_parent.items():
+        found = module_expr(namespace, parent)
+        if found is None:
+            continue
+        classes = {type(found[1].get_submodule(k.rsplit(".", 1)[1])) for k in kids}
+        if len(classes) != 1:
+            continue
+        cls = classes.pop()
+        for name, child in found[1].named_children():
+            path = f"{parent}.{name}"
+            if isinstance(child, cls) and type(child) is cls and path not in kids:
+                extra.append(path)
+    return extra
+
+
 def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
     cell = Cell(source)
     b = cell.backward_index()
@@ -63,6 +85,8 @@ def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
             f"checkpointing would not lower the peak: {top[1] * 100 // max(total, 1)}% of the saved activations are "
             f"made by {top[0]}'s own forward code, and a checkpointed module is recomputed whole during backward, "
             "so its activations come back at once. Use accumulate (smaller micro-batches) or amp instead.")
+    unseen = _unseen_siblings(namespace, chosen) if trace.exception is not None else []
+    chosen = sorted(chosen + unseen, key=path_key)
     exprs = []
     for path in chosen:
         found = module_expr(namespace, path)
@@ -106,7 +130,7 @@ def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
         warnings.append("forward and backward are one statement here, so the modules stay patched during backward")
     from ..units import format_bytes
     msg = (f"Checkpoint {len(chosen)} module{'s' if len(chosen) > 1 else ''} ({names}): they hold "
-           f"{format_bytes(sum(incl[p] for p in chosen))} of the {format_bytes(total)} of activations saved for "
+           f"{format_bytes(sum(incl.get(p, 0) for p in chosen))} of the {format_bytes(total)} of activations saved for "
            f"backward; with checkpointing about {format_bytes(kept)} stay saved at the peak.")
     return Rewrite(code=code, message=msg, warnings=warnings,
                    details={"modules": chosen, "saved_bytes": total, "kept_bytes": kept})

@@ -25,6 +25,11 @@ def _bytes(meta: Any) -> int:
     return n * _ELSIZE.get(str(meta.dtype).replace("torch.", ""), 4)
 
 
+def path_key(path: str) -> list[tuple[int, int | str]]:
+    """Sort key for module paths: ``blocks.2`` before ``blocks.10``."""
+    return [(0, int(x), "") if x.isdigit() else (1, 0, x) for x in path.split(".")]
+
+
 def _under(path: str | None, module: str) -> bool:
     return path is not None and (path == module or path.startswith(module + "."))
 
@@ -104,7 +109,7 @@ def plan(saved: dict[str, int], inputs: dict[str, int]) -> tuple[list[str], int]
     depths = sorted({p.count(".") for p in incl if "." in p})
     for d in depths:
         members = sorted((p for p in incl if p.count(".") == d and incl[p] > inputs.get(p, 0)),
-                         key=lambda p: [int(s) if s.isdigit() else s for s in p.split(".")])
+                         key=path_key)
         # A module whose activations were all made by one child cannot be better than that child.
         if not members:
             continue
@@ -147,3 +152,31 @@ def amp_factor(trace: Trace) -> float:
                 total += n
                 floats += n if str(meta.dtype).replace("torch.", "") == "float32" else 0
     return 1 - floats / total / 2 if total else 0.5
+
+
+_STATE = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "SparseAdam": 2,
+          "RMSprop": 1, "Adagrad": 1, "ASGD": 1, "Rprop": 2, "LBFGS": 2}
+_ADAM_LIKE = {"Adam", "AdamW", "NAdam", "RAdam", "Adamax"}
+
+
+def optimizer_step_extra(opt: dict[str, Any]) -> int:
+    """Bytes an optimizer step adds on top of parameters and gradients (see ``namespace.optimizer_summary``).
+
+    State it creates on its first step (Adam: two moments), plus temporaries: the single-tensor
+    implementations (the CPU default) make two of the largest parameter's size for Adam-like
+    optimizers, one for others; the foreach ones (the CUDA default) one of all parameters.
+
+    >>> optimizer_step_extra({"type": "Adam", "param_bytes": 100, "largest": 60, "state_bytes": 0})
+    320
+    """
+    kind, param_bytes = opt.get("type", ""), opt.get("param_bytes", 0)
+    factor = _STATE.get(kind, 1 if kind != "SGD" or opt.get("momentum") else 0)
+    new_state = factor * param_bytes if not opt.get("state_bytes") else 0
+    if kind == "SGD":
+        temps = 0
+    else:
+        foreach = opt.get("foreach")
+        if foreach is None:
+            foreach = str(opt.get("device", "cpu")).startswith("cuda")
+        temps = param_bytes if foreach else (2 if kind in _ADAM_LIKE else 1) * opt.get("largest", 0)
+    return new_state + temps

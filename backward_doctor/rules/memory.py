@@ -34,13 +34,16 @@ _FIXED = ("parameters", "gradients", "optimizer")
 
 def predict(by_category: dict[str, int], by_module: dict[str, int], requested: int, *,
             grads_at_start: int = 0, grads_full: int | None = None,
-            checkpoint: tuple[int, int] | None = None, amp_factor: float = 0.5) -> dict[str, int]:
+            checkpoint: tuple[int, int] | None = None, amp_factor: float = 0.5,
+            step_extra: int = 0) -> dict[str, int]:
     """Predicted peak bytes per fix (see the module docstring).
 
     ``grads_at_start``: gradient bytes live when the step began; ``grads_full``: bytes of
     all trainable parameters' gradients (default: the parameters' bytes); ``checkpoint``:
     (activation bytes saved in modules at the OOM, bytes kept with the planned checkpointing);
-    ``amp_factor``: what AMP leaves of the batch-sized part (0.5 when it is all float32).
+    ``amp_factor``: what AMP leaves of the batch-sized part (0.5 when it is all float32);
+    ``step_extra``: what the optimizer step adds to what existed before the step (state it
+    creates on its first step, its temporaries): every fix's peak is at least the step's.
     """
     # ``requested`` is already live: the failing op's output exists when the limit trips.
     live = sum(by_category.values())
@@ -59,6 +62,9 @@ def predict(by_category: dict[str, int], by_module: dict[str, int], requested: i
     if checkpoint is not None:
         saved, kept = checkpoint
         out["checkpoint"] = fixed + max(0, scaled - saved) + kept
+    if step_extra:
+        step = existing - min(grads, grads_at_start) + full + step_extra
+        out = {name: max(v, step) for name, v in out.items()}
     return out
 
 
@@ -70,10 +76,12 @@ def _step_facts(trace: Trace, by_module: dict[str, int]) -> dict[str, Any]:
     numel = sum(p.numel for p in params)
     if numel and trace.parameters.get("bytes"):
         facts["grads_full"] = trace.parameters["bytes"] * sum(p.numel for p in params if p.requires_grad) // numel
-    from ..fixes.plan import amp_factor, checkpoint_estimate
+    from ..fixes.plan import amp_factor, checkpoint_estimate, optimizer_step_extra
 
     facts["checkpoint"] = checkpoint_estimate(trace, by_module)
     facts["amp_factor"] = amp_factor(trace)
+    if "step(" in trace.source:  # the cell steps an optimizer (its own state and temporaries count)
+        facts["step_extra"] = sum(optimizer_step_extra(o) for o in getattr(trace, "optimizers", []))
     return facts
 
 
