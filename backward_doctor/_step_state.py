@@ -6,6 +6,7 @@ tensors in the namespace still carry an autograd graph and from which runs.
 from __future__ import annotations
 
 import collections
+import inspect
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from . import namespace as ns_mod
 from .memory import storage_key
+from .stores import store_line_in_file
 from .trace import ParamInfo
 
 if TYPE_CHECKING:
@@ -27,6 +29,9 @@ def param_infos(cap: "Capture") -> list[ParamInfo]:
     for root, mod in ns_mod.modules(cap.namespace):
         for name, p in mod.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), f"{root}.{name}")
+    for name, t in ns_mod.tensors(cap.namespace):  # e.g. logit_scale = nn.Parameter(...)
+        if isinstance(t, nn.Parameter):
+            names.setdefault(id(t), name)
     stepped_opts = {s["id"] for s in cap.trace.optimizer_steps}
     stepped: set[int] = set()
     for _, opt in ns_mod.optimizers(cap.namespace):
@@ -40,30 +45,75 @@ def param_infos(cap: "Capture") -> list[ParamInfo]:
     return out
 
 
-def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """(path, tensor, held in a container/attribute/closure) for tensors reachable from the namespace."""
+def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dict[str, Any]]]:
+    """(path, tensor, where it is stored) for tensors reachable from the namespace.
+
+    The third item says where to look for the statement that stores it: the cell
+    (``{"cell": [name]}``), a module's source (``{"file", "target": ["self", attr], "module"}``)
+    or a closure's function (``{"file", "first", "target": [freevar]}``).
+    """
     for path, value in ns_mod.user_items(namespace, depth=2):
         if isinstance(value, torch.Tensor):
-            yield path, value, "[" in path
+            yield path, value, {"cell": [path.split("[", 1)[0].split(".", 1)[0]], "contained": "[" in path}
     for root, mod in ns_mod.modules(namespace):
         for sub_name, sub in mod.named_modules():
-            for attr, value in list(vars(sub).items()):
-                if attr.startswith("_") or isinstance(value, nn.Parameter):
-                    continue
-                base = f"{root}.{sub_name}.{attr}" if sub_name else f"{root}.{attr}"
-                for path, item in ns_mod._children(base, value, 1):
+            mod_path = f"{root}.{sub_name}" if sub_name else root
+            try:
+                file = inspect.getsourcefile(type(sub))
+                first = inspect.getsourcelines(type(sub))[1]
+            except (TypeError, OSError):
+                file, first = None, 0
+            attrs = [(a, v) for a, v in vars(sub).items() if not a.startswith("_") and not isinstance(v, nn.Parameter)]
+            attrs += [(a, v) for a, v in sub._buffers.items() if v is not None]  # buffers can hold graphs too
+            for attr, value in attrs:
+                for path, item in ns_mod._children(f"{mod_path}.{attr}", value, 1):
                     if isinstance(item, torch.Tensor):
-                        yield path, item, True
+                        yield path, item, {"file": file, "first": first, "target": ["self", attr],
+                                           "module": mod_path, "contained": True}
     for name, value in list(namespace.items()):
-        cells = getattr(value, "__closure__", None) if callable(value) else None
-        for i, cell in enumerate(cells or ()):
+        code = getattr(value, "__code__", None)
+        cells = getattr(value, "__closure__", None)
+        if code is None or not cells:
+            continue
+        for var, cell in zip(code.co_freevars, cells):
             try:
                 content = cell.cell_contents
             except ValueError:
                 continue
-            for path, item in ns_mod._children(f"{name}.<closure {i}>", content, 1):
+            for path, item in ns_mod._children(f"{name}.<closure {var}>", content, 1):
                 if isinstance(item, torch.Tensor):
-                    yield path, item, True
+                    yield path, item, {"file": code.co_filename, "first": code.co_firstlineno, "target": [var],
+                                       "contained": True}
+
+
+_SAVED_ATTRS: dict[type, list[str]] = {}
+
+
+def _saved_bytes(fn: Any, seen_keys: set[int]) -> int:
+    """Bytes of tensors the graph behind ``fn`` still saves for a backward (bounded walk)."""
+    total = 0
+    seen: set[int] = set()
+    queue = collections.deque([fn])
+    while queue and len(seen) < _MAX_NODES:
+        node = queue.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names = _SAVED_ATTRS.get(type(node))
+        if names is None:
+            names = _SAVED_ATTRS[type(node)] = [a for a in dir(node) if a.startswith("_saved_")]
+        for attr in names:
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # already freed by a backward
+                continue
+            if isinstance(value, torch.Tensor):
+                key = storage_key(value)
+                if key and key not in seen_keys:
+                    seen_keys.add(key)
+                    total += value.untyped_storage().nbytes()
+        queue.extend(n for n, _ in node.next_functions)
+    return total
 
 
 def _runs_in_graph(fn: Any, start: int, earlier: list[tuple[int, int, int]]) -> set[int]:
@@ -96,17 +146,28 @@ def graph_holders(cap: "Capture") -> list[dict[str, Any]]:
     earlier = [(r.run_id, r.seq_start, r.seq_end) for r in cap.history.runs] if cap.history else []
     out: list[dict[str, Any]] = []
     seen: set[int] = set()
-    for path, t, contained in _holders(cap.namespace):
+    saved_keys: set[int] = set()
+    for path, t, store in _holders(cap.namespace):
         fn = t.grad_fn
         if fn is None or id(t) in seen:
             continue
         seen.add(id(t))
         seq = fn._sequence_nr()
         own_index = cap._seq_map.get(seq) if seq >= start else None
-        out.append({"path": path, "shape": list(t.shape), "bytes": t.untyped_storage().nbytes(),
-                    "grad_fn": type(fn).__name__, "contained": contained,
-                    "earlier_runs": sorted(_runs_in_graph(fn, start, earlier)),
-                    "own_run": cap._run_id if seq >= start else None, "own_index": own_index})
+        runs = sorted(_runs_in_graph(fn, start, earlier))
+        holder = {"path": path, "shape": list(t.shape), "bytes": t.untyped_storage().nbytes(),
+                  "grad_fn": type(fn).__name__, "contained": store["contained"], "earlier_runs": runs,
+                  "own_run": cap._run_id if seq >= start else None, "own_index": own_index,
+                  "module": store.get("module"), "store_file": None, "store_line": None, "store": "cell"}
+        if runs:
+            holder["graph_bytes"] = _saved_bytes(fn, saved_keys)
+            if "cell" in store:
+                holder["target"] = store["cell"]
+            elif store.get("file"):
+                holder["store"] = "module" if "module" in store else "closure"
+                holder["store_file"] = store["file"]
+                holder["store_line"] = store_line_in_file(store["file"], store["target"], store.get("first", 0))
+        out.append(holder)
         if len(out) >= _MAX_HOLDERS:
             break
     return out

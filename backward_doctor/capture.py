@@ -226,14 +226,17 @@ class Capture(OpRecorder):
         step = {"index": self._count, "optimizer": type(opt).__name__, "id": id(opt),
                 "line": where.line, "file": where.file, "cell_line": where.cell_line}
         self.trace.optimizer_steps.append(step)
-        if self.history is not None:
+        closure = any(callable(a) for a in list(args) + list(kwargs.values()))
+        if self.history is not None and not closure:  # L-BFGS & co. zero grads inside the closure
             self._check_stale(opt, step)
 
     def _check_stale(self, opt: torch.optim.Optimizer, step: dict[str, Any]) -> None:
         """A gradient an earlier step already consumed, never cleared since: accumulation by accident."""
         marks = self.history.stepped_grads
+        # Only gradients this run's backward added to: a step cell fed by another cell's backward
+        # cannot see whether that cell zeroed them in between.
         stale = [(p, marks[p.grad]) for g in opt.param_groups for p in g["params"]
-                 if p.grad is not None and p.grad in marks]
+                 if p.grad is not None and id(p) in self._got_grad and p.grad in marks]
         if stale:
             self.trace.stale_steps.append({**step, "params": len(stale),
                                            "since_run": min(m[0] for _, m in stale),

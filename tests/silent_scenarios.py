@@ -258,10 +258,6 @@ GRAPH_LEAK = [
         module=None,
         runs=2,
         mentions=("metrics", _LEAK_FIX),
-        known_engine_gaps={
-            "location": "the store is `metrics[...].append(...)`: the engine's cell scan only knows "
-            "`name.append(...)` / `name += ...` / `name[...] = ...`, so the finding has line None"
-        },
         doc="metrics kept in a defaultdict(list) (a common logging idiom), appended as tensors.",
     ),
     _in_file(
@@ -273,10 +269,6 @@ GRAPH_LEAK = [
         bug="cache_features",
         runs=2,
         mentions=("model.feature_maps", _LEAK_FIX),
-        known_engine_gaps={
-            "location": "the leaking entry was stored in an earlier run, so the engine has no op of this "
-            "run to point at and reports line None (module None) instead of the append in forward()"
-        },
         doc="features kept for a t-SNE plot: `self.feature_maps.append(h)` in forward().",
     ),
     _in_file(
@@ -299,10 +291,6 @@ GRAPH_LEAK = [
         bug="running_mean_with_graph",
         runs=2,
         mentions=("model.norm.running_mean", _LEAK_FIX),
-        known_engine_gaps={
-            "finding": "registered buffers live in Module._buffers, which the end-of-run walk skips "
-            "(it reads vars(module) and drops names starting with '_'): no graph_leak at all"
-        },
         doc="hand-written BatchNorm: running stats updated outside no_grad, so every buffer "
         "carries a graph that reaches back through all earlier steps.",
     ),
@@ -321,10 +309,6 @@ GRAPH_LEAK = [
         bug="closure_append",
         runs=2,
         mentions=("log_loss", _LEAK_FIX),
-        known_engine_gaps={
-            "location": "the entry in the closure was stored in an earlier run: the engine reports "
-            "line None instead of the `seen.append(value)` inside the closure"
-        },
         doc="a logging callback from a helper module keeps what it is given in its closure.",
     ),
 ]
@@ -570,10 +554,6 @@ DETACHED = [
         module=None,
         op="aten::_local_scalar_dense",
         mentions=("logit_scale",),
-        known_engine_gaps={
-            "message": "the starved parameter is a namespace variable, not a module attribute: the engine "
-            "names it `<parameter ()>` instead of `logit_scale`"
-        },
         doc="CLIP-style learnable temperature turned into a Python float and back.",
     ),
     _in_file(
@@ -741,10 +721,6 @@ BROADCAST = [
         module="model",
         bug="l1_broadcast",
         mentions=_SHAPES,
-        known_engine_gaps={
-            "finding": "F.l1_loss broadcasts with aten::expand x2 and then runs aten::sub/abs/mean on equal "
-            "shapes (there is no aten::l1_loss op): neither branch of the rule sees it, no finding"
-        },
         doc="the model computes F.l1_loss on its (N, 1) output and the (N,) targets.",
     ),
 ]
@@ -830,10 +806,6 @@ AMP_SKIPPED = [
         module=None,
         runs=2,
         also=("nonfinite",),
-        known_engine_gaps={
-            "location": "with an explicit scaler.unscale_() before clipping (the documented recipe), the "
-            "engine reports the unscale_ line, not the step line that was skipped"
-        },
         doc="the documented GradScaler + gradient clipping recipe, same inf loss.",
     ),
     _cell(
@@ -1268,10 +1240,6 @@ SILENT: list[SilentScenario] = [
         optimizer.step()
         """,
         _setup_rbf,
-        known_engine_gaps={
-            "silent": "broadcast fires on the RBF layer's `x[:, None, :] - centers[None]` (input without grad "
-            "minus a parameter, result bigger than both, feeding the loss) and calls them prediction/target"
-        },
         doc="(N, 1, D) - (1, K, D) inside a layer is intended broadcasting; the loss shapes match.",
     ),
     _silent(
@@ -1288,10 +1256,6 @@ SILENT: list[SilentScenario] = [
         optimizer.step()
         """,
         _setup_aux_head,
-        known_engine_gaps={
-            "silent": "detached fires on aux_head (used, stepped, no gradient) and blames the "
-            "`argmax(1) == y` accuracy line as a `.data` cut: argmax/eq outputs never require grad"
-        },
         doc="an auxiliary head whose loss is off during warm-up (its accuracy is still logged): "
         "no gradient for it on purpose, and nothing cut the graph.",
     ),
@@ -1306,10 +1270,6 @@ SILENT: list[SilentScenario] = [
         loss = optimizer.step(closure)
         """,
         _setup_lbfgs,
-        known_engine_gaps={
-            "silent": "LBFGS zeroes the gradients inside the closure that step() calls; the stale check "
-            "runs before the closure, sees the previous run's gradients and reports stale_grad"
-        },
         doc="full-batch L-BFGS (small regression / PINN): zero_grad is inside the closure.",
     ),
 ]

@@ -281,12 +281,6 @@ def test_graph_leak_counts_one_more_graph_each_run():
         assert all(f"history[{i}]" in f.message for i in range(min(run - 1, 4))), f.message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: graph_leak counts only the holder tensor's own storage (4 B for a scalar loss), not the "
-    "saved activations its never-backwarded graph keeps alive (32 KiB per validation pass here); the "
-    "live-bytes series does not grow either, since those tensors are reachable only through the graph",
-)
 def test_graph_leak_reports_the_bytes_the_graphs_keep_alive():
     sc = S.BY_NAME["validation_loss_without_no_grad_appended"]
     ns = sc.setup()
@@ -314,16 +308,7 @@ optimizer.step()
     "args",
     [
         pytest.param("", id="set_to_none"),
-        pytest.param(
-            "set_to_none=False",
-            id="zeroed_in_place",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="engine: gradients zeroed in place by another cell are forgotten only if they are still "
-                "all zero when the step cell starts; the backward in between refilled them, so the step "
-                "cell reports stale_grad",
-            ),
-        ),
+        pytest.param("set_to_none=False", id="zeroed_in_place"),
     ],
 )
 def test_zero_grad_in_another_cell_is_not_stale(args):

@@ -11,16 +11,15 @@ discriminator step on ``fake.detach()``, truncated BPTT, evaluation under
 """
 from __future__ import annotations
 
-import ast
 import math
 import os
 
 from ..findings import Finding, at, source_line
+from ..stores import store_line
 from ..trace import OpRecord, Trace, Where
 from ..units import format_bytes
 from .autograd import _user_detach
 
-_STORE_METHODS = {"append", "extend", "insert", "add", "update", "setdefault", "__setitem__"}
 _LOSS_OPS = {"aten::mse_loss", "aten::l1_loss", "aten::smooth_l1_loss", "aten::huber_loss",
              "aten::binary_cross_entropy", "aten::binary_cross_entropy_with_logits", "aten::soft_margin_loss"}
 _ELEMENTWISE = {"aten::sub", "aten::add", "aten::mul", "aten::div", "aten::rsub", "aten::sub_", "aten::add_"}
@@ -32,25 +31,9 @@ def _root(path: str) -> str:
     return path
 
 
-def _store_line(source: str, name: str) -> int | None:
-    """The line of the cell that stores into ``name`` (``name.append(...)``, ``name += ...``)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == name \
-                and node.func.attr in _STORE_METHODS:
-            return node.lineno
-        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
-            return node.lineno
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) \
-                        and target.value.id == name:
-                    return node.lineno
-    return None
+def _code(trace: Trace, line: int | None, file: str | None) -> str:
+    """A source line for a message: without its trailing comment."""
+    return source_line(trace, line, file).split("  #")[0].split(" # ")[0].strip()
 
 
 def graph_leak(trace: Trace) -> list[Finding]:
@@ -61,25 +44,33 @@ def graph_leak(trace: Trace) -> list[Finding]:
     first = leaks[0]
     var = _root(first["path"])
     where = Where()
-    if first["own_run"] == trace.run_id and first["own_index"] is not None:
-        rec = trace.op(first["own_index"])
-        if rec is not None:
-            where = rec.where  # e.g. the `total += loss` that extended the old graph this run
-    line = _store_line(trace.source, var)
-    if line is not None and (where.line is None or where.file is not None or where.line != line):
-        where = Where(line=line, cell_line=line)
-    nbytes = sum(h["bytes"] for h in leaks)
+    if first.get("store") in ("module", "closure"):
+        where = Where(line=first.get("store_line"), file=first.get("store_file"), module=first.get("module"))
+    else:
+        line = store_line(trace.source, first.get("target") or [var])
+        if line is not None:
+            where = Where(line=line, cell_line=line)
+        elif first["own_run"] == trace.run_id and first["own_index"] is not None:
+            rec = trace.op(first["own_index"])
+            where = rec.where if rec is not None else where
+    nbytes = sum(h["bytes"] + h.get("graph_bytes", 0) for h in leaks)
     runs = sorted({r for h in leaks for r in h["earlier_runs"]})
     series = trace.history.get("live_bytes_end", [])
     growth = ""
     if len(series) >= 2 and series[-1] > series[0]:
         growth = (" Live memory at the end of the step grew run after run: "
                   + " -> ".join(format_bytes(b) for b in series[-4:]) + ".")
+    code = _code(trace, where.line, where.file)
+    if "+=" in code or ("=" in code and var in code.split("=", 1)[-1] and first.get("store") == "cell"):
+        fix = f"accumulate a number: `{var} += loss.item()`"
+    elif ".append(" in code or ".extend(" in code:
+        fix = "append a number: `.append(loss.item())`, or `.detach()` if you need the tensor"
+    else:
+        fix = "store `.detach()` (or `.item()` for a number) instead of the tensor itself"
     paths = ", ".join(f"`{h['path']}`" for h in leaks[:4]) + (" ..." if len(leaks) > 4 else "")
     msg = (f"`{var}` keeps tensors that still carry the autograd graph of {len(runs)} earlier run(s) of this "
-           f"step ({paths}; {format_bytes(nbytes)} of tensors, each holding its graph). Every run adds one more, "
-           f"so memory creeps up until it runs out.{growth} Store a number, not the tensor: "
-           f"`{var}.append(loss.item())` / `total += loss.item()`, or `.detach()` if you need a tensor.")
+           f"step ({paths}): {format_bytes(nbytes)} kept alive, tensors and the activations their graphs saved. "
+           f"Every run adds one more, so memory creeps up until it runs out.{growth} Fix: {fix}.")
     return [at("graph_leak", where, msg, severity="warning", title="Graphs of earlier steps kept alive",
                evidence={"variable": var, "holders": [h["path"] for h in leaks], "bytes": nbytes,
                          "graphs": len(runs), "live_bytes_end": series})]
@@ -90,7 +81,7 @@ def stale_grad(trace: Trace) -> list[Finding]:
     out = []
     for s in trace.stale_steps[:1]:
         where = Where(line=s["line"], file=s["file"], cell_line=s["cell_line"])
-        code = source_line(trace, where.line, where.file)
+        code = _code(trace, where.line, where.file)
         msg = (f"`{code or 'optimizer.step()'}` used gradients that still contain the gradients of an earlier "
                f"run ({s['params']} parameters): `zero_grad()` was never called since the previous step, so "
                "backward() keeps adding into `.grad` and every step follows the sum of all past gradients - "
@@ -101,6 +92,10 @@ def stale_grad(trace: Trace) -> list[Finding]:
     return out
 
 
+def _differentiable(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
 def _cut_from(trace: Trace, keys: set[int]) -> tuple[OpRecord, str] | None:
     """Follow the data flowing out of ``keys`` forward to where it stops requiring grad."""
     derived = set(keys)
@@ -109,6 +104,7 @@ def _cut_from(trace: Trace, keys: set[int]) -> tuple[OpRecord, str] | None:
             continue
         hits = [(k, m) for k, m in zip(op.in_keys, op.inputs) if k in derived]
         if not hits:
+            derived.difference_update(k for k in op.out_keys if k not in keys)  # key reused by a new tensor
             continue
         if not op.grad_enabled and any(k in keys for k, _ in hits):
             return op, "no_grad"
@@ -117,9 +113,12 @@ def _cut_from(trace: Trace, keys: set[int]) -> tuple[OpRecord, str] | None:
         for k, m in hits:
             if not m.requires_grad and k not in keys:
                 detach = _user_detach(trace, k, op.index, None)
-                return (detach, "detach") if detach is not None else (op, "data")
+                if detach is not None and ".data" not in _code(trace, detach.where.line, detach.where.file):
+                    return detach, "detach"
+                return (detach or op), "data"
         if op.grad_enabled and op.op not in ("aten::detach", "aten::alias"):
-            derived.update(k for k in op.out_keys if k)
+            # Integer/bool results (argmax, comparisons) have no gradient by nature: not a cut.
+            derived.update(k for k, m in zip(op.out_keys, op.outputs) if k and _differentiable(m.dtype))
     return None
 
 
@@ -139,7 +138,7 @@ def detached(trace: Trace) -> list[Finding]:
     parts = [n.split(".") for n in names]
     common = os.path.commonprefix(parts)
     module = ".".join(common if len(names) > 1 else common[:-1]) or None
-    code = source_line(trace, op.where.line, op.where.file)
+    code = _code(trace, op.where.line, op.where.file)
     how_text = {"no_grad": "runs it under `torch.no_grad()`", "item": "turns its output into a Python number",
                 "detach": "detaches its output (`.detach()` / `.numpy()`)", "data": "uses `.data`"}[how]
     count = sum(p.numel for p in starved)
@@ -153,58 +152,71 @@ def detached(trace: Trace) -> list[Finding]:
                evidence={"parameters": names, "cut": how, "values": count})]
 
 
-def _ancestors(trace: Trace) -> set[int]:
-    """Forward ops that fed a backward root (the loss), following the data flow."""
-    writer: dict[int, int] = {}
-    producers: dict[int, list[int]] = {}
-    for op in trace.ops:
-        producers[op.index] = [writer[k] for k in op.in_keys if k in writer]
-        if op.op not in ("aten::detach", "aten::alias"):
-            for k in op.out_keys:
-                writer[k] = op.index
-    roots = [op.fwd_index for op in trace.ops if op.phase == "backward" and op.fwd_index is not None]
-    seen: set[int] = set()
-    stack = list(set(roots))
-    while stack:
-        i = stack.pop()
-        if i in seen:
+_TOWARD_LOSS = {"aten::pow", "aten::abs", "aten::mean", "aten::sum", "aten::mul", "aten::div", "aten::sqrt",
+                "aten::neg", "aten::square", "aten::smooth_l1_loss", "aten::huber_loss", "aten::mse_loss",
+                "aten::l1_loss", "aten::add", "aten::sub", "aten::clamp", "aten::log", "aten::exp"}
+
+
+def _feeds_loss(trace: Trace, op: OpRecord, roots: set[int]) -> bool:
+    """``op``'s result reaches a backward root through loss arithmetic only (no layer in between)."""
+    if op.index in roots:
+        return True
+    frontier = {k for k in op.out_keys if k}
+    for later in trace.ops:
+        if later.index <= op.index or later.phase != "forward":
             continue
-        seen.add(i)
-        stack.extend(producers.get(i, []))
-    return seen
+        if later.index - op.index > 12:  # a loss is computed right after the comparison
+            break
+        if frontier & set(later.in_keys):
+            if later.index in roots:
+                return True
+            if later.op in _TOWARD_LOSS:
+                frontier |= {k for k in later.out_keys if k}
+                continue
+        frontier -= set(later.out_keys)  # a freed storage's key reused by an unrelated tensor
+    return False
+
+
+def _original_shape(trace: Trace, i: int, k: int) -> list[int] | None:
+    """Shape of input ``k`` of op ``i`` before a broadcasting ``aten::expand`` just before it."""
+    op = trace.ops[i]
+    key, meta = op.in_keys[k], op.inputs[k]
+    for prev in reversed(trace.ops[max(0, i - 3):i]):
+        if prev.op == "aten::expand" and prev.out_keys and prev.out_keys[0] == key \
+                and prev.outputs[0].shape == meta.shape:
+            return prev.inputs[0].shape  # an expand is a view: same storage as what it expanded
+    return meta.shape
 
 
 def broadcast(trace: Trace) -> list[Finding]:
     """A loss whose prediction and target broadcast to a bigger shape than either."""
-    fed = None
+    roots: set[int] = set()  # the forward op behind each backward() call's first node: the loss
+    previous = "forward"
+    for op in trace.ops:
+        if op.phase == "backward" and previous != "backward" and op.fwd_index is not None:
+            roots.add(op.fwd_index)
+        previous = op.phase
     for i, op in enumerate(trace.ops):
-        if op.phase != "forward":
+        if op.phase != "forward" or len(op.inputs) != 2 or not op.outputs:
             continue
-        shapes = None
-        if op.op in _LOSS_OPS:
-            # F.mse_loss & co. broadcast with two aten::expand right before the loss op.
-            before = [o for o in trace.ops[max(0, i - 2):i] if o.op == "aten::expand" and o.inputs and o.outputs]
-            if len(before) == 2 and len(op.inputs) >= 2:
-                a, b = before[0].inputs[0].shape, before[1].inputs[0].shape
-                if a != b and before[0].outputs[0].shape == op.inputs[0].shape:
-                    shapes = (a, b, op.inputs[0].shape)
-        elif op.op in _ELEMENTWISE and len(op.inputs) == 2 and op.outputs:
-            a, b = op.inputs[0], op.inputs[1]
-            out_n = math.prod(op.outputs[0].shape)
-            if a.shape != b.shape and out_n > max(math.prod(a.shape), math.prod(b.shape)) \
-                    and a.requires_grad != b.requires_grad:
-                if fed is None:
-                    fed = _ancestors(trace)
-                if op.index in fed:
-                    shapes = (a.shape, b.shape, op.outputs[0].shape)
-        if shapes:
-            a, b, out = shapes
-            msg = (f"The loss compares a prediction of shape {list(a)} with a target of shape {list(b)}; they "
-                   f"broadcast to {list(out)}, so every prediction is compared with every target. The loss "
-                   "is wrong but raises nothing. Make the shapes equal: `pred.squeeze(-1)` or "
-                   "`target.view_as(pred)`.")
-            return [at("broadcast", op.where, msg, op=op.op, title="Prediction and target broadcast",
-                       evidence={"prediction": list(a), "target": list(b), "broadcast": list(out)})]
+        if op.op not in _LOSS_OPS and op.op not in _ELEMENTWISE:
+            continue
+        a, b = op.inputs
+        sa, sb = _original_shape(trace, i, 0), _original_shape(trace, i, 1)
+        if sa == sb:
+            continue
+        out = op.outputs[0].shape if op.op in _ELEMENTWISE else a.shape
+        if math.prod(out) <= max(math.prod(sa), math.prod(sb)) or a.requires_grad == b.requires_grad:
+            continue  # ordinary broadcasting (a bias, a mask), or not prediction vs target
+        if not _feeds_loss(trace, op, roots):
+            continue  # e.g. pairwise distances inside a layer
+        pred, target = (sa, sb) if a.requires_grad else (sb, sa)
+        msg = (f"The loss compares a prediction of shape {list(pred)} with a target of shape {list(target)}; "
+               f"they broadcast to {list(out)}, so every prediction is compared with every target. The loss "
+               "is wrong but raises nothing. Make the shapes equal: `pred.squeeze(-1)` or "
+               "`target.view_as(pred)`.")
+        return [at("broadcast", op.where, msg, op=op.op, title="Prediction and target broadcast",
+                   evidence={"prediction": list(pred), "target": list(target), "broadcast": list(out)})]
     return []
 
 
@@ -213,13 +225,16 @@ def skipped_amp_steps(trace: Trace) -> list[OpRecord]:
     steps = [s["index"] for s in trace.optimizer_steps]
     skipped = []
     pending = None
+    checked = None  # scaler.step reads found_inf with .item(): that op sits on the step line
     for op in trace.ops:
         if op.op == "aten::_amp_foreach_non_finite_check_and_unscale_":
-            pending = op
+            pending, checked = op, None
+        elif op.op == "aten::_local_scalar_dense" and pending is not None:
+            checked = op
         elif op.op == "aten::_amp_update_scale_" and pending is not None:
             if not any(pending.index < s <= op.index for s in steps):
-                skipped.append(pending)
-            pending = None
+                skipped.append(checked or pending)
+            pending = checked = None
     return skipped
 
 

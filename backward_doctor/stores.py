@@ -1,0 +1,100 @@
+"""Finding the line that stored a value: ``history.append(loss)``, ``total += loss``, ``self.cache = h``.
+
+Pure ``ast`` work over source text, used to point a graph leak at the statement
+that keeps the tensor (not at the op that made it).
+
+>>> store_line("total = 0\\nfor b in data:\\n    total += loss(b)", ["total"])
+3
+>>> store_line("m['train'].append(x)", ["m"])
+1
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+
+_STORE_METHODS = {"append", "extend", "insert", "add", "update", "setdefault", "appendleft"}
+
+
+def _path(expr: ast.AST) -> list[str]:
+    """``self.feats[0].x`` -> ["self", "feats"] ... down to the base name (outermost first)."""
+    names: list[str] = []
+    while True:
+        if isinstance(expr, ast.Subscript):
+            expr = expr.value
+            names.clear()  # what follows a subscript is inside the container
+        elif isinstance(expr, ast.Attribute):
+            names.insert(0, expr.attr)
+            expr = expr.value
+        elif isinstance(expr, ast.Name):
+            return [expr.id] + names
+        else:
+            return []
+
+
+def _starts(path: list[str], target: list[str]) -> bool:
+    return path[:len(target)] == target
+
+
+def _mentions(node: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def store_line_in(tree: ast.AST, target: list[str], first: int = 0, last: int = 10**9) -> int | None:
+    """First line in [first, last] that stores into ``target`` (a dotted path like ["self", "cache"]).
+
+    Stores in ``__init__`` are set-up, not the step: they are skipped.
+    """
+    found: list[int] = []
+    init = [(n.lineno, n.end_lineno or n.lineno) for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if not first <= line <= last or any(lo <= line <= hi for lo, hi in init):
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _STORE_METHODS and _starts(_path(node.func.value), target):
+            found.append(line)
+        elif isinstance(node, ast.AugAssign) and _starts(_path(node.target), target):
+            found.append(line)
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                p = _path(t)
+                if not _starts(p, target):
+                    continue
+                plain_rebind = isinstance(t, ast.Name) and len(target) == 1
+                # `x = x + loss` keeps the old x in the new graph; `x = loss` alone does not leak.
+                if not plain_rebind or _mentions(node.value, target[0]):
+                    found.append(line)
+    return min(found) if found else None
+
+
+def store_line(source: str, target: list[str]) -> int | None:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    return store_line_in(tree, target)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(filename: str) -> ast.AST | None:
+    text = "".join(linecache.getlines(filename))
+    try:
+        return ast.parse(text) if text else None
+    except SyntaxError:
+        return None
+
+
+def store_line_in_file(filename: str, target: list[str], first: int = 0) -> int | None:
+    """Like :func:`store_line`, in a source file (``first``: first line of the function or class)."""
+    tree = _parsed(filename)
+    if tree is None:
+        return None
+    last = 10**9
+    if first:
+        fn = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                   and first in [n.lineno] + [d.lineno for d in n.decorator_list]), None)
+        last = getattr(fn, "end_lineno", last) or last
+    return store_line_in(tree, target, first, last)
