@@ -103,15 +103,16 @@ def _fix_lines(fr) -> list[str]:  # noqa: ANN001 - a FixResult
     out.extend(_wrap(fr.message, "    "))
     cmp = fr.comparison or {}
     before, after = cmp.get("before") or {}, cmp.get("after") or {}
-    if after.get("peak_bytes"):
-        line = f"peak live tensors {format_bytes(after['peak_bytes'])}"
-        if before.get("peak_bytes"):
-            line += f" (original {format_bytes(before['peak_bytes'])}{'' if before.get('completed') else ', failed'})"
-        if cmp.get("predicted_peak"):
-            line += f"; predicted {format_bytes(cmp['predicted_peak'])}"
-        if after.get("step_s") is not None and before.get("step_s") is not None:
-            line += f"; step {after['step_s']:.3f} s (original {before['step_s']:.3f} s)"
-        out.extend(_wrap(line, "    "))
+    numbers = []
+    if after.get("peak_bytes") and cmp.get("predicted_peak"):
+        bound = " (a lower bound: memory ran out early)" if cmp.get("predicted_is_lower_bound") else ""
+        numbers.append(f"predicted peak {format_bytes(cmp['predicted_peak'])}{bound}, "
+                       f"measured {format_bytes(after['peak_bytes'])}")
+    if after.get("step_s") is not None and before.get("step_s") is not None:
+        numbers.append(f"step {after['step_s']:.3f} s (original {before['step_s']:.3f} s"
+                       f"{'' if before.get('completed') else ', until it failed'})")
+    if numbers:
+        out.extend(_wrap("; ".join(numbers), "    "))
     if fr.code and fr.applied:
         out.append("    code to keep:")
         out.extend(f"    | {line}" for line in fr.code.rstrip("\n").splitlines())

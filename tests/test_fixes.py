@@ -360,3 +360,85 @@ def test_sync_on_cpu_checks_the_bad_ids_before_the_embedding():
     assert report.findings[0].kind == "index_out_of_range"
     with pytest.raises(IndexError, match="outside 0..9"):
         exec(fr.code, dict(ns))
+
+
+def test_globals_restored_and_no_memory_held_after_fixes(mlp_peak):
+    import gc
+    import weakref
+
+    import torch.optim.optimizer as optim_mod
+    from torch.nn.modules import module as nn_module
+
+    def state():
+        return (torch._C._len_torch_dispatch_stack(), len(nn_module._global_forward_pre_hooks),
+                len(nn_module._global_forward_hooks), len(optim_mod._global_optimizer_pre_hooks),
+                len(optim_mod._global_optimizer_post_hooks), torch.is_grad_enabled(),
+                torch.is_autocast_enabled("cpu"))
+    before = state()
+    ns = wide_mlp()
+    report = bd.diagnose(STEP, ns, memory_limit=int(mlp_peak * 0.6), fix="accumulate")
+    run_fix(STEP, wide_mlp(), "amp", memory_limit=int(mlp_peak * 0.75))
+    run_fix(STEP, wide_mlp(), "accumulate:4", cancel=lambda: True)
+    assert state() == before
+    # The report keeps no tensor of the user's: dropping the namespace frees the batch.
+    ref = weakref.ref(ns["xb"])
+    ns.clear()
+    gc.collect()
+    assert ref() is None
+    assert report.fix_result.fits
+
+
+def test_run_fix_from_a_report_the_widget_already_has(mlp_peak):
+    limit = int(mlp_peak * 0.6)
+    ns = wide_mlp()
+    original = bd.diagnose(STEP, ns, memory_limit=limit)          # what the panel shows first
+    report = run_fix(STEP, ns, "accumulate:4", original=original.to_dict(), memory_limit=limit)
+    fr = report.fix_result
+    assert fr.applied and fr.fits and not fr.rolled_back          # nothing ran twice, nothing to undo
+    assert fr.original == original.to_dict()
+    assert fr.comparison["before"]["peak_bytes"] == original.trace.memory.peak_bytes
+    assert fr.comparison["predicted_peak"] == original.findings[0].evidence["predicted_peak"]["accumulate:4"]
+
+
+def test_plain_accumulate_doubles_k_until_the_step_fits_even_for_a_batch_made_in_the_cell(mlp_peak):
+    src = "xb = torch.randn(1024, 64)\nyb = torch.randint(0, 10, (1024,))\n" + STEP
+    ns = wide_mlp()
+    del ns["xb"], ns["yb"]
+    fr = bd.diagnose(src, ns, memory_limit=int(mlp_peak * 0.5), fix="accumulate").fix_result
+    assert fr.applied and fr.fits, fr.message
+    assert "Tried first: accumulate:2 still ran out of memory" in fr.message and "itself" in fr.message
+    assert "_2 " not in fr.code and "accum_steps = " in fr.code        # fresh names, not accum_steps_2
+    assert fr.comparison["after"]["peak_bytes"] <= int(mlp_peak * 0.5)
+    assert fr.comparison["predicted_is_lower_bound"] is True           # it ran out in the first layer
+
+
+def test_plain_accumulate_stops_when_the_optimizer_step_itself_does_not_fit(mlp_peak):
+    fr = bd.diagnose(STEP, wide_mlp(), memory_limit=int(mlp_peak * 0.25), fix="accumulate").fix_result
+    assert fr.applied and not fr.fits and fr.rolled_back
+    assert any("in the optimizer step" in w for w in fr.warnings), fr.message
+
+
+def test_run_fix_from_a_background_thread_with_a_cancel_event(mlp_peak):
+    """The panel runs fixes in a thread so its Cancel button stays live."""
+    import threading
+
+    ns = wide_mlp()
+    start = params(ns)
+    original = bd.diagnose(STEP, ns, memory_limit=int(mlp_peak * 0.6))
+    stop = threading.Event()
+    out = {}
+
+    def progress(fraction, text):
+        if "(2/4)" in text:
+            stop.set()
+
+    def work():
+        out["report"] = run_fix(STEP, ns, "accumulate:4", original=original, memory_limit=int(mlp_peak * 0.6),
+                                progress=progress, cancel=stop.is_set)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(60)
+    fr = out["report"].fix_result
+    assert fr.cancelled and fr.rolled_back
+    assert all(torch.equal(a, b) for a, b in zip(params(ns), start))

@@ -58,11 +58,16 @@ def test_cli_bad_fix_exits_2(tmp_path):
     assert proc.returncode == 2 and "k >= 2" in proc.stderr
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def shell():
+    """The process-wide shell (other test files use it too): leave its namespace as we found it."""
     sh = InteractiveShell.instance()
     sh.run_cell("%load_ext backward_doctor", store_history=False)
-    return sh
+    saved = dict(sh.user_ns)
+    yield sh
+    for name in [n for n in sh.user_ns if n not in saved]:
+        del sh.user_ns[name]
+    sh.user_ns.update(saved)
 
 
 SETUP = textwrap.dedent("""\

@@ -169,7 +169,9 @@ def _default_k(original: Any, batch: int) -> tuple[int, str]:
     return min(4, batch), "k=4 by default (no prediction to choose from)"
 
 
-def rewrite(source: str, namespace: dict[str, Any], k: int | None, original: Any = None) -> Rewrite:
+def rewrite(source: str, namespace: dict[str, Any], k: int | None, original: Any = None,
+            reuse: set[str] = frozenset()) -> Rewrite:
+    """The cell with an explicit micro-batch loop (``reuse``: names a previous rewrite made, free to take again)."""
     cell = Cell(source)
     b = cell.backward_index()
     group, start_i = find_batch(cell, namespace, b)
@@ -182,8 +184,8 @@ def rewrite(source: str, namespace: dict[str, Any], k: int | None, original: Any
     hoisted = [i for i in range(start_i, b) if cell.is_call(i, "zero_grad")]
     made = sorted({n for n in names for i in range(start_i) if n in cell.stores(i)})
     if made:
-        warnings_pre = [f"the cell makes {', '.join('`' + n + '`' for n in made)} itself before the step; the fixed "
-                        "run uses what that code gives then (a data iterator gives the next batch, not the same one)"]
+        warnings_pre = [f"the cell makes {', '.join('`' + n + '`' for n in made)} itself, so the fixed run splits "
+                        "what that code gives then (from a data iterator: the next batch)"]
     else:
         warnings_pre = []
     body = [i for i in range(start_i, b + 1) if i not in hoisted]
@@ -198,7 +200,7 @@ def rewrite(source: str, namespace: dict[str, Any], k: int | None, original: Any
     loss = cell.loss_name()
     reduction = _reduction(cell, namespace, range(start_i, b + 1), loss)
 
-    taken = cell.all_names() | set(namespace)
+    taken = cell.all_names() | (set(namespace) - set(reuse))
     steps_v = fresh_name("accum_steps", taken)
     size_v = fresh_name("batch_size", taken)
     micro_v = fresh_name("micro_size", taken)

@@ -151,16 +151,20 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         name = f"accumulate:{rw.details['k']}" if spec.kind == "accumulate" else spec.name
         result.name, result.code, result.diff = name, rw.code, _diff(source, rw.code)
         result.comparison.pop("predicted_peak", None)
-        predicted = _predicted(original, name)
+        predicted, lower = _predicted(original, name)
         if predicted is not None:
             result.comparison["predicted_peak"] = predicted
+            result.comparison["predicted_is_lower_bound"] = lower
         if snap is not None:
             snap.add_names(ns, _safe(lambda: stored_names(Cell(rw.code).stmts)) or set())
         if cancel is not None and cancel():
             return _stop(original, result, snap, ns, "Cancelled before the fixed cell ran.")
-        say(0.5, f"running the cell with {name}")
+        # Each retry gets half of what is left of the bar, so the fraction never goes back.
+        lo, hi = 0.95 - 0.45 * 0.5 ** len(tried), 0.95 - 0.45 * 0.5 ** (len(tried) + 1)
+        hi = 0.95 if spec.arg is not None or spec.kind != "accumulate" else hi
+        say(lo, f"running the cell with {name}")
         probe_after = GradProbe(ns, enabled=compare)
-        with Watch(ns, names, 0.5, 0.95, f"running the cell with {name}", progress, cancel,
+        with Watch(ns, names, lo, hi, f"running the cell with {name}", progress, cancel,
                    rw.details.get("k", 1)), probe_after:
             trace = run_source(rw.code, ns, timeout=timeout, memory_limit=limit)
         if _cancelled(trace):
@@ -168,12 +172,22 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         oom = trace.exception is not None and trace.exception.type == "OutOfMemoryError"
         k = rw.details.get("k")
         if not (oom and spec.kind == "accumulate" and spec.arg is None and snap is not None
-                and k is not None and k < rw.details["batch_size"]):
+                and k is not None and k < rw.details["batch_size"] and len(tried) < 5):
+            break
+        failed = trace.op((trace.exception.oom or {}).get("index"))
+        if failed is not None and failed.phase == "optimizer":
+            result.warnings.append(f"{name} ran out of memory in the optimizer step, which more micro-batches do "
+                                   "not shrink: parameters, gradients and optimizer state alone exceed the device")
+            break
+        try:  # before restoring: batch tensors the cell makes itself exist now
+            made = (_safe(lambda: stored_names(Cell(rw.code).stmts)) or set()) - rebinds
+            following = accumulate.rewrite(source, ns, min(2 * k, rw.details["batch_size"]), original, reuse=made)
+        except NotApplicable:
             break
         tried.append(f"{name} still ran out of memory (peak {format_bytes(trace.memory.peak_bytes)})")
         snap.restore(ns)
-        say(0.5, f"{name} ran out of memory; trying accumulate:{min(2 * k, rw.details['batch_size'])}")
-        rw = accumulate.rewrite(source, ns, min(2 * k, rw.details["batch_size"]), original)
+        say(hi, f"{name} ran out of memory; trying {following.details['k']} micro-batches")
+        rw = following
     report = build_report(trace, name)
     after_loss = loss_value(ns, loss_name) if trace.exception is None else None
     result.comparison["after"] = run_numbers(trace, after_loss)
@@ -206,13 +220,14 @@ def _stop(report: Report, result: FixResult, snap: Snapshot | None, ns: dict[str
     return report
 
 
-def _predicted(original: Report, name: str) -> int | None:
+def _predicted(original: Report, name: str) -> tuple[int | None, bool]:
+    """The OOM finding's predicted peak for this fix, and whether it is only a lower bound."""
     finding = next((f for f in original.findings if f.kind == "oom"), None)
     if finding is None:
-        return None
+        return None, False
     preds = finding.evidence.get("predicted_peak") or {}
     key = name if name in preds else name.split(":")[0]
-    return preds.get(key)
+    return preds.get(key), bool(finding.evidence.get("lower_bound"))
 
 
 def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit: int | None) -> str:
