@@ -70,14 +70,15 @@ _BTN = ("border:1px solid #d0d7de;border-radius:6px;background:#f6f8fa;padding:3
 
 
 def keep_html(code: str) -> str:
-    """The code to keep, with buttons that insert it into the notebook or copy it (pure front end)."""
-    return (f'<div class="bd bd-keep"><div><b>Code to keep</b></div>'
-            f'<div class="src"><pre style="padding:6px 8px">{esc(code)}</pre></div>'
+    """Buttons that insert the code to keep into the notebook or copy it (pure front end), and the code."""
+    return (f'<div class="bd bd-keep"><div><b>Code to keep</b> <span class="sub">(the whole cell with the fix)'
+            f'</span></div>'
             f'<button class="bd-insert" style="{_BTN};background:#1f883d;color:#fff;border-color:#1a7f37" '
             f'onclick="{html.escape(KEEP_JS, quote=True)}">Insert as a new cell below</button>'
             f'<button class="bd-copy" style="{_BTN}" onclick="{html.escape(COPY_JS, quote=True)}">Copy code</button>'
             f'<span class="bd-keep-status" style="color:#57606a"></span>'
-            f"<textarea hidden>{esc(code)}</textarea></div>")
+            f'<details><summary>Show the code</summary><div class="src"><pre style="padding:6px 8px">{esc(code)}'
+            f"</pre></div></details><textarea hidden>{esc(code)}</textarea></div>")
 
 
 def _wrap(body: str) -> str:
@@ -138,16 +139,20 @@ class Panel:
         self.status = W.HTML("")
         self.after = W.HTML("")
         self.after_image = W.Image(format="png", layout=W.Layout(display="none", max_width="1000px"))
+        self.after_image.add_class("bd-after-plot")
         self.keep = W.HTML("")
         fix_label = W.HTML('<div class="bd"><b>Fixes</b> <span class="sub">(re-run the cell with the fix and '
                            'compare)</span></div>' if self.fix_options else "")
+        self.after_caption = W.HTML("")
         self.fix_box = W.VBox([fix_label, W.HBox(list(self.fix_buttons.values())), self.progress_box, self.status,
-                               self.after, self.after_image, self.keep],
+                               self.after, self.keep, self.after_caption, self.after_image],
                               layout=W.Layout(display="flex" if self.fix_options else "none"))
+        self.fix_box.add_class("bd-fix-box")
         # Tabs, filled when first shown.
         self.memory_toggle = W.ToggleButtons(options=["timeline", "by module"], value="timeline",
                                              style={"button_width": "100px"})
         self.memory_image = W.Image(format="png", layout=W.Layout(max_width="1000px"))
+        self.memory_image.add_class("bd-memory-plot")
         self.memory_note = W.HTML("")
         self.memory_toggle.observe(lambda _c: self._show_memory(), names="value")
         self.findings = W.HTML("")
@@ -296,6 +301,7 @@ class Panel:
         self._cancel.clear()
         self.after.value = ""
         self.keep.value = ""
+        self.after_caption.value = ""
         self.after_image.layout.display = "none"
         self.progress.value = 0.0
         self.progress.bar_style = ""
@@ -376,6 +382,7 @@ class Panel:
 
                 self.after_image.value = plots.memory_timeline_png(tr, height=3.0)
                 self.after_image.layout.display = "block"
+                self.after_caption.value = _wrap("<div><b>Memory of the run with the fix</b></div>")
             except Exception:  # the comparison above already says what changed
                 self.after_image.layout.display = "none"
         code = S._get(result, "code")

@@ -84,6 +84,8 @@ def _op_label(trace: Trace, index: int | None) -> str:
         return ""
     w = forward_where(trace, rec)
     where = "" if w.line is None else (f"line {w.line}" if w.file is None else f"{w.file.rsplit('/', 1)[-1]}:{w.line}")
+    if where and rec.phase == "backward":
+        where = "backward of " + where
     bits = [rec.op, where, w.module or ""]
     return " · ".join(b for b in bits if b)
 

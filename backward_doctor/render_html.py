@@ -103,20 +103,26 @@ def fixes_section(report: "Report") -> str:
 
 
 def fix_after_html(result: Any, with_code: bool = True) -> str:
-    """The after-view of a fix: verdict, comparison table and plot, diff, code to keep."""
-    out = [S.fix_result_html(result)]
+    """The after-view of a fix: verdict, comparison table beside the bars, warnings, diff, code to keep."""
     comp = S._get(result, "comparison") or {}
+    plot = ""
     if comp.get("before") and comp.get("after"):
         try:
             from . import plots
 
-            limit = (S._get(result, "original") or {}).get("trace", {}).get("memory", {}).get("limit_bytes") \
-                if isinstance(S._get(result, "original"), dict) else None
-            out.append(_img(plots.comparison_png(comp["before"], comp["after"], limit=limit), "before and after"))
+            original = S._get(result, "original")
+            limit = (original.get("trace", {}).get("memory", {}).get("limit_bytes")
+                     if isinstance(original, dict) else None)
+            plot = _img(plots.comparison_png(comp["before"], comp["after"], limit=limit), "before and after")
         except ImportError:
             pass
+    head, table, diff = S.fix_result_parts(result)
+    out = [head, '<div style="display:flex;flex-wrap:wrap;gap:16px;align-items:center">'
+           f'<div style="flex:0 0 auto">{table}</div><div style="flex:1 1 380px;max-width:600px">{plot}</div></div>']
     for w in S._get(result, "warnings") or []:
         out.append(f'<div class="sub">⚠ {esc(w)}</div>')
+    if diff:
+        out.append("<div><b>The change</b></div>" + diff)
     code = S._get(result, "code")
     if code and with_code:
         out.append(f'<div><b>Code to keep</b></div><div class="src"><pre style="padding:6px 8px">{esc(code)}</pre></div>')

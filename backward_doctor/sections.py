@@ -494,7 +494,7 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
     if rec is not None and rec.phase == "backward":
         fw = forward_where(tr, rec)
         raw = rec.where
-        if raw.line is not None and (raw.line, raw.file) != (fw.line, fw.file):
+        if raw.line is not None and (raw.line, raw.file) not in ((fw.line, fw.file), (f.line, f.file)):
             out.append(source_html(tr, raw.line, raw.file, around=1,
                                    caption=_src_caption(raw.line, raw.file, "where backward ran")))
         if (fw.line, fw.file) != (f.line, f.file) and fw.line is not None:
@@ -617,19 +617,25 @@ def make_diff(before: str, after: str) -> str:
     return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), "cell", "cell (fixed)"))
 
 
-def fix_result_html(result: Any) -> str:
-    """The after-view: what was applied, the comparison, the diff."""
+def fix_result_parts(result: Any) -> tuple[str, str, str]:
+    """(verdict, comparison table, diff) of a fix result, as HTML."""
     name = _get(result, "name", "fix")
     applied = _get(result, "applied", False)
     msg = _get(result, "message", "")
-    color = COLORS["ok"] if applied else COLORS["warning"]
-    out = [f'<div class="verdict" style="--sev:{color}"><span class="badge">{"after" if applied else "not applied"}'
-           f'</span><div><div class="headline">{esc(name)}</div><div class="sub">{esc(msg)}</div></div></div>']
-    out.append(comparison_html(result))
+    cancelled = _get(result, "cancelled", False)
+    fits = _get(result, "fits", None)
+    color = COLORS["ok"] if applied and fits is not False else COLORS["warning"]
+    badge = "cancelled" if cancelled else "after the fix" if applied else "not applied"
+    head = (f'<div class="verdict" style="--sev:{color}"><span class="badge">{esc(badge)}</span><div>'
+            f'<div class="headline">{esc(name)}</div><div class="sub">{esc(msg)}</div></div></div>')
     diff = _get(result, "diff") or ""
     original = _get(result, "original")
     if not diff and _get(result, "code") and isinstance(original, str):
         diff = make_diff(original, _get(result, "code"))
-    if diff:
-        out.append("<div><b>The change</b></div>" + diff_html(diff))
-    return "".join(out)
+    return head, comparison_html(result), diff_html(diff)
+
+
+def fix_result_html(result: Any) -> str:
+    """The after-view: what was applied, the comparison, the diff."""
+    head, table, diff = fix_result_parts(result)
+    return head + table + ("<div><b>The change</b></div>" + diff if diff else "")
