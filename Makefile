@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo test clean
+.PHONY: setup chromium demo test clean
 
 setup: $(VENV)/.installed
 
@@ -20,7 +20,16 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) -m backward_doctor.demo
 
-test: setup
+# The browser test drives Debian's chromium (Playwright's own browser download is not used).
+# Idempotent; if it cannot be installed the browser test skips itself and says why.
+chromium:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  ( $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null ) \
+	    || echo "could not install chromium: tests/test_browser.py will be skipped"; \
+	fi
+
+test: setup chromium
 	$(PY) -m pytest -q backward_doctor tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
