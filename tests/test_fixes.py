@@ -284,7 +284,7 @@ def test_rollback_skipped_with_a_warning_when_ram_is_short(monkeypatch):
     ("loss = model(torch.randn(4, 64)).sum()\nloss.backward()\n", "accumulate:2", "found no batch"),
     ("for i in range(2):\n    model(xb).sum().backward()\n", "accumulate:2", "inside a loop"),
     ("optimizer.zero_grad()\noptimizer.step()\nloss = F.cross_entropy(model(xb), yb)\n", "amp", "no `.backward()`"),
-    (STEP, "sync", "sync has nothing to add"),
+    (STEP, "sync", "nothing to add here"),
 ])
 def test_a_fix_that_does_not_apply_says_why(source, fix, fragment):
     ns = wide_mlp()
@@ -442,3 +442,26 @@ def test_run_fix_from_a_background_thread_with_a_cancel_event(mlp_peak):
     fr = out["report"].fix_result
     assert fr.cancelled and fr.rolled_back
     assert all(torch.equal(a, b) for a, b in zip(params(ns), start))
+
+
+def test_the_callers_report_is_not_modified(mlp_peak):
+    ns = wide_mlp()
+    original = bd.diagnose(STEP, ns, memory_limit=int(mlp_peak * 0.6))
+    before = original.to_dict()
+    for fix in ("checkpoint", "accumulate:4"):
+        run_fix(STEP, ns, fix, original=original, memory_limit=int(mlp_peak * 0.6))
+        assert original.to_dict() == before and original.fix_result is None
+
+
+def test_plain_accumulate_stops_when_smaller_micro_batches_do_not_help():
+    """A dense embedding gradient that alone does not fit: the same allocation fails for every k."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(8192, 32, mode="mean"), nn.Linear(32, 2))
+    ns = {"torch": torch, "F": F, "model": model, "docs": torch.randint(0, 8192, (64, 20)),
+          "y": torch.randint(0, 2, (64,)), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    src = "optimizer.zero_grad()\nloss = F.cross_entropy(model(docs), y)\nloss.backward()\noptimizer.step()\n"
+    report = bd.diagnose(src, ns, memory_limit="1.5MB", fix="accumulate")
+    fr = report.fix_result
+    assert fr.applied and not fr.fits
+    assert any("do not shrink the allocation that fails" in w for w in fr.warnings), fr.message
+    assert fr.message.count("still ran out of memory") <= 2

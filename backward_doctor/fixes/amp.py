@@ -142,7 +142,9 @@ def rewrite(source: str, namespace: dict[str, Any], dtype: str | None = None) ->
         prefix + "".join(lines) + "".join(rest)
     check_compiles(code)
     what = "bfloat16" if dtype == "bf16" else "float16 with a GradScaler"
-    msg = (f"Run the forward pass and the loss (lines {cell.stmts[first].lineno}-{cell.stmts[last].end_lineno}) under "
+    lo_line, hi_line = cell.stmts[first].lineno, cell.stmts[last].end_lineno
+    where = f"line {lo_line}" if lo_line == hi_line else f"lines {lo_line}-{hi_line}"
+    msg = (f"Run the forward pass and the loss ({where}) under "
            f"torch.autocast({dev!r}) in {what}: activations saved for backward take half the memory; weights, "
            "gradients and optimizer state stay float32. The loss is close to, not equal to, the float32 loss.")
     return Rewrite(code=code, message=msg, warnings=warnings,

@@ -8,7 +8,6 @@ those of the original step, bit for bit on CPU.
 """
 from __future__ import annotations
 
-import ast
 from typing import Any
 
 import torch

@@ -5,11 +5,11 @@ code the report offers to keep is the code that was measured.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import warnings as _warnings
 from typing import Any, Callable
 
-from .. import namespace as ns_mod
 from ..report import Report
 from ..trace import Trace
 from ..units import format_bytes, parse_size
@@ -99,7 +99,12 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
             _warnings.warn(text, RuntimeWarning, stacklevel=2)
             result.warnings.append(text)
         else:
-            snap = Snapshot.take(ns, rebinds)
+            try:
+                snap = Snapshot.take(ns, rebinds)
+            except Exception as exc:  # never lose the diagnosis to the snapshot
+                text = f"rollback skipped: the state could not be copied ({type(exc).__name__}: {exc})"
+                _warnings.warn(text, RuntimeWarning, stacklevel=2)
+                result.warnings.append(text)
     else:
         result.warnings.append("rollback off: the fix runs on the state the original run left")
 
@@ -134,19 +139,19 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         rw = _rewrite(spec, source, ns, original)
     except NotApplicable as exc:
         result.message = f"{spec.name} cannot be applied: {exc}"
-        original.fix, original.fix_result = spec.name, result
         say(1.0, "done (fix not applicable)")
-        return original
+        return dataclasses.replace(original, fix=spec.name, fix_result=result)  # the caller's report stays as it was
     result.warnings.extend(rw.warnings)
 
     # 4. Restore, then run the rewritten cell. Plain "accumulate" (no k) doubles k while the
     #    step still runs out of memory, restoring the state before each try.
     if snap is not None and probe_before.enabled:
-        snap.restore(ns)
+        _restore(snap, ns, result)
         result.rolled_back = True
     # Gradients are compared only with an original step that ran to the end (and was run here).
     compare = probe_before.enabled and original.exception is None and not original.trace.timed_out
     tried: list[str] = []
+    last_failure: tuple[Any, Any] = (None, None)
     while True:
         name = f"accumulate:{rw.details['k']}" if spec.kind == "accumulate" else spec.name
         result.name, result.code, result.diff = name, rw.code, _diff(source, rw.code)
@@ -174,18 +179,25 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         if not (oom and spec.kind == "accumulate" and spec.arg is None and snap is not None
                 and k is not None and k < rw.details["batch_size"] and len(tried) < 5):
             break
-        failed = trace.op((trace.exception.oom or {}).get("index"))
+        info = trace.exception.oom or {}
+        failed = trace.op(info.get("index"))
         if failed is not None and failed.phase == "optimizer":
             result.warnings.append(f"{name} ran out of memory in the optimizer step, which more micro-batches do "
                                    "not shrink: parameters, gradients and optimizer state alone exceed the device")
             break
+        signature = (failed.op if failed else None, info.get("requested"))
+        if tried and signature == last_failure and signature[1]:
+            result.warnings.append(f"smaller micro-batches do not shrink the allocation that fails "
+                                   f"({format_bytes(signature[1])} in {signature[0]})")
+            break
+        last_failure = signature
         try:  # before restoring: batch tensors the cell makes itself exist now
             made = (_safe(lambda: stored_names(Cell(rw.code).stmts)) or set()) - rebinds
             following = accumulate.rewrite(source, ns, min(2 * k, rw.details["batch_size"]), original, reuse=made)
         except NotApplicable:
             break
         tried.append(f"{name} still ran out of memory (peak {format_bytes(trace.memory.peak_bytes)})")
-        snap.restore(ns)
+        _restore(snap, ns, result)
         say(hi, f"{name} ran out of memory; trying {following.details['k']} micro-batches")
         rw = following
     report = build_report(trace, name)
@@ -199,7 +211,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     if tried:
         result.message += " Tried first: " + "; ".join(tried) + "."
     if not result.fits and snap is not None:
-        snap.restore(ns)
+        _restore(snap, ns, result)
         result.rolled_back = True
         result.message += " The training state was rolled back to before the fix."
     report.fix_result = result
@@ -207,17 +219,23 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     return report
 
 
+def _restore(snap: Snapshot, ns: dict[str, Any], result: FixResult) -> None:
+    try:
+        snap.restore(ns)
+    except Exception as exc:  # say so: the state may be partly restored
+        result.warnings.append(f"rollback failed part-way ({type(exc).__name__}: {exc}); check the model's state")
+
+
 def _stop(report: Report, result: FixResult, snap: Snapshot | None, ns: dict[str, Any], message: str) -> Report:
     if snap is not None:
-        snap.restore(ns)
+        _restore(snap, ns, result)
         result.rolled_back = True
     result.cancelled = True
     result.applied = False
     result.message = message
     if result.original is None and report.trace.ops:
         result.original = report.to_dict()
-    report.fix, report.fix_result = result.name, result
-    return report
+    return dataclasses.replace(report, fix=result.name, fix_result=result)
 
 
 def _predicted(original: Report, name: str) -> tuple[int | None, bool]:

@@ -44,6 +44,9 @@ class _Saved:
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy (a meta tensor has no data: it is kept as it is)."""
+    if t.device.type == "meta":
+        return t.detach()
     # Our copies must not be seen (or counted) by a capture that may be running.
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -163,7 +166,9 @@ class Snapshot:
 
         with _disable_current_modes(), torch.no_grad():
             for t, value, grad, requires_grad in self.tensors:
-                if t.shape == value.shape and t.dtype == value.dtype:
+                if t.device.type == "meta" or value.device.type == "meta":
+                    pass  # no data to put back
+                elif t.shape == value.shape and t.dtype == value.dtype:
                     t.copy_(value)
                 else:
                     t.data = value.to(t.device)

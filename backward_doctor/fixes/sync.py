@@ -65,7 +65,7 @@ def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
     if not checks and device != "cuda":
         why = ("the original run shows no out-of-range index" if check is None else
                "the bad index values are made inside the cell, not read from a variable")
-        raise NotApplicable(f"sync has nothing to add here: {why}, and on the CPU errors already surface "
+        raise NotApplicable(f"there is nothing to add here: {why}, and on the CPU errors already surface "
                             "at the line that caused them (sync matters on CUDA)")
     if device == "cuda":
         try:
