@@ -465,3 +465,32 @@ def test_plain_accumulate_stops_when_smaller_micro_batches_do_not_help():
     assert fr.applied and not fr.fits
     assert any("do not shrink the allocation that fails" in w for w in fr.warnings), fr.message
     assert fr.message.count("still ran out of memory") <= 2
+
+
+def test_snapshot_restores_scheduler_scaler_rng_and_names():
+    import random
+
+    from backward_doctor.fixes.snapshot import Snapshot
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ns = {"model": model, "opt": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+          "scaler": torch.amp.GradScaler("cpu", init_scale=1024.0), "loss": torch.tensor(3.0), "n": 1}
+    snap = Snapshot.take(ns, rebinds={"loss", "n", "fresh"})
+    draws = (random.random(), torch.rand(1))
+    scaler = ns["scaler"]
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    scaler.step(opt)
+    ns["sched"].step()
+    scaler.update(new_scale=8.0)
+    ns.update(loss=torch.tensor(9.0), n=2, fresh="made by the cell")
+    model.eval()
+    snap.restore(ns)
+    assert opt.state == {} or all(not s for s in opt.state.values())       # momentum buffers made later: gone
+    assert opt.param_groups[0]["lr"] == 0.1 and ns["sched"].last_epoch == 0
+    assert ns["scaler"].get_scale() == 1024.0
+    assert float(ns["loss"]) == 3.0 and ns["n"] == 1 and "fresh" not in ns
+    assert model.training and all(p.grad is None for p in model.parameters())
+    again = (random.random(), torch.rand(1))
+    assert again[0] == draws[0] and torch.equal(again[1], draws[1])        # the same random numbers again
