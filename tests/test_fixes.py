@@ -293,6 +293,7 @@ def test_a_fix_that_does_not_apply_says_why(source, fix, fragment):
     assert not fr.applied and fragment in fr.message, fr.message
     assert fr.code == "" and fr.fits is None
     assert fr.message.startswith(f"{fix} cannot be applied: ")
+    assert bd.last_report() is report
 
 
 def test_unknown_or_malformed_fix_raises_before_anything_runs():

@@ -140,7 +140,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     except NotApplicable as exc:
         result.message = f"{spec.name} cannot be applied: {exc}"
         say(1.0, "done (fix not applicable)")
-        return dataclasses.replace(original, fix=spec.name, fix_result=result)  # the caller's report stays as it was
+        return _as_last(dataclasses.replace(original, fix=spec.name, fix_result=result))  # the caller's stays as it was
     result.warnings.extend(rw.warnings)
 
     # 4. Restore, then run the rewritten cell. Plain "accumulate" (no k) doubles k while the
@@ -219,6 +219,15 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     return report
 
 
+def _as_last(report: Report) -> Report:
+    """Make ``report`` what ``backward_doctor.last_report()`` returns."""
+    from .. import api
+
+    with api._lock:
+        api._last[:] = [report]
+    return report
+
+
 def _restore(snap: Snapshot, ns: dict[str, Any], result: FixResult) -> None:
     try:
         snap.restore(ns)
@@ -235,7 +244,7 @@ def _stop(report: Report, result: FixResult, snap: Snapshot | None, ns: dict[str
     result.message = message
     if result.original is None and report.trace.ops:
         result.original = report.to_dict()
-    return dataclasses.replace(report, fix=result.name, fix_result=result)
+    return _as_last(dataclasses.replace(report, fix=result.name, fix_result=result))
 
 
 def _predicted(original: Report, name: str) -> tuple[int | None, bool]:
