@@ -157,6 +157,7 @@ def _nonfinite_reach(cap: "Capture") -> None:
     if not cap.detail and (cap._nonfinite_seen or flags["gradients"] or flags["parameters"]):
         # The first tier saw NaN/Inf but screened too little to say where it was born.
         trace.needs_detail = "nonfinite"
+        trace.nonfinite_hint = cap._nonfinite_seen
 
 
 def _remember(cap: "Capture") -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from .history import history_for
 from .report import Report
+from .tiers import replay_in_detail, snapshot_for
 from .rules import analyze
 from .trace import Trace
 from .units import parse_size
@@ -80,7 +81,11 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
         from .fixes.run import run_fix
 
         return run_fix(source, ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
-    trace = run_source(source, ns, timeout=timeout, memory_limit=limit, history=history_for(source, ns))
+    snapshot = snapshot_for(source, ns) if rollback else None
+    trace = run_source(source, ns, timeout=timeout, memory_limit=limit, history=history_for(source, ns),
+                       detail=False)
+    if trace.needs_detail and snapshot is not None:
+        trace = replay_in_detail(trace, source, ns, snapshot, timeout=timeout, memory_limit=limit)
     return build_report(trace, fix)
 
 

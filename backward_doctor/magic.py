@@ -18,6 +18,7 @@ from IPython.display import display
 from .api import build_report, check_fix, check_timeout
 from .capture import Capture
 from .history import history_for
+from .tiers import replay_in_detail, snapshot_for
 from .runner import run_under_capture
 from .units import parse_size
 
@@ -62,8 +63,9 @@ class BackwardDoctorMagics(Magics):
             return None
         # The same name run_cell will give the cell's code object, so frames map to its lines.
         filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
+        snapshot = None if args.no_rollback else snapshot_for(cell, shell.user_ns)
         capture = Capture(shell.user_ns, cell_file=filename, source=cell, memory_limit=limit,
-                          history=history_for(cell, shell.user_ns))
+                          history=history_for(cell, shell.user_ns), detail=False)
 
         # The result of the cell that holds this magic: the inner run_cell's error is
         # copied onto it so Jupyter marks the cell failed (and "Run All" stops), as usual.
@@ -79,6 +81,11 @@ class BackwardDoctorMagics(Magics):
             return error
 
         trace = run_under_capture(run, capture, timeout)
+        if trace.needs_detail and snapshot is not None:
+            # NaN/Inf seen: replay the step from the saved state with every op checked. The
+            # namespace ends as a plain run leaves it (the replay recomputes the same step).
+            trace = replay_in_detail(trace, cell, shell.user_ns, snapshot, timeout=timeout, memory_limit=limit)
+        del snapshot
         report = build_report(trace, args.fix)
         if trace.exception is not None and trace.exception.type == "OutOfMemoryError":
             _release_failed_frames(outer)

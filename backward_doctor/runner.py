@@ -113,13 +113,13 @@ def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
 
 def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
                memory_limit: int | None = None, filename: str | None = None,
-               history: CellHistory | None = None) -> Trace:
+               history: CellHistory | None = None, detail: bool = True) -> Trace:
     """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace."""
     filename = filename or cell_filename()
     # Register the source so tracebacks and reports can show the cell's lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     capture = Capture(namespace, cell_file=filename, source=source, memory_limit=memory_limit,
-                      history=history)
+                      history=history, detail=detail)
 
     def run() -> BaseException | None:
         code = compile(source, filename, "exec")

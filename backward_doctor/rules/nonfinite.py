@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..findings import Finding, at, forward_where, source_line
 from ..stats import format_stats
-from ..trace import NonFiniteEvent, Trace
+from ..trace import NonFiniteEvent, Trace, Where
 
 _EXPLAIN = {
     "log": ("`log` of zero or a negative number gives -inf/NaN",
@@ -38,11 +38,27 @@ def _explain(op: str | None) -> tuple[str, str]:
             "check its inputs' range (see the statistics) and add clamping or an epsilon")
 
 
+def _without_origin(trace: Trace) -> list[Finding]:
+    """First tier only (no rollback, so no detailed replay): say that NaN/Inf happened and where it showed."""
+    if trace.needs_detail != "nonfinite":
+        return []
+    hint = trace.nonfinite_hint or {}
+    reached = [k for k, v in trace.nonfinite_reached.items() if v] or ["loss"]
+    where = Where(line=hint.get("line"), file=hint.get("file"), cell_line=hint.get("line"))
+    msg = (f"NaN/Inf reached the {', '.join(reached)}"
+           f"{' (first seen in a scalar at line ' + str(where.line) + ')' if where.line else ''}. "
+           "The cheap first pass does not check every op, and without a rollback snapshot the step could not "
+           "be replayed to find the op that made it: run the cell again with rollback on (the default) to get "
+           "the origin.")
+    return [at("nonfinite", where, msg, title="NaN/Inf in this step (origin not located)",
+               evidence={"reached": reached, "located": False})]
+
+
 def nonfinite(trace: Trace) -> list[Finding]:
     """Report the first origin whose NaN/Inf reached the loss, a gradient or a parameter."""
     origins: list[NonFiniteEvent] = [e for e in trace.nonfinite if e.is_origin and e.reached]
     if not origins:
-        return []
+        return _without_origin(trace)
     ev = origins[0]
     reached = [k for k, v in trace.nonfinite_reached.items() if v]
     rec = trace.op(ev.index)
