@@ -75,18 +75,22 @@ class OpRecorder:
         name = info[0]
         index = self._count
         self._count = index + 1
-        where = self._where()
         node = _current_node()
         if node is not None:
             phase = "backward"
             fwd_index = self._seq_map.get(node._sequence_nr())
             if self._last_phase != "backward":  # a new backward() call starts at its root node
+                self._where_cache.clear()
+                where = self._where(cached=True)
                 self.trace.backward_calls.append(where)
                 self.trace.backward_roots.append(node.name())
                 self._roots.append(fwd_index)
+            else:
+                where = self._where(cached=True)
         else:
             phase = "optimizer" if self._opt_depth else "forward"
             fwd_index = None
+            where = self._where(cached=phase == "optimizer")
         self._last_phase = phase
         grad_enabled = _grad_enabled()
         ins = _tensors(args, kwargs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import sys
 import time
 import weakref
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
     from .history import CellHistory
 
 _run_ids = itertools.count(1)
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_WRAPPER_FILES = (os.path.join("torch", "_dynamo", "eval_frame.py"), os.path.join("torch", "_compile.py"),
+                  os.path.join("torch", "utils", "_python_dispatch.py"))
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
 
@@ -85,6 +89,8 @@ class Capture(OpRecorder):
         self._modules: dict[int, tuple[weakref.ref, str]] = {}
         self._module_stack: list[int] = []
         self._stack_key: tuple[int, ...] = ()
+        self._skip_codes: dict[Any, bool] = {}  # our frames and torch's wrappers around __torch_dispatch__
+        self._where_cache: dict[tuple, Where] = {}  # call site -> Where, within one backward()/step()
         self._where_stacks: list[tuple[Where, tuple[int, ...]]] = []
         self._params: dict[int, weakref.ref] = {}
         self._got_grad: set[int] = set()  # ids of parameters autograd accumulated into
@@ -219,6 +225,7 @@ class Capture(OpRecorder):
 
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._opt_depth += 1
+        self._where_cache.clear()
         for group in opt.param_groups:
             for p in group["params"]:
                 self._register_param(p)
@@ -258,9 +265,31 @@ class Capture(OpRecorder):
         self._nf_origin.pop(key, None)
 
     # ---------------------------------------------------------------- per op
-    def _where(self) -> Where:
-        # frames: 0 _where, 1 dispatch, 2 the mode's __torch_dispatch__: start above them
-        w = self._frames.where(sys._getframe(3))
+    def _caller(self) -> Any:
+        """The frame that called the op: above our dispatch and torch's wrappers of ``__torch_dispatch__``."""
+        f = sys._getframe(3)  # 0 _caller, 1 _where, 2 dispatch
+        skip = self._skip_codes
+        while f is not None:
+            s = skip.get(f.f_code)
+            if s is None:
+                name = f.f_code.co_filename
+                s = skip[f.f_code] = name.startswith(_PKG_DIR) or name.endswith(_WRAPPER_FILES)
+            if not s:
+                return f
+            f = f.f_back
+        return None
+
+    def _where(self, cached: bool = False) -> Where:
+        """Where the user was for this op. ``cached``: backward/optimizer ops, whose calling frame
+        stays alive through the whole backward()/step() call, reuse the walk of the same call site."""
+        f = self._caller()
+        if cached:
+            key = (id(f), f.f_code, f.f_lasti) if f is not None else None
+            w = self._where_cache.get(key)
+            if w is None:
+                w = self._where_cache[key] = self._frames.where(f)
+            return w
+        w = self._frames.where(f)
         if self._stack_key:
             self._where_stacks.append((w, self._stack_key))
         return w
