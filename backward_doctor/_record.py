@@ -213,7 +213,8 @@ class OpRecorder:
                 written = {in_keys[i] for i in mutated if i < len(in_keys)}
                 bad_inputs = [(t, ik) for t, ik in zip(ins, in_keys) if ik not in written and screen_nonfinite(t)]
                 if bad_inputs:
-                    kind = "input"
+                    # NaN weights (an earlier step's doing) are not bad data.
+                    kind = "weights" if self._ledger.category(bad_inputs[0][1]) == "parameters" else "input"
                     variable = self._ns_names.get(bad_inputs[0][1])
                 origin = index
             if k:

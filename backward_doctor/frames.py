@@ -125,6 +125,7 @@ class UserFrames:
             frames = [
                 self.frame_info(fs.filename, fs.lineno or 0, fs.name, fs.line or "")
                 for fs in traceback.extract_stack(frame, limit=limit)
+                if not os.path.abspath(fs.filename).startswith(_PKG_DIR + os.sep)  # the doctor's own frames
             ]
             stacks.append(ThreadStack(name=names.get(ident, f"thread-{ident}"), ident=ident,
                                       is_main=ident == main, frames=frames))

@@ -95,7 +95,7 @@ class NonFiniteEvent:
     where: Where
     origin: int
     is_origin: bool
-    kind: str  # "op" (made here) or "input" (non-finite data came in)
+    kind: str  # "op" (made here), "input" (non-finite data came in) or "weights" (already in the parameters)
     variable: str | None = None
     output: TensorMeta | None = None
     inputs: list[TensorMeta] = field(default_factory=list)

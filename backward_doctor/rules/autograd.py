@@ -141,6 +141,8 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
         for k, m in zip(op.in_keys, op.inputs):
             if m.requires_grad:
                 seen_rg.add(k)
+        # A freshly allocated output may reuse the key of a freed storage: forget what that one was.
+        seen_rg.difference_update(k for k in op.out_keys if k not in op.in_keys)
         if op.op not in ("aten::detach", "aten::alias"):  # views of a storage, not new values
             for k in op.out_keys:
                 writer[k] = op.index
@@ -158,13 +160,14 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
             return op, "no_grad"
         if op.op == "aten::_local_scalar_dense":
             return op, "item"
+        if not op.inputs or op.op in ("aten::lift_fresh", "aten::scalar_tensor"):
+            # Checked first: torch.tensor(...)'s input is made outside any op and may reuse a freed key.
+            return op, "new_tensor"
         for k, r in zip(op.in_keys, rg):
             if k in seen_rg and not r:
                 wrote = trace.op(_last_writer_before(trace, k, op.index))
                 detach = _user_detach(trace, k, op.index, wrote)
                 return (detach, "detach") if detach is not None else (op, "data")
-        if not op.inputs or op.op in ("aten::lift_fresh", "aten::scalar_tensor"):
-            return op, "new_tensor"
         queue.extend(producers.get(idx, []))
     return None
 
@@ -224,7 +227,9 @@ def no_grad_path(trace: Trace) -> list[Finding]:
         return []
     loss = exc.loss or {}
     params = trace.parameters
-    if params.get("count") and params.get("trainable") == 0:
+    used = {k for op in trace.ops if op.phase == "forward" for k in op.in_keys}
+    used_params = [p for p in trace.params if p.key in used]
+    if used_params and not any(p.requires_grad for p in used_params):  # every weight the step used is frozen
         first = next((op for op in trace.ops if op.phase == "forward" and op.where.module), None)
         where = exc.where
         if first is not None:  # the call of the model in the cell, not a line inside it
@@ -250,7 +255,12 @@ def no_grad_path(trace: Trace) -> list[Finding]:
            "data": "use the tensor itself instead of `.data`",
            "new_tensor": "compute the loss with torch ops on the model output; do not rebuild it from "
                          "`.item()`, `.tolist()` or `.numpy()` values"}[how]
+    item = next((o for o in reversed(trace.ops) if o.index < op.index and o.op == "aten::_local_scalar_dense"
+                 and o.inputs and o.inputs[0].requires_grad), None) if how == "new_tensor" else None
+    before = (f" The value came from `.item()` at line {item.where.line} "
+              f"(`{source_line(trace, item.where.line, item.where.file)}`), where it left the graph."
+              if item is not None else "")
     msg = (f"The loss has no `grad_fn`, so `backward()` has nothing to differentiate. The graph was cut at "
-           f"line {op.where.line} (`{code}`), which {_WHY[how]}. Fix: {fix}.")
+           f"line {op.where.line} (`{code}`), which {_WHY[how]}.{before} Fix: {fix}.")
     return [at("no_grad_path", op.where, msg, op=op.op, title="The graph was cut before the loss",
                evidence={"cut": how, "code": code, "loss": loss})]

@@ -28,6 +28,15 @@ def _main_where(trace: Trace) -> Where:
     return trace.exception.where if trace.exception else Where()
 
 
+_IDLE_THREADS = ("Control", "Heartbeat", "IOPub", "IPythonHistorySavingThread", "backward_doctor-watchdog")
+
+
+def _idle(stack) -> bool:
+    """Jupyter's own service threads are always there, waiting: not part of the story."""
+    return stack.name.startswith(_IDLE_THREADS) or any("ipykernel" in f.file or "zmq" in f.file
+                                                        for f in stack.frames[-3:])
+
+
 def hang(trace: Trace) -> list[Finding]:
     """Timeout or Ctrl-C: name the line the main thread was stuck on, with all stacks."""
     exc = trace.exception
@@ -37,12 +46,18 @@ def hang(trace: Trace) -> list[Finding]:
     where = _main_where(trace)
     main = next((s for s in trace.threads if s.is_main), None)
     inner = main.frames[-1] if main and main.frames else None
-    waiting = f"`{inner.function}` ({inner.file.rsplit('/', 1)[-1]}:{inner.line})" if inner else "unknown code"
+    if inner is None:
+        waiting = "unknown code"
+    elif inner.in_cell or inner.function == "<module>":
+        # Stuck in C code called from this very line (a lock, a queue, a sleep): name the call.
+        waiting = f"the call on line {inner.line} (`{inner.code}`)"
+    else:
+        waiting = f"`{inner.function}` ({inner.file.rsplit('/', 1)[-1]}:{inner.line}: `{inner.code}`)"
     how = (f"did not finish within the {trace.timeout_s:g} s timeout" if trace.timed_out
            else "was interrupted by hand")
     last = trace.ops[-1] if trace.ops else None
     phase = f"; the last PyTorch op was `{last.op}` in {last.phase}" if last else "; no PyTorch op had run yet"
-    others = [s.name for s in trace.threads if not s.is_main]
+    others = [s.name for s in trace.threads if not s.is_main and not _idle(s)]
     msg = (f"The step {how}. The main thread was waiting in {waiting}, called from line {where.line}{phase}. "
            "A hang is Python waiting on something that never comes: a lock or event another thread should "
            "release, a queue or DataLoader worker that died, an endless loop, or (on CUDA) a synchronisation "

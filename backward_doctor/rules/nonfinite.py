@@ -26,6 +26,10 @@ _EXPLAIN = {
     "pow": ("a power of zero or of a negative number can produce inf/NaN",
             "clamp the base or add an epsilon"),
     "rsqrt": ("`rsqrt` of zero is inf", "add an epsilon (`torch.rsqrt(x + 1e-6)`)"),
+    "masked_fill": ("a `-inf` mask is fine until a whole row is masked: softmax over nothing but `-inf` "
+                    "is 0/0 = NaN",
+                    "make sure every row keeps at least one unmasked position (never mask the diagonal of a "
+                    "causal mask; for fully padded rows, zero the attention after the softmax)"),
 }
 
 
@@ -67,6 +71,12 @@ def nonfinite(trace: Trace) -> list[Finding]:
                 "inputs": [f"{m.short()} {format_stats(m.stats)}" for m in ev.inputs],
                 "phase": ev.phase, "reached": reached, "op": ev.op}
     code = source_line(trace, where.line, where.file)
+    if ev.kind == "weights":
+        msg = (f"The model's weights already contained NaN/Inf when this step started "
+               f"({'; '.join(evidence['inputs'])}), so every output is NaN from line {where.line} (`{code}`) on. "
+               "An earlier step put them there: the data is not to blame. Reload a good checkpoint or "
+               "re-initialise, then find the first bad step by running it under the doctor.")
+        return [at("nonfinite", where, msg, op=ev.op, title="Weights are already NaN/Inf", evidence=evidence)]
     if ev.kind == "input":
         name = f"`{ev.variable}`" if ev.variable else "an input tensor"
         msg = (f"{name} already contained NaN/Inf before the step touched it "
