@@ -417,7 +417,7 @@ def _draw(v: View, has_backward: bool, within: str | None, max_width: int) -> st
         if saved_b:
             label = f"saved {format_bytes(saved_b)}"
         else:
-            label = esc(str(biggest.shape).replace(" ", ""))
+            label = esc(str(biggest.shape).replace(" ", "")) if biggest.shape else "scalar"
         tip = esc(f"{len(es)} tensor(s) {na.label} → {nb.label}; largest {biggest.shape} "
                   f"({format_bytes(biggest.nbytes)})" + (f"; saved for backward: {format_bytes(saved_b)}"
                                                           if saved_b else "; not saved for backward"))

@@ -137,6 +137,8 @@ def render_html(report: "Report") -> str:
     sections = [("Memory timeline", memory_section), ("Root cause" if report.findings else "Findings",
                                                       lambda r: S.findings_html(r)),
                 ("Autograd graph by module", graph_section), ("Ops", ops_section), ("Fixes", fixes_section)]
+    if getattr(report, "fix_result", None) is not None:  # a fixed run: what the fix did comes first
+        sections.insert(0, sections.pop())
     for title, fn in sections:
         try:
             body = fn(report)

@@ -402,7 +402,7 @@ def summary_html(report: "Report") -> str:
     out = [f'<div class="verdict" style="--sev:{color}"><span class="badge">{esc(badge)}</span><div>'
            f'<div class="headline">{esc(headline)}</div>']
     if sentence:
-        out.append(f'<div class="sub">{esc(sentence)}</div>')
+        out.append(f'<div class="sub">{_message_html(sentence)}</div>')
     out.append("</div></div>")
     if report.exception:
         first = report.exception.split("\n")[0]
