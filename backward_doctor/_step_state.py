@@ -89,9 +89,8 @@ def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dic
 _SAVED_ATTRS: dict[type, list[str]] = {}
 
 
-def _saved_bytes(fn: Any, seen_keys: set[int]) -> int:
-    """Bytes of tensors the graph behind ``fn`` still saves for a backward (bounded walk)."""
-    total = 0
+def _nodes(fn: Any) -> Iterator[Any]:
+    """The autograd nodes behind ``fn``, breadth first, at most ``_MAX_NODES``."""
     seen: set[int] = set()
     queue = collections.deque([fn])
     while queue and len(seen) < _MAX_NODES:
@@ -99,6 +98,14 @@ def _saved_bytes(fn: Any, seen_keys: set[int]) -> int:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        yield node
+        queue.extend(n for n, _ in node.next_functions)
+
+
+def _saved_bytes(fn: Any, seen_keys: set[int]) -> int:
+    """Bytes of tensors the graph behind ``fn`` still saves for a backward (bounded walk)."""
+    total = 0
+    for node in _nodes(fn):
         names = _SAVED_ATTRS.get(type(node))
         if names is None:
             names = _SAVED_ATTRS[type(node)] = [a for a in dir(node) if a.startswith("_saved_")]
@@ -112,7 +119,6 @@ def _saved_bytes(fn: Any, seen_keys: set[int]) -> int:
                 if key and key not in seen_keys:
                     seen_keys.add(key)
                     total += value.untyped_storage().nbytes()
-        queue.extend(n for n, _ in node.next_functions)
     return total
 
 
@@ -123,20 +129,13 @@ def _runs_in_graph(fn: Any, start: int, earlier: list[tuple[int, int, int]]) -> 
     says which run made it: ``earlier`` is [(run id, first seq, end seq)].
     """
     runs: set[int] = set()
-    seen: set[int] = set()
-    queue = collections.deque([fn])
-    while queue and len(seen) < _MAX_NODES:
-        node = queue.popleft()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in _nodes(fn):
         seq = node._sequence_nr()
         if seq < start:
             run = next((r for r, lo, hi in earlier if lo <= seq < hi), None)
             if run is not None:
                 runs.add(run)
                 break  # one node of an earlier run is enough to know
-        queue.extend(n for n, _ in node.next_functions)
     return runs
 
 

@@ -31,6 +31,14 @@ def check_fix(fix: str | None) -> None:
     parse_fix(fix)
 
 
+def check_cell(source: Any, namespace: Any) -> None:
+    """``ValueError`` unless ``source`` is a cell's code and ``namespace`` a dict (or None)."""
+    if not isinstance(source, str):
+        raise ValueError(f"source must be the code of a cell as a string, not {type(source).__name__}")
+    if namespace is not None and not isinstance(namespace, dict):
+        raise ValueError(f"namespace must be a dict of globals, not {type(namespace).__name__}")
+
+
 def check_timeout(timeout: Any) -> float | None:
     if timeout is None:
         return None
@@ -68,10 +76,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     """
     from .runner import run_source
 
-    if not isinstance(source, str):
-        raise ValueError(f"source must be the code of a cell as a string, not {type(source).__name__}")
-    if namespace is not None and not isinstance(namespace, dict):
-        raise ValueError(f"namespace must be a dict of globals, not {type(namespace).__name__}")
+    check_cell(source, namespace)
     timeout = check_timeout(timeout)
     limit = parse_size(memory_limit)
     check_fix(fix)

@@ -62,14 +62,11 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     called as work proceeds; ``cancel()`` returning True stops at the next model
     call or optimizer step. Bad arguments raise ``ValueError`` before anything runs.
     """
-    from ..api import build_report, check_timeout
+    from ..api import build_report, check_cell, check_timeout
     from ..runner import run_source
 
     spec = parse_fix(fix)
-    if not isinstance(source, str):
-        raise ValueError(f"source must be the code of a cell as a string, not {type(source).__name__}")
-    if namespace is not None and not isinstance(namespace, dict):
-        raise ValueError(f"namespace must be a dict of globals, not {type(namespace).__name__}")
+    check_cell(source, namespace)
     timeout = check_timeout(timeout)
     limit = parse_size(memory_limit)
     if isinstance(original, dict):
