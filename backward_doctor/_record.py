@@ -95,9 +95,10 @@ class OpRecorder:
         grad_enabled = _grad_enabled()
         ins = _tensors(args, kwargs)
         led = self._ledger
-        in_keys = tuple(storage_key(t) or 0 for t in ins)
+        in_keys = tuple([storage_key(t) or 0 for t in ins])
+        live = led._live
         for t, k in zip(ins, in_keys):
-            if k and not led.known(k):
+            if k and k not in live:  # a tensor made before the step and not found in the namespace
                 led.track(t, "other")
         seq = _sequence_nr()
         t_op = _now()
@@ -113,11 +114,7 @@ class OpRecorder:
             # The counter moved since the previous op: this op's autograd node took seq - 1.
             self._seq_map[seq - 1] = index
             self._last_seq = seq
-        _set_grad(False)  # our own bookkeeping ops must never join the user's graph
-        try:
-            self._after(info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op)
-        finally:
-            _set_grad(grad_enabled)
+        self._after(info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op)
         return out
 
     def _after(self, info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op) -> None:
@@ -126,7 +123,12 @@ class OpRecorder:
         outs = _tensors((out,), None)
         out_keys = tuple(storage_key(o) or 0 for o in outs)
         if phase == "forward":
-            category = "activations" if grad_enabled and any(t.requires_grad for t in ins) else "other"
+            category = "other"
+            if grad_enabled:
+                for t in ins:
+                    if t.requires_grad:
+                        category = "activations"
+                        break
         else:
             category = "other" if phase == "backward" else "optimizer"
         before = led.total
@@ -137,11 +139,17 @@ class OpRecorder:
                 writer[k] = index
         if mutated and phase == "forward":
             self._record_inplace(index, name, args, mutated, where)
-        if not is_view:  # a view shows values its base already had: nothing new to screen
-            if self.detail:
-                self._screen(index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated)
-            elif phase == "forward" and outs and outs[0].dim() == 0:
-                self._screen_scalar(index, outs[0], where)
+        if not is_view and (self.detail or (phase == "forward" and outs and outs[0].dim() == 0)):
+            # A view shows values its base already had: nothing new to screen. The screens run
+            # torch ops of our own, which must never join the user's graph: grad mode off.
+            _set_grad(False)
+            try:
+                if self.detail:
+                    self._screen(index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated)
+                else:
+                    self._screen_scalar(index, outs[0], where)
+            finally:
+                _set_grad(grad_enabled)
         total = led.total
         self._timeline.add(index, led.totals, total)
         if self._cuda:

@@ -140,6 +140,10 @@ class Timeline:
         self._in_bucket = 0
 
     def add(self, index: int, totals: list[int], total: int) -> None:
+        if self.stride == 1 and len(self.index) < self.capacity - 1:  # the common case: keep every op
+            self.index.append(index)
+            self.totals.append(totals.copy())
+            return
         pending = self._pending
         if pending is None or total >= pending[2]:
             self._pending = (index, list(totals), total)
