@@ -60,6 +60,9 @@ def record_exception(cap: "Capture", exc: BaseException) -> None:
         info.oom = cap._oom or cap._memory_breakdown(cap._count, None)
     cap.trace.exception = info
     cap.trace.completed = False
+    if cap._t_last > cap._t0 and not isinstance(exc, KeyboardInterrupt):
+        # The step ended at its last op; IPython's traceback rendering after it is not the step's time.
+        cap.trace.duration_s = cap._t_last - cap._t0
 
 
 def _resolve_modules(cap: "Capture") -> None:

@@ -109,7 +109,8 @@ class OpRecorder:
         except BaseException as exc:
             self._record_failure(index, name, phase, ins, where, exc, func, args, kwargs, fwd_index)
             raise
-        t_op = _now() - t_op
+        self._t_last = now = _now()
+        t_op = now - t_op
         if phase == "forward" and seq != self._last_seq:
             # The counter moved since the previous op: this op's autograd node took seq - 1.
             self._seq_map[seq - 1] = index

@@ -106,7 +106,7 @@ class Capture(OpRecorder):
         self._oom: dict[str, Any] | None = None
         self._cuda = torch.cuda.is_available()
         self._cuda_alloc = array("q")
-        self._t0 = 0.0
+        self._t0 = self._t_last = 0.0  # start, and end of the latest op (what a failed step took)
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> "Capture":
