@@ -159,6 +159,7 @@ def test_panel_in_the_browser(tmp_path, app):
     with jupyter_server(root, app) as (base, token), sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 2000}, device_scale_factor=1)
+        page.set_default_timeout(60_000)  # a loaded 2-core machine (the whole suite at once) is slow
         errors: list[str] = []
         page.on("dialog", lambda d: (errors.append("dialog: " + d.message), d.dismiss()))
 
