@@ -118,6 +118,7 @@ class Panel:
         self._graph = None
         self._expanded: set[str] = set()
         self._built: set[int] = set()
+        self._rows: dict[str, list[S.OpRow]] = {}
 
         self.style = W.HTML(f"<style>{S.CSS}</style>")
         self.summary = W.HTML(_wrap(S.summary_html(report)))
@@ -219,8 +220,8 @@ class Panel:
                 "of the step. The dashed line is the memory limit (or the device), ▼ the peak, ✖ where memory "
                 "ran out.</div>")
         else:
-            self.memory_image.value = plots.memory_by_module_png(tr)
-            _, how = S.memory_by_module(tr)
+            data, how = S.memory_by_module(tr)
+            self.memory_image.value = plots.memory_by_module_png(tr, data=(data, how))
             self.memory_note.value = _wrap(f'<div class="sub">Memory by module {esc(how)}.</div>')
 
     def _show_findings(self) -> None:
@@ -276,8 +277,12 @@ class Panel:
             self._draw_graph()
 
     def _show_ops(self) -> None:
-        self.ops_html.value = _wrap(S.ops_table_html(self.report.trace, self.ops_group.value, self.ops_sort.value,
-                                                     limit=30))
+        group = self.ops_group.value
+        rows = self._rows.get(group)
+        if rows is None:
+            rows = self._rows[group] = S.op_rows(self.report.trace, group)
+        self.ops_html.value = _wrap(S.ops_table_html(self.report.trace, group, self.ops_sort.value, limit=30,
+                                                     rows=rows))
 
     # ---------------------------------------------------------------- fixes
     @property

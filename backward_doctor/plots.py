@@ -176,11 +176,15 @@ def memory_timeline_png(trace: Trace, *, width: float = 10.0, height: float = 3.
         return _png(fig)
 
 
-def memory_by_module_png(trace: Trace, *, width: float = 10.0, dpi: int = 100, top_n: int = 14) -> bytes:
-    """Horizontal bars: bytes by module at the peak (or at the OOM point)."""
+def memory_by_module_png(trace: Trace, *, width: float = 10.0, dpi: int = 100, top_n: int = 14,
+                         data: tuple[dict[str, int], str] | None = None) -> bytes:
+    """Horizontal bars: bytes by module at the peak (or at the OOM point).
+
+    ``data``: what :func:`~backward_doctor.sections.memory_by_module` returned, if already computed.
+    """
     import matplotlib
 
-    data, how = memory_by_module(trace)
+    data, how = data if data is not None else memory_by_module(trace)
     items = list(data.items())[:top_n]
     rest = sum(v for _, v in list(data.items())[top_n:])
     if rest:

@@ -40,13 +40,14 @@ def memory_section(report: "Report") -> str:
     try:
         from . import plots
 
+        from .sections import memory_by_module
+
         timeline = plots.memory_timeline_png(tr)
-        modules = plots.memory_by_module_png(tr)
+        data, how = memory_by_module(tr)
+        modules = plots.memory_by_module_png(tr, data=(data, how))
     except ImportError as exc:  # matplotlib missing: say so, keep the rest of the report
         return f'<div class="sub">Plots need matplotlib ({esc(exc)}).</div>'
-    from .sections import memory_by_module
 
-    _, how = memory_by_module(tr)
     return (_img(timeline, "memory timeline") +
             f'<details><summary>Memory by module {esc(how)}</summary>{_img(modules, "memory by module")}</details>')
 
@@ -73,8 +74,9 @@ def ops_section(report: "Report") -> str:
     tr = report.trace
     if not tr.ops:
         return '<div class="sub">No ops were recorded.</div>'
-    return (S.ops_table_html(tr, "op", "time", 15) +
-            "<details><summary>Ops by memory allocated</summary>" + S.ops_table_html(tr, "op", "memory", 15) +
+    by_op = S.op_rows(tr, "op")
+    return (S.ops_table_html(tr, "op", "time", 15, rows=by_op) +
+            "<details><summary>Ops by memory allocated</summary>" + S.ops_table_html(tr, "op", "memory", 15, by_op) +
             "</details><details><summary>Modules by time</summary>" + S.ops_table_html(tr, "module", "time", 20) +
             "</details><details><summary>Lines by time</summary>" + S.ops_table_html(tr, "line", "time", 20) +
             "</details>")

@@ -270,8 +270,10 @@ SORT_KEYS = {"time": lambda r: -r.time_us, "memory": lambda r: -r.alloc_bytes, "
              "name": lambda r: r.name}
 
 
-def ops_table_html(trace: Trace, group: str = "op", sort: str = "time", limit: int = 25) -> str:
-    rows = sorted(op_rows(trace, group), key=SORT_KEYS.get(sort, SORT_KEYS["time"]))
+def ops_table_html(trace: Trace, group: str = "op", sort: str = "time", limit: int = 25,
+                   rows: list[OpRow] | None = None) -> str:
+    """The top ``limit`` rows of :func:`op_rows` (pass ``rows`` to reuse them across sort orders)."""
+    rows = sorted(op_rows(trace, group) if rows is None else rows, key=SORT_KEYS.get(sort, SORT_KEYS["time"]))
     total_us = sum(r.time_us for r in rows) or 1.0
     head = {"op": "op", "module": "module", "line": "line"}.get(group, group)
     out = ['<table class="t"><tr>', f"<th>{esc(head)}</th>", '<th class="num">count</th>',
