@@ -1,12 +1,13 @@
-# The README's two commands: `make demo` (main job) and `make test`.
-# Both create .venv and install what they need: torch pinned to 2.13.0 first
-# (a CPU wheel; letting pip choose would pull GB of CUDA packages), then the project.
+# The README's two commands: `make demo` (main job) and `make test`; and `make lab`.
+# All create .venv and install what they need: torch pinned to 2.13.0 first
+# (a CPU wheel; letting pip choose would pull GB of CUDA packages), then the project
+# with its test and demo extras (nbclient, nbconvert, jupyterlab, ...).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup chromium demo test clean
+.PHONY: setup chromium demo lab test clean
 
 setup: $(VENV)/.installed
 
@@ -14,11 +15,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,demo]'
 	touch $@
 
+# Runs notebooks/00_tour.ipynb headlessly in a Jupyter kernel and writes out/tour.html (one
+# self-contained page: the panels' static views, plots embedded, nothing fetched); prints its path.
+# The seed scenarios as text reports: `$(PY) -m backward_doctor.demo --text`.
 demo: setup
 	$(PY) -m backward_doctor.demo
+
+# JupyterLab on notebooks/, opening the tour. LAB_ARGS=--no-browser on a machine without one.
+LAB_ARGS ?=
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/00_tour.ipynb $(LAB_ARGS)
 
 # The browser test drives Debian's chromium (Playwright's own browser download is not used).
 # Idempotent; if it cannot be installed the browser test skips itself and says why.
@@ -33,4 +42,4 @@ test: setup chromium
 	$(PY) -m pytest -q backward_doctor tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache out

@@ -1,16 +1,41 @@
-"""``make demo``: the failures users bring (see ``shared/seeds``), diagnosed headlessly.
+"""``make demo``: the guided tour, executed headlessly and written as one self-contained HTML page.
 
-Each scenario is a small, complete training step on CPU; ``memory_limit`` stands
-in for a small GPU and ``timeout`` for a user's patience. Run with
-``python -m backward_doctor.demo``; it prints one report per scenario.
+``python -m backward_doctor.demo`` runs ``notebooks/00_tour.ipynb`` top to bottom in a
+real Jupyter kernel (nbclient), keeps the static view of every panel (the widget view
+needs a live kernel; the panel's output also carries the report as plain HTML), and
+writes the executed notebook as ``out/tour.html``: styles inline, plots as data URIs,
+no script, nothing fetched. It prints the page's path.
+
+``python -m backward_doctor.demo --text`` prints instead the reports of the failures
+users bring (see ``shared/seeds``), diagnosed headlessly: each scenario is a small,
+complete training step on CPU; ``memory_limit`` stands in for a small GPU and
+``timeout`` for a user's patience.
+
+Running the tour needs the ``demo`` extra (``pip install -e '.[demo]'``: nbclient,
+nbconvert, ipykernel); ``--text`` needs nothing more than the package.
 """
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .api import diagnose
+
+#: The notebooks of a source checkout (``pip install -e .``, ``make demo``).
+NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+TOUR = NOTEBOOK_DIR / "00_tour.ipynb"
+DEFAULT_OUT = Path("out") / "tour.html"
+#: An ipywidgets view: needs a live kernel and the widget manager's JavaScript (from a CDN in nbconvert).
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+RAISES = "raises-exception"
+CELL_TIMEOUT = 120  # seconds per cell
 
 SETUP = """
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -116,7 +141,8 @@ SCENARIOS = [
 ]
 
 
-def main() -> int:
+def print_scenarios() -> int:
+    """``--text``: one text report per seed scenario."""
     for i, sc in enumerate(SCENARIOS, 1):
         ns: dict[str, Any] = {}
         exec(sc.setup, ns)
@@ -130,6 +156,144 @@ def main() -> int:
         print(diagnose(source, ns, **sc.kwargs))
         print(flush=True)
     return 0
+
+
+# --------------------------------------------------------------------------- the tour as HTML
+def kernel_env() -> dict[str, str]:
+    """The kernel's environment: it imports this copy of backward_doctor, and uses one intra-op
+    thread unless told otherwise (on a small shared machine, idle-spinning OpenMP threads make
+    the tour's small matrix products many times slower)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def execute(path: Path, timeout: int = CELL_TIMEOUT):  # -> nbformat.NotebookNode
+    """Run the notebook at ``path`` top to bottom in a fresh kernel; the executed notebook.
+
+    Cells tagged ``raises-exception`` may fail (they show a failing step on purpose); any
+    other error is left in the outputs and reported by :func:`unexpected_errors`.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute(env=kernel_env())
+    return nb
+
+
+def unexpected_errors(nb) -> list[str]:  # noqa: ANN001 - a NotebookNode
+    """One line per code cell that raised although it is not tagged ``raises-exception``, or is
+    tagged and did not raise."""
+    problems = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+        tagged = RAISES in cell.get("metadata", {}).get("tags", [])
+        first = (cell.source.strip().splitlines() or [""])[0]
+        if errors and not tagged:
+            problems.append(f"cell {i} ({first}) raised {errors[0].get('ename')}: {errors[0].get('evalue')}")
+        elif tagged and not errors:
+            problems.append(f"cell {i} ({first}) is tagged {RAISES!r} but did not raise")
+    return problems
+
+
+def static_views(nb):  # noqa: ANN001, ANN201 - NotebookNode in, the same notebook out
+    """Keep what a page without a kernel can show: drop the widget view of every output that
+    also carries HTML (the panel's static report), and the notebook's saved widget state (which
+    would make nbconvert load the widget manager from a CDN)."""
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data")
+            if data and WIDGET_VIEW in data and ("text/html" in data or "text/plain" in data):
+                del data[WIDGET_VIEW]
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
+#: nbconvert's JupyterLab template minus everything it would fetch: require.js, MathJax and
+#: mermaid from a CDN, and the widget manager. CSS is inlined by the template itself.
+_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js -%}{%- endblock html_head_js -%}
+{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+"""
+
+_REMOTE = re.compile(r"""<(?:script|link|img|iframe|source|video|audio)\b[^>]*?\b(?:src|href)\s*=\s*["']?\s*"""
+                     r"""(?:https?:)?//""", re.IGNORECASE)
+_REMOTE_CSS = re.compile(r"""(?:url\(\s*["']?|@import\s+["'])\s*(?:https?:)?//""", re.IGNORECASE)
+
+
+def remote_references(page: str) -> list[str]:
+    """What in ``page`` would be fetched from the network when it is opened (empty: nothing).
+
+    >>> remote_references('<img src="data:image/png;base64,AA"><a href="https://pytorch.org">docs</a>')
+    []
+    >>> remote_references('<script src="https://cdn.example/x.js"></script>')
+    ['<script src="https://']
+    """
+    return [m.group(0) for m in _REMOTE.finditer(page)] + [m.group(0) for m in _REMOTE_CSS.finditer(page)]
+
+
+def to_html(nb) -> str:  # noqa: ANN001 - a NotebookNode
+    """The executed notebook as one self-contained page (nbconvert's JupyterLab look)."""
+    from jinja2 import DictLoader
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(extra_loaders=[DictLoader({"bd_static.html.j2": _TEMPLATE})],
+                            template_file="bd_static.html.j2", embed_images=True)
+    page, _ = exporter.from_notebook_node(static_views(nb))
+    remote = remote_references(page)
+    if remote:
+        raise RuntimeError(f"the page would fetch from the network: {remote[:3]}")
+    return page
+
+
+def write_tour(notebook: Path = TOUR, out: Path = DEFAULT_OUT) -> tuple[Path, list[str]]:
+    """Execute ``notebook``, write it as HTML to ``out``; (the page's path, unexpected errors)."""
+    nb = execute(notebook)
+    problems = unexpected_errors(nb)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_html(nb), encoding="utf-8")
+    return out.resolve(), problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backward_doctor.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--text", action="store_true",
+                        help="print the seed scenarios' reports as text instead of writing the tour")
+    parser.add_argument("--notebook", type=Path, default=TOUR, metavar="IPYNB",
+                        help="the notebook to run and write (default: notebooks/00_tour.ipynb)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="HTML",
+                        help="where to write the page (default: out/tour.html)")
+    args = parser.parse_args(argv)
+    if args.text:
+        return print_scenarios()
+    if not args.notebook.is_file():
+        print(f"backward_doctor.demo: {args.notebook} not found (the tour ships with a source checkout; "
+              "pass --notebook PATH)", file=sys.stderr)
+        return 2
+    try:
+        import nbclient  # noqa: F401
+        import nbconvert  # noqa: F401
+    except ImportError as exc:
+        print(f"backward_doctor.demo: {exc.name} is missing: pip install -e '.[demo]' (or use --text)",
+              file=sys.stderr)
+        return 2
+    print(f"running {args.notebook} in a Jupyter kernel ...", flush=True)
+    t0 = time.perf_counter()
+    path, problems = write_tour(args.notebook, args.out)
+    print(f"ran in {time.perf_counter() - t0:.0f} s")
+    for p in problems:
+        print(f"backward_doctor.demo: unexpected: {p}", file=sys.stderr)
+    print(path)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
