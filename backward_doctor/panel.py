@@ -185,6 +185,9 @@ class Panel:
         self.widget = W.VBox([self.style, self.summary, self.fix_box, self.tabs],
                              layout=W.Layout(max_width="1120px"))
         self.widget.add_class("backward-doctor-panel")
+        if getattr(report, "fix_result", None) is not None:  # ``--fix``: the fixed run, with the code to keep
+            self.fix_box.layout.display = "flex"
+            self.show_result(report)
 
     # ---------------------------------------------------------------- display
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:

@@ -410,3 +410,17 @@ def test_cli_writes_html(tmp_path):
     assert proc.returncode == 1, proc.stderr
     page = out.read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>") and "shape" in page.lower()
+
+
+@pytest.mark.skipif(_real_run_fix() is None, reason="backward_doctor.fixes.run_fix not in this checkout yet")
+def test_fixed_report_panel_leads_with_the_after_view():
+    """``%%backward_doctor --fix``: the panel of the fixed run shows what the fix did and the code to keep."""
+    src, kw = CELLS["oom"]
+    report = _real_run_fix()(src, namespace(), "accumulate:2", **kw)
+    assert report.fix_result is not None
+    p = Panel(report, src, namespace())
+    assert p.fix_box.layout.display == "flex"
+    after = text_of(p.after.value)
+    assert "accumulate:2" in after and "peak memory" in after
+    if report.fix_result.applied:
+        assert "Insert as a new cell below" in p.keep.value
