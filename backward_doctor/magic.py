@@ -155,4 +155,4 @@ def _run_with_fix(shell: Any, cell: str, fix: str, timeout: float | None, limit:
                                            f"{report.exception.splitlines()[0]}")
     if quiet and report.ok:
         return
-    display(report)
+    _show(shell, report, cell, limit, timeout)
