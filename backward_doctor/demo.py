@@ -180,7 +180,9 @@ def execute(path: Path, timeout: int = CELL_TIMEOUT):  # -> nbformat.NotebookNod
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
+    # log_level: the kernel's warning that its local TCP ports are not encrypted is noise here.
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
                             resources={"metadata": {"path": str(path.parent)}})
     client.execute(env=kernel_env())
     return nb
