@@ -72,7 +72,10 @@ def jupyter_server(root: str, app: str = "lab"):
     with open(os.path.join(settings, "@jupyterlab", "apputils-extension", "notification.jupyterlab-settings"),
               "w") as fh:
         json.dump({"fetchNews": "false", "checkForUpdates": False}, fh)
+    # Private config/data/runtime dirs: a user-level kernelspec or setting cannot leak in; the
+    # "python3" kernel is this interpreter (the one running the tests).
     env = dict(os.environ, JUPYTER_CONFIG_DIR=os.path.join(root, ".config"),
+               JUPYTER_DATA_DIR=os.path.join(root, ".data"),
                JUPYTER_RUNTIME_DIR=os.path.join(root, ".runtime"), IPYTHONDIR=os.path.join(root, ".ipython"),
                JUPYTERLAB_SETTINGS_DIR=settings, JUPYTERLAB_WORKSPACES_DIR=os.path.join(root, ".workspaces"),
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
