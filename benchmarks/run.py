@@ -37,27 +37,37 @@ from backward_doctor.rules import analyze  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 
+# Every mode runs the step from a "cell" (code compiled under a cell's file name), as the
+# magic does: the doctor's frame walk stops at the cell, as it does in a notebook.
+CELL_FILE = "<benchmark-cell>"
+CELL = compile("step()", CELL_FILE, "exec")
+
+
+def _run_cell(step) -> None:
+    exec(CELL, {"step": step})
+
+
 def plain(step):
-    step()
+    _run_cell(step)
 
 
 def doctor(step):
     """First tier: what the magic always runs."""
-    with Capture(detail=False) as cap:
-        step()
+    with Capture(cell_file=CELL_FILE, detail=False) as cap:
+        _run_cell(step)
     return cap
 
 
 def doctor_detail(step):
     """Second tier: every op screened for NaN/Inf."""
-    with Capture(detail=True) as cap:
-        step()
+    with Capture(cell_file=CELL_FILE, detail=True) as cap:
+        _run_cell(step)
     return cap
 
 
 def anomaly(step):
     with torch.autograd.detect_anomaly(check_nan=True):
-        step()
+        _run_cell(step)
 
 
 def profiler(step):
@@ -65,7 +75,7 @@ def profiler(step):
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True,
                  with_stack=True) as prof:
-        step()
+        _run_cell(step)
     return prof
 
 
