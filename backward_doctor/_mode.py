@@ -23,4 +23,5 @@ class _DoctorMode(TorchDispatchMode):
         self._recorder = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D401 - torch API
+        __tracebackhide__ = True  # IPython hides frames that set this: the user's traceback stays theirs
         return self._recorder.dispatch(func, args, kwargs or {})

@@ -71,6 +71,7 @@ class OpRecorder:
     """Mixin of :class:`~backward_doctor.capture.Capture`: the dispatch mode calls ``dispatch``."""
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        __tracebackhide__ = True  # IPython leaves the doctor's frames out of the user's traceback
         info = _FUNCS.get(func) or _func_info(func)
         name = info[0]
         index = self._count
@@ -119,6 +120,7 @@ class OpRecorder:
         return out
 
     def _after(self, info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op) -> None:
+        __tracebackhide__ = True
         name, mutated, is_view = info[0], info[1], info[2]
         led = self._ledger
         outs = _tensors((out,), None)
@@ -183,6 +185,7 @@ class OpRecorder:
         return next((r[1] for r in self._tail if r[0] == index), None)
 
     def _check_indices(self, func: Any, name: str, args: tuple, kwargs: dict) -> None:
+        __tracebackhide__ = True
         bad = checks.index_check(func, args, kwargs)
         if bad is not None:
             raise IndexError(f"{name}: {bad['argument']} value(s) {bad['bad']} out of range "
@@ -260,10 +263,16 @@ class OpRecorder:
                 "by_category": self._ledger.snapshot(), "by_producer": by_producer}
 
     def _raise_simulated_oom(self, index: int, name: str, requested: int) -> None:
+        __tracebackhide__ = True
         self._oom = self._memory_breakdown(index, requested)
         self._oom["simulated"] = True
         limit = self.memory_limit or 0
         live = self._ledger.total
+        if requested <= 0:  # nothing new: what already existed is more than the device holds
+            raise torch.OutOfMemoryError(
+                f"Simulated device out of memory (backward_doctor memory_limit={format_bytes(limit)}): "
+                f"{format_bytes(live)} of tensors are live at {name} (most of them made before the step), "
+                "more than the device holds.")
         raise torch.OutOfMemoryError(
             f"Simulated device out of memory (backward_doctor memory_limit={format_bytes(limit)}). "
             f"Tried to allocate {format_bytes(requested)} in {name}; {format_bytes(live - requested)} "

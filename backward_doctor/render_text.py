@@ -67,7 +67,8 @@ def render_text(report: "Report") -> str:
         ev = f.evidence
         if f.kind == "oom" and ev.get("predicted_peak_text"):
             preds = ", ".join(f"{k} {v}" for k, v in ev["predicted_peak_text"].items())
-            out.extend(_wrap(f"predicted peak (lower bound): {preds}", "    "))
+            bound = " (lower bounds: the step failed before its peak)" if ev.get("lower_bound") else ""
+            out.extend(_wrap(f"predicted peak{bound}: {preds}", "    "))
             if ev.get("by_module"):
                 mods = ", ".join(f"{k} {format_bytes(v)}" for k, v in list(ev["by_module"].items())[:6])
                 out.extend(_wrap(f"by module: {mods}", "    "))

@@ -127,9 +127,11 @@ def oom(trace: Trace) -> list[Finding]:
         fixes = ["amp"]
     else:
         k = next((k for k in (2, 4, 8) if limit and preds[f"accumulate:{k}"] <= 0.9 * limit), None)
+        early = rec is None or rec.phase == "forward"  # the rest of the step never ran: predictions are floors
+        hint = (f", k={k} at least is needed (the step failed early, so this is a floor)" if early
+                else f", k={k} is predicted to fit") if k else ""
         msg += (" Activations saved for backward grow with the batch and dominate: keep the batch and split "
-                "it into micro-batches (gradient accumulation)"
-                f"{f', k={k} is predicted to fit' if k else ''}, or use AMP or activation checkpointing. "
+                f"it into micro-batches (gradient accumulation){hint}, or use AMP or activation checkpointing. "
                 "Deleting outputs or emptying the cache does not reduce what backward needs.")
         fixes = ["accumulate", "amp", "checkpoint"]
     preds_text = {name: format_bytes(v) for name, v in preds.items()}

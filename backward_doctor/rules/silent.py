@@ -38,6 +38,8 @@ def _code(trace: Trace, line: int | None, file: str | None) -> str:
 
 def graph_leak(trace: Trace) -> list[Finding]:
     """Tensors from earlier runs, graph and all, still reachable from the namespace."""
+    if trace.exception is not None:
+        return []  # a failed run may never reach the line that rebinds a variable: no verdict on leaks
     leaks = [h for h in trace.graph_holders if h["earlier_runs"]]
     if not leaks:
         return []
