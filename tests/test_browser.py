@@ -135,8 +135,17 @@ def _run_cells(page, app: str) -> None:
     cells = page.locator(".jp-Notebook .jp-Cell")
     first = cells.nth(0).locator(".jp-InputPrompt")
     # Keys pressed before the kernel is connected are lost: run the setup cell until it has run.
+    # On a loaded machine JupyterLab may ask which kernel to use: answer as a user would (accept).
     for _ in range(12):
-        first.click()
+        dialog = page.locator(".jp-Dialog")
+        if dialog.count():
+            print("JupyterLab dialog:", dialog.first.inner_text()[:300].replace("\n", " | "))
+            dialog.locator(".jp-mod-accept").first.click()
+            continue
+        try:
+            first.click(timeout=5_000)
+        except sync_api.TimeoutError:
+            continue
         page.keyboard.press("Shift+Enter")
         try:
             first.filter(has_text="[1]").wait_for(timeout=10_000)
