@@ -11,6 +11,7 @@ False
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -24,6 +25,7 @@ from .trace import FrameInfo, ThreadStack, Where
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+@functools.lru_cache(maxsize=1)
 def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {paths.get("stdlib"), paths.get("platstdlib"), paths.get("purelib"), paths.get("platlib"), _PKG_DIR}
