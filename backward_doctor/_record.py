@@ -25,6 +25,8 @@ from .trace import FailedOp, InplaceEvent, NonFiniteEvent, Where
 from .units import format_bytes
 
 _current_node = torch._C._current_autograd_node
+_graph_task_id = torch._C._current_graph_task_id
+_NODE_BUDGET = 10_000  # backward ops per run whose autograd node is looked up (see dispatch)
 _sequence_nr = torch._C._autograd._get_sequence_nr
 _grad_enabled = torch.is_grad_enabled
 _set_grad = torch._C._set_grad_enabled
@@ -76,7 +78,18 @@ class OpRecorder:
         name = info[0]
         index = self._count
         self._count = index + 1
-        node = _current_node()
+        # Asking autograd for the running node gives it a Python wrapper that lives as long as the
+        # node, and freeing a very long chain of wrapped nodes overflows the C stack (a crash in
+        # the user's next gc). So the node is asked for a bounded number of backward ops; past
+        # that, only the phase is known (from the graph task id, which wraps nothing).
+        if self._node_budget > 0:
+            node = _current_node()
+            if node is not None:
+                self._node_budget -= 1
+        else:
+            node = None
+            if _graph_task_id() != -1:
+                return self._dispatch_unattributed(func, args, kwargs, info, index)
         if node is not None:
             phase = "backward"
             fwd_index = self._seq_map.get(node._sequence_nr())
@@ -117,6 +130,27 @@ class OpRecorder:
             self._seq_map[seq - 1] = index
             self._last_seq = seq
         self._after(info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op)
+        return out
+
+    def _dispatch_unattributed(self, func: Any, args: tuple, kwargs: dict, info: tuple, index: int) -> Any:
+        """A backward op past the node budget: recorded, without its forward op."""
+        __tracebackhide__ = True
+        if not self._budget_noted:
+            self._budget_noted = True
+            self.trace.notes.append(f"backward ops after the first {_NODE_BUDGET} are not linked to their "
+                                    "forward op (a very deep graph)")
+        where = self._where(cached=True)
+        self._last_phase = "backward"
+        ins = _tensors(args, kwargs)
+        in_keys = tuple([storage_key(t) or 0 for t in ins])
+        t_op = _now()
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            self._record_failure(index, info[0], "backward", ins, where, exc, func, args, kwargs, None)
+            raise
+        self._t_last = now = _now()
+        self._after(info, args, index, "backward", False, ins, in_keys, out, where, None, now - t_op)
         return out
 
     def _after(self, info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op) -> None:

@@ -32,7 +32,7 @@ from torch.nn.modules import module as _nn_module
 from . import namespace as ns_mod
 from ._mode import _DoctorMode
 from .frames import UserFrames
-from ._record import OpRecorder
+from ._record import _NODE_BUDGET, OpRecorder
 from .memory import MemoryLedger, Timeline, storage_key
 from .trace import Trace, Where
 
@@ -83,6 +83,7 @@ class Capture(OpRecorder):
         self._op_totals: dict[str, list[float]] = {}
         self._peak, self._peak_index, self._peak_by_category = 0, None, {}
         self._seq_map: dict[int, int] = {}  # autograd sequence number -> forward op index
+        self._node_budget, self._budget_noted = _NODE_BUDGET, False
         self._seq_start = self._last_seq = _sequence_nr()
         self._handles: list[Any] = []
         self._mode: _DoctorMode | None = None

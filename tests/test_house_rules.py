@@ -124,3 +124,25 @@ def test_report_holds_no_tensors():
         seen.add(id(obj))
         assert not isinstance(obj, (torch.Tensor, torch.nn.Module)), type(obj)
         stack.extend(gc.get_referents(obj))
+
+
+def test_a_very_deep_graph_can_be_freed_after_the_doctor_saw_it(tmp_path):
+    """Looking up autograd nodes gives them Python wrappers; freeing ~70k wrapped nodes in one chain
+    overflows the C stack. The doctor bounds its lookups, so the user's next gc survives."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "deep.py"
+    script.write_text(
+        "import gc, torch, backward_doctor as bd\n"
+        "ns = {'torch': torch, 'h0': torch.ones(4, requires_grad=True)}\n"
+        "src = 'h = h0\\nfor _ in range(34000):\\n    h = h * 1.0001 + 0.001\\nh.sum().backward()\\n'\n"
+        "r = bd.diagnose(src, ns)\n"
+        "assert r.ok and any('not linked to their forward op' in n for n in r.trace.notes), r.trace.notes\n"
+        "del ns, r\n"
+        "gc.collect()\n"
+        "print('survived')\n")
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": root})
+    assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr[-2000:]
