@@ -23,6 +23,7 @@ from .history import CellHistory
 from .trace import Trace
 
 _cells = itertools.count(1)
+_RETRIES, _RETRY_S = 60, 0.5  # after the timeout: interrupt again every 0.5 s, for at most 30 s
 
 
 class Watchdog:
@@ -58,11 +59,24 @@ class Watchdog:
                 return
             self.stacks = self._frames.thread_stacks()
             self.fired = True
-            if self._old_handler is not None:
-                signal.pthread_kill(self._target, signal.SIGINT)
-            else:  # not the main thread: no signals; interrupt at the next bytecode
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target),
-                                                           ctypes.py_object(KeyboardInterrupt))
+            self._interrupt()
+        # A KeyboardInterrupt can be swallowed (raised inside a weakref callback or a `__del__`,
+        # or by a bare `except:` in the user's loop): keep interrupting until the run ends.
+        for attempt in range(_RETRIES):
+            # The first pause is longer: IPython may still be printing the first traceback.
+            if self._done.wait(_RETRY_S * (3 if attempt == 0 else 1)):
+                return
+            with self._lock:
+                if self._done.is_set():
+                    return
+                self._interrupt()
+
+    def _interrupt(self) -> None:
+        if self._old_handler is not None:
+            signal.pthread_kill(self._target, signal.SIGINT)
+        else:  # not the main thread: no signals; interrupt at the next bytecode
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target),
+                                                       ctypes.py_object(KeyboardInterrupt))
 
     def disarm(self) -> None:
         with self._lock:

@@ -146,3 +146,19 @@ def test_a_very_deep_graph_can_be_freed_after_the_doctor_saw_it(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "PYTHONPATH": root})
     assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_timeout_still_ends_a_run_that_swallows_the_first_interrupt():
+    """A KeyboardInterrupt can be eaten (a bare except, a weakref callback): the watchdog repeats it."""
+    src = ("swallowed = 0\n"
+           "while True:\n"
+           "    try:\n"
+           "        while True:\n"
+           "            pass\n"
+           "    except KeyboardInterrupt:\n"
+           "        swallowed += 1\n"
+           "        if swallowed >= 2:\n"
+           "            raise\n")
+    ns = {}
+    report = bd.diagnose(src, ns, timeout=0.3)
+    assert report.findings[0].kind == "hang" and ns["swallowed"] == 2
