@@ -47,6 +47,16 @@ y = torch.randint(0, 10, (64,))
 """
 
 
+# A batch whose activations do not fit the (simulated) 40 MB device: shown failing, then fixed.
+OOM_CELL = """
+xb = torch.randn(8192, 256)
+yb = torch.randint(0, 10, (8192,))
+loss = F.cross_entropy(model(xb), yb)
+loss.backward()
+opt.step(); opt.zero_grad()
+"""
+
+
 @dataclass
 class Scenario:
     title: str
@@ -78,23 +88,11 @@ SCENARIOS = [
     Scenario(
         "backward() crashes out of memory (seeds: 'crashing during backward', 'CUDA OOM but not on CPU')",
         "Folklore: `del` tensors and empty the cache. Measured: activations of a big batch fill the card.",
-        """
-        xb = torch.randn(8192, 256)
-        yb = torch.randint(0, 10, (8192,))
-        loss = F.cross_entropy(model(xb), yb)
-        loss.backward()
-        opt.step(); opt.zero_grad()
-        """, {"memory_limit": "40MB"}),
+        OOM_CELL, {"memory_limit": "40MB"}),
     Scenario(
         "the same step with fix='accumulate' (issue 4: fixes)",
         "The cell runs, the state is rolled back, the rewritten cell runs: measured, with the code to keep.",
-        """
-        xb = torch.randn(8192, 256)
-        yb = torch.randint(0, 10, (8192,))
-        loss = F.cross_entropy(model(xb), yb)
-        loss.backward()
-        opt.step(); opt.zero_grad()
-        """, {"memory_limit": "40MB", "fix": "accumulate"}),
+        OOM_CELL, {"memory_limit": "40MB", "fix": "accumulate"}),
     Scenario(
         "the 'no_grad saves memory' advice (seed: 'CUDA OOM but not on CPU', example 1)",
         "The article computes outputs under no_grad, then calls backward: there is no graph at all.",

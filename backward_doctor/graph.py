@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterable
 from .findings import forward_where
 from .sections import esc, tensor_bytes
 from .trace import OpRecord, Trace
-from .units import format_bytes
+from .units import format_bytes, format_us
 
 if TYPE_CHECKING:
     from .report import Report
@@ -308,14 +308,6 @@ def _highlight(trace: Trace, report: "Report | None", ops: dict[int, _Op]) -> tu
 
 
 # ---------------------------------------------------------------------- layout and SVG
-def _fmt_us(us: float) -> str:
-    if us >= 1e6:
-        return f"{us / 1e6:.1f}s"
-    if us >= 1e3:
-        return f"{us / 1e3:.1f}ms"
-    return f"{us:.0f}µs"
-
-
 def _tail(path: str) -> str:
     """``model.blocks.0`` -> ``blocks.0``; ``model.ln_f`` -> ``ln_f``."""
     parts = path.split(".")
@@ -373,9 +365,9 @@ def _draw(v: View, has_backward: bool, within: str | None, max_width: int) -> st
         title = _short_label(n.label, within, common)
         if n.composite:
             title = "▸ " + title
-        stats = [f"{len(n.ops)} ops", f"fwd {_fmt_us(n.fwd_us)}"]
+        stats = [f"{len(n.ops)} ops", f"fwd {format_us(n.fwd_us, compact=True)}"]
         if has_backward:
-            stats.append(f"bwd {_fmt_us(n.bwd_us)}")
+            stats.append(f"bwd {format_us(n.bwd_us, compact=True)}")
         if n.saved_bytes:
             stats.append(f"saved {format_bytes(n.saved_bytes)}")
         line2 = " · ".join(stats)
@@ -449,7 +441,7 @@ def _draw(v: View, has_backward: bool, within: str | None, max_width: int) -> st
         fill = "#fff8e1" if n.highlight else "#f6f8fa" if n.composite else "#ffffff"
         stroke = "#c62828" if n.highlight else "#57606a" if n.composite else "#afb8c1"
         swn = 2.6 if n.highlight else 1.2
-        tip = esc(f"{n.label}: {len(n.ops)} forward ops, forward {_fmt_us(n.fwd_us)}, backward {_fmt_us(n.bwd_us)}, "
+        tip = esc(f"{n.label}: {len(n.ops)} forward ops, forward {format_us(n.fwd_us, compact=True)}, backward {format_us(n.bwd_us, compact=True)}, "
                   f"saved for backward {format_bytes(n.saved_bytes)}" + (f"\n{n.detail}" if n.detail else "")
                   + ("\n(collapsed module: expand to see inside)" if n.composite else "")
                   + ("\nthe finding is here" if n.highlight else ""))

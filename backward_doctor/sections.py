@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from .findings import Finding, forward_where
 from .stats import format_stats
 from .trace import CATEGORIES, OpRecord, TensorMeta, Trace, Where
-from .units import format_bytes
+from .units import format_bytes, format_us
 
 if TYPE_CHECKING:
     from .report import Report
@@ -280,20 +280,12 @@ def ops_table_html(trace: Trace, group: str = "op", sort: str = "time", limit: i
            '<th class="num">time</th>', '<th class="num">% time</th>', '<th class="num">allocated</th></tr>']
     for r in rows[:limit]:
         out.append(f'<tr><td class="mono">{esc(r.name)}</td><td class="num">{r.count:,}</td>'
-                   f'<td class="num">{_fmt_us(r.time_us)}</td><td class="num">{100 * r.time_us / total_us:.1f}%</td>'
+                   f'<td class="num">{format_us(r.time_us)}</td><td class="num">{100 * r.time_us / total_us:.1f}%</td>'
                    f'<td class="num">{esc(format_bytes(r.alloc_bytes)) if r.alloc_bytes else ""}</td></tr>')
     out.append("</table>")
     if len(rows) > limit:
         out.append(f'<div class="muted">{len(rows) - limit} more rows not shown</div>')
     return "".join(out)
-
-
-def _fmt_us(us: float) -> str:
-    if us >= 1e6:
-        return f"{us / 1e6:.2f} s"
-    if us >= 1e3:
-        return f"{us / 1e3:.1f} ms"
-    return f"{us:.0f} µs"
 
 
 # --------------------------------------------------------------------------- fixes

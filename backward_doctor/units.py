@@ -59,3 +59,14 @@ def format_bytes(n: int | float | None) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
         n /= 1024
     return f"{sign}{n:.1f} TiB"  # pragma: no cover - unreachable
+
+
+def format_us(us: float, compact: bool = False) -> str:
+    """A duration given in microseconds: ``format_us(1500) == '1.5 ms'``; ``compact`` drops the space
+    (``'1.5ms'``) for tight labels such as graph nodes."""
+    sep = "" if compact else " "
+    if us >= 1e6:
+        return f"{us / 1e6:.1f}{sep}s" if compact else f"{us / 1e6:.2f}{sep}s"
+    if us >= 1e3:
+        return f"{us / 1e3:.1f}{sep}ms"
+    return f"{us:.0f}{sep}µs"

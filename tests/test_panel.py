@@ -25,14 +25,7 @@ W = pytest.importorskip("ipywidgets")
 from backward_doctor import panel as panel_mod  # noqa: E402
 from backward_doctor.panel import Panel  # noqa: E402
 
-SETUP = """
-import torch, torch.nn as nn, torch.nn.functional as F
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-x = torch.randn(64, 256)
-y = torch.randint(0, 10, (64,))
-"""
+from backward_doctor.demo import SETUP  # noqa: E402  (the demo's model, optimizer and batch)
 
 CELLS = {
     "ok": ("loss = F.cross_entropy(model(x), y)\nloss.backward()\nopt.step(); opt.zero_grad()", {}),
