@@ -117,18 +117,18 @@ def _meta(m: tuple, shared: dict[tuple, TensorMeta]) -> TensorMeta:
 
 
 def _build_ops(cap: "Capture") -> None:
-    """Turn the compact per-op tuples into :class:`OpRecord` (once, after the step)."""
+    """Turn the compact per-op records into :class:`OpRecord` (once, after the step)."""
     trace = cap.trace
     ops = trace.ops
     shared: dict[tuple, TensorMeta] = {}
-    for recs in (cap._recs, cap._tail):
-        for (index, name, phase, fwd, grad, where, ins, outs, in_keys, out_keys, live, us) in recs:
-            ops.append(OpRecord(index=index, op=name, phase=phase, inputs=[_meta(m, shared) for m in ins],
-                                outputs=[_meta(m, shared) for m in outs], where=where, fwd_index=fwd,
-                                duration_us=us,
-                                grad_enabled=grad, in_keys=list(in_keys), out_keys=list(out_keys),
-                                live_bytes=live))
-    cap._recs, cap._tail = [], None
+    for (index, name, phase, fwd, grad, where, ins, outs, live, us) in cap.kept_records():
+        ops.append(OpRecord(index=index, op=name, phase=phase, inputs=[_meta(m, shared) for m, _ in ins],
+                            outputs=[_meta(m, shared) for m, _ in outs], where=where, fwd_index=fwd,
+                            duration_us=us, grad_enabled=grad, in_keys=[k for _, k in ins],
+                            out_keys=[k for _, k in outs], live_bytes=live))
+    cap._rec_ints, cap._rec_io, cap._rec_us, cap._tail = None, None, None, None
+    cap._n_kept = 0
+    cap._metas, cap._meta_ids = [], {}
     trace.op_count = cap._count
     trace.op_totals = cap._op_totals
 

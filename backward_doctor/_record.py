@@ -1,8 +1,11 @@
 """The per-op hot path: what happens for every aten op while a step is captured.
 
-Kept lean on purpose (see benchmarks/): each op appends one compact tuple (shapes
-as ``torch.Size``, dtype/device objects, storage keys) and the trace's dataclasses
-are built once, at the end (``_finish.py``). Evidence that needs the tensors
+Kept lean on purpose (see benchmarks/): each op appends a fixed number of ints to
+flat ``array`` buffers (op name, tensor metadata and source position are interned:
+an id per distinct value) and the trace's dataclasses are built once, at the end
+(``_finish.py``). No Python object is kept per op: objects the garbage collector
+tracks would make it run during the user's step, and a full collection of a
+process with torch loaded takes ~0.2 s. Evidence that needs the tensors
 themselves (statistics, index values, in-place versions) is taken right here,
 because after the op returns the tensors may be gone.
 
@@ -65,8 +68,11 @@ def _tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
     return out
 
 
-def _metas(ts: list[torch.Tensor]) -> tuple:
-    return tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in ts)
+#: per kept op in ``Capture._rec_ints``: index, name id, phase id, forward op (-1: none), grad mode,
+#: where id, inputs, outputs, offset in ``_rec_io`` (meta id and storage key per tensor), live bytes
+REC_WIDTH = 10
+PHASES = ("forward", "backward", "optimizer")
+_PHASE_ID = {p: i for i, p in enumerate(PHASES)}
 
 
 class OpRecorder:
@@ -193,13 +199,8 @@ class OpRecorder:
             self._cuda_alloc.append(torch.cuda.memory_allocated())
         if total > self._peak:
             self._peak, self._peak_index, self._peak_by_category = total, index, led.snapshot()
-        rec = (index, name, phase, fwd_index, grad_enabled, where, _metas(ins), _metas(outs),
-               in_keys, out_keys, total, t_op * 1e6)
-        if len(self._recs) < self._max_ops:
-            self._recs.append(rec)
-        else:
-            self._tail_count += 1
-            self._tail.append(rec)
+        self._keep(index, name, phase, fwd_index, grad_enabled, where, ins, outs, in_keys, out_keys, total,
+                   t_op * 1e6)
         tot = self._op_totals.get(name)
         if tot is None:
             self._op_totals[name] = [1, t_op * 1e6]
@@ -209,14 +210,69 @@ class OpRecorder:
         if self.memory_limit is not None and total > self.memory_limit:
             self._raise_simulated_oom(index, name, total - before)
 
+    def _keep(self, index, name, phase, fwd_index, grad_enabled, where, ins, outs, in_keys, out_keys, total,
+              us) -> None:
+        """Append the op's record as ints (interning name, tensor metadata and position)."""
+        name_id = self._name_ids.get(name)
+        if name_id is None:
+            name_id = self._name_ids[name] = len(self._names)
+            self._names.append(name)
+        where_id = self._where_ids.get(id(where))
+        if where_id is None:  # every Where is kept in _wheres, so its id() is never reused
+            where_id = self._where_ids[id(where)] = len(self._wheres)
+            self._wheres.append(where)
+        meta_ids, metas = self._meta_ids, self._metas
+        io = []
+        for t, k in zip(ins, in_keys):
+            m = (t.shape, t.dtype, t.device, t.requires_grad)
+            mid = meta_ids.get(m)
+            if mid is None:
+                mid = meta_ids[m] = len(metas)
+                metas.append(m)
+            io += (mid, k)
+        for t, k in zip(outs, out_keys):
+            m = (t.shape, t.dtype, t.device, t.requires_grad)
+            mid = meta_ids.get(m)
+            if mid is None:
+                mid = meta_ids[m] = len(metas)
+                metas.append(m)
+            io += (mid, k)
+        fwd = -1 if fwd_index is None else fwd_index
+        if self._n_kept < self._max_ops:
+            self._n_kept += 1
+            self._rec_ints.extend((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, len(ins),
+                                   len(outs), len(self._rec_io), total))
+            self._rec_io.extend(io)
+            self._rec_us.append(us)
+        else:  # past max_ops: a ring buffer of the last ops (a tuple each, bounded)
+            self._tail_count += 1
+            self._tail.append((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, len(ins),
+                               tuple(io), total, us))
+
+    def kept_records(self):
+        """Every kept op as (index, name, phase, fwd index or None, grad mode, Where, [(meta, key) of
+        inputs], [(meta, key) of outputs], live bytes, microseconds); meta = (shape, dtype, device,
+        requires_grad)."""
+        ints, io, us = self._rec_ints, self._rec_io, self._rec_us
+        names, wheres, metas = self._names, self._wheres, self._metas
+        for r in range(self._n_kept):
+            (index, name_id, phase, fwd, grad, where_id, n_in, n_out, off,
+             live) = ints[r * REC_WIDTH:(r + 1) * REC_WIDTH]
+            pairs = [(metas[io[off + 2 * j]], io[off + 2 * j + 1]) for j in range(n_in + n_out)]
+            yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],
+                   pairs[:n_in], pairs[n_in:], live, us[r])
+        for (index, name_id, phase, fwd, grad, where_id, n_in, flat, live, t) in self._tail:
+            pairs = [(metas[flat[2 * j]], flat[2 * j + 1]) for j in range(len(flat) // 2)]
+            yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],
+                   pairs[:n_in], pairs[n_in:], live, t)
+
     # ---------------------------------------------------------------- evidence
     def _op_name(self, index: int | None) -> str | None:
         if index is None:
             return None
-        recs = self._recs
-        if index < len(recs) and recs[index][0] == index:
-            return recs[index][1]
-        return next((r[1] for r in self._tail if r[0] == index), None)
+        if index < self._n_kept and self._rec_ints[index * REC_WIDTH] == index:
+            return self._names[self._rec_ints[index * REC_WIDTH + 1]]
+        return next((self._names[r[1]] for r in self._tail if r[0] == index), None)
 
     def _check_indices(self, func: Any, name: str, args: tuple, kwargs: dict) -> None:
         __tracebackhide__ = True

@@ -75,8 +75,16 @@ class Capture(OpRecorder):
         self._ledger = MemoryLedger()
         self._ledger.on_free = self._on_free
         self._timeline = Timeline()
-        # Compact per-op records (see _record.py), turned into OpRecords by finish().
-        self._recs: list[tuple] = []
+        # Per-op records as ints in flat arrays (see _record.py), turned into OpRecords by finish().
+        self._rec_ints, self._rec_io, self._rec_us = array("q"), array("q"), array("d")
+        self._n_kept = 0
+        self._names: list[str] = []
+        self._name_ids: dict[str, int] = {}
+        self._metas: list[tuple] = []      # (shape, dtype, device, requires_grad)
+        self._meta_ids: dict[tuple, int] = {}
+        self._wheres: list[Where] = []     # every Where a record points to (kept: ids stay valid)
+        self._where_ids: dict[int, int] = {}
+        self._where_intern: dict[tuple, Where] = {}  # one Where per (position, module stack)
         self._max_ops, self._tail = max_ops, collections.deque(maxlen=tail_ops)
         self._tail_count = 0  # records that went to the ring buffer (some since overwritten)
         self._count = 0
@@ -291,9 +299,14 @@ class Capture(OpRecorder):
                 w = self._where_cache[key] = self._frames.where(f)
             return w
         w = self._frames.where(f)
-        if self._stack_key:
-            self._where_stacks.append((w, self._stack_key))
-        return w
+        # One Where object per position and module stack: a forward op does not keep a new one.
+        key = (w.line, w.file, w.cell_line, w.lasti, self._stack_key)
+        got = self._where_intern.get(key)
+        if got is None:
+            got = self._where_intern[key] = w
+            if self._stack_key:
+                self._where_stacks.append((w, self._stack_key))
+        return got
 
     # ---------------------------------------------------------------- results
     def record_exception(self, exc: BaseException) -> None:
