@@ -53,13 +53,15 @@ class Capture(OpRecorder):
     count what existed before. ``memory_limit``: simulated device capacity in
     bytes; the op that pushes live bytes past it raises ``torch.OutOfMemoryError``.
     ``check_indices``: validate index ranges before index ops run (default: on
-    CUDA only, where a bad index would otherwise kill the context).
+    CUDA only, where a bad index would otherwise kill the context). ``cuda_history``:
+    on CUDA, record the allocator's history (``torch.cuda.memory._record_memory_history``)
+    during the run; it costs time per allocation (see benchmarks/).
     """
 
     def __init__(self, namespace: dict[str, Any] | None = None, *, cell_file: str = "<cell>",
                  source: str = "", memory_limit: int | None = None, max_ops: int = 50_000,
                  tail_ops: int = 10_000, check_indices: bool | None = None,
-                 history: "CellHistory | None" = None, detail: bool = True) -> None:
+                 history: "CellHistory | None" = None, detail: bool = True, cuda_history: bool = True) -> None:
         self.namespace = namespace if namespace is not None else {}
         self.memory_limit = memory_limit
         self.check_indices = check_indices
@@ -114,6 +116,7 @@ class Capture(OpRecorder):
         self._roots: list[int | None] = []  # forward op of each backward's root node
         self._oom: dict[str, Any] | None = None
         self._cuda = torch.cuda.is_available()
+        self._cuda_history_wanted = cuda_history
         self._cuda_alloc = array("q")
         self._t0 = self._t_last = 0.0  # start, and end of the latest op (what a failed step took)
 

@@ -35,11 +35,12 @@ def _nvml() -> dict[str, Any] | None:
 def start(cap: "Capture") -> None:
     torch.cuda.reset_peak_memory_stats()
     cap._cuda_history = False
-    try:
-        torch.cuda.memory._record_memory_history(max_entries=_HISTORY_ENTRIES, stacks="python")
-        cap._cuda_history = True
-    except Exception:
-        pass
+    if cap._cuda_history_wanted:
+        try:
+            torch.cuda.memory._record_memory_history(max_entries=_HISTORY_ENTRIES, stacks="python")
+            cap._cuda_history = True
+        except Exception:
+            pass
     cap.trace.memory.device_total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 

@@ -1,13 +1,18 @@
 """Overhead benchmark: plain step vs the doctor vs anomaly mode vs the profiler.
 
-    python benchmarks/run.py            # full: 15 rounds, 1M-op trace check
-    python benchmarks/run.py --quick    # < 2 minutes
+    python benchmarks/run.py                  # full: 15 rounds, 1M-op trace check
+    python benchmarks/run.py --quick          # < 2 minutes
+    python benchmarks/run.py --device cuda    # on a GPU: + memory history cost, peak vs the allocator
+    python benchmarks/run.py --smoke          # one round, tiny trace: checks the script runs (tests)
 
 All modes run in one process, interleaved round by round on the same three CPU
 workloads (4-layer MLP, small CNN with BatchNorm, small GPT-style transformer), one
 thread. It prints medians and ratios against the plain step measured in the same
 rounds, ops per step and microseconds per op, the time to build the report, and
-peak RSS of a separate process per mode (with vs without the doctor).
+peak RSS of a separate process per mode (with vs without the doctor). On CUDA every
+mode ends with ``torch.cuda.synchronize()``; the doctor runs with and without the
+allocator's memory history, and its peak (live tensor bytes) is compared with
+``torch.cuda.max_memory_allocated`` over the same step.
 """
 from __future__ import annotations
 
@@ -43,8 +48,13 @@ CELL_FILE = "<benchmark-cell>"
 CELL = compile("step()", CELL_FILE, "exec")
 
 
+DEVICE = "cpu"
+
+
 def _run_cell(step) -> None:
     exec(CELL, {"step": step})
+    if DEVICE == "cuda":  # time the kernels, not just their launch
+        torch.cuda.synchronize()
 
 
 def plain(step):
@@ -54,6 +64,13 @@ def plain(step):
 def doctor(step):
     """First tier: what the magic always runs."""
     with Capture(cell_file=CELL_FILE, detail=False) as cap:
+        _run_cell(step)
+    return cap
+
+
+def doctor_no_history(step):
+    """First tier on CUDA without the allocator's memory history (its cost, by difference)."""
+    with Capture(cell_file=CELL_FILE, detail=False, cuda_history=False) as cap:
         _run_cell(step)
     return cap
 
@@ -81,6 +98,11 @@ def profiler(step):
 
 MODES = {"plain": plain, "doctor": doctor, "doctor_detail": doctor_detail, "anomaly": anomaly,
          "profiler": profiler}
+CUDA_MODES = {"doctor_no_history": doctor_no_history}
+
+
+def modes() -> dict:
+    return {**MODES, **CUDA_MODES} if DEVICE == "cuda" else MODES
 
 
 def report_time(cap: Capture) -> float:
@@ -96,14 +118,27 @@ def profiler_table_time(prof) -> float:
     return time.perf_counter() - t
 
 
+def cuda_peaks(step) -> dict:
+    """Peak device memory of one plain step and one doctor step, and the doctor's own peak figure."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    plain(step)
+    plain_max = torch.cuda.max_memory_allocated()
+    cap = doctor(step)  # resets the peak stats itself at start
+    trace = cap.finish()
+    return {"plain_max_allocated": plain_max, "doctor_max_allocated": trace.memory.cuda["max_allocated"],
+            "doctor_peak_live": trace.memory.peak_bytes}
+
+
 def bench_workload(name: str, rounds: int) -> dict:
-    step = WORKLOADS[name]()
-    for fn in MODES.values():  # warm-up: lazy imports, allocator, caches
+    step = WORKLOADS[name](DEVICE)
+    all_modes = modes()
+    for fn in all_modes.values():  # warm-up: lazy imports, allocator, caches
         fn(step)
-    times = {m: [] for m in MODES}
+    times = {m: [] for m in all_modes}
     extra = {"report_s": [], "profiler_tables_s": []}
     for _ in range(rounds):
-        for m, fn in MODES.items():
+        for m, fn in all_modes.items():
             t = time.perf_counter()
             out = fn(step)
             times[m].append(time.perf_counter() - t)
@@ -115,8 +150,9 @@ def bench_workload(name: str, rounds: int) -> dict:
     ops = cap.finish().op_count
     med = {m: statistics.median(v) for m, v in times.items()}
     return {"workload": name, "ops": ops, "median_s": med,
-            "ratio": {m: med[m] / med["plain"] for m in MODES},
-            "us_per_op": {m: (med[m] - med["plain"]) * 1e6 / ops for m in MODES if m != "plain"},
+            "ratio": {m: med[m] / med["plain"] for m in all_modes},
+            "us_per_op": {m: (med[m] - med["plain"]) * 1e6 / ops for m in all_modes if m != "plain"},
+            "cuda": cuda_peaks(step) if DEVICE == "cuda" else None,
             "report_s": statistics.median(extra["report_s"]),
             "report_vs_step": statistics.median(extra["report_s"]) / med["plain"],
             "profiler_tables_steps": statistics.median(extra["profiler_tables_s"]) / med["plain"]}
@@ -163,21 +199,36 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer rounds, smaller trace test (< 2 min)")
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--smoke", action="store_true", help="one round, no RSS, a 2,000-op trace: checks the script")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()
-    rounds = args.rounds or (5 if args.quick else 15)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available to this torch "
+                f"({torch.__version__}); nothing was run")
+    global DEVICE
+    DEVICE = args.device
+    rounds = args.rounds or (1 if args.smoke else 5 if args.quick else 15)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
+    gpu = f", {torch.cuda.get_device_name()}" if DEVICE == "cuda" else ""
     print(f"# {platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"torch {torch.__version__}, 1 thread, {rounds} rounds (medians)")
+          f"torch {torch.__version__}, device {DEVICE}{gpu}, 1 thread, {rounds} rounds (medians)", flush=True)
     results = []
-    header = f"{'workload':<12}{'ops':>6}  " + "  ".join(f"{m:>15}" for m in MODES)
+    header = f"{'workload':<12}{'ops':>6}  " + "  ".join(f"{m:>15}" for m in modes())
     print(header)
     for name in WORKLOADS:
         r = bench_workload(name, rounds)
         results.append(r)
-        cells = "  ".join(f"{r['median_s'][m] * 1e3:7.2f}ms {r['ratio'][m]:4.2f}x" for m in MODES)
-        print(f"{name:<12}{r['ops']:>6}  {cells}")
+        cells = "  ".join(f"{r['median_s'][m] * 1e3:7.2f}ms {r['ratio'][m]:4.2f}x" for m in modes())
+        print(f"{name:<12}{r['ops']:>6}  {cells}", flush=True)
+        if r["cuda"]:
+            c = r["cuda"]
+            print(f"{'':<12}cuda max_memory_allocated: plain {c['plain_max_allocated'] / 2**20:.1f} MiB, with the "
+                  f"doctor {c['doctor_max_allocated'] / 2**20:.1f} MiB "
+                  f"({c['doctor_max_allocated'] / max(1, c['plain_max_allocated']):.3f}x); the doctor's peak of "
+                  f"live tensors {c['doctor_peak_live'] / 2**20:.1f} MiB "
+                  f"({c['doctor_peak_live'] / max(1, c['doctor_max_allocated']):.3f}x the allocator's)")
     print("\nper op (us, over plain):", "; ".join(
         f"{r['workload']}: " + ", ".join(f"{m} {v:.1f}" for m, v in r["us_per_op"].items()) for r in results))
     print("report build / plain step:", "; ".join(f"{r['workload']} {r['report_vs_step']:.2f}" for r in results))
@@ -185,14 +236,14 @@ def main() -> None:
                                                     for r in results))
     steps = 3 if args.quick else 10
     rss = {}
-    for name in WORKLOADS:
+    for name in ([] if args.smoke or DEVICE == "cuda" else WORKLOADS):  # host memory: a CPU question
         (b0, plain_rss), (b1, doc_rss) = rss_child(name, "plain", steps), rss_child(name, "doctor", steps)
         rss[name] = {"plain": plain_rss, "doctor": doc_rss, "ratio": doc_rss / plain_rss,
                      "plain_growth": plain_rss - b0, "doctor_growth": doc_rss - b1}
         print(f"peak RSS {name}: plain {plain_rss / 2**20:.1f} MiB, doctor {doc_rss / 2**20:.1f} MiB "
               f"({doc_rss / plain_rss:.3f}x); growth over one warm plain step: plain "
               f"{(plain_rss - b0) / 2**20:.1f} MiB, doctor {(doc_rss - b1) / 2**20:.1f} MiB")
-    n = 200_000 if args.quick else 1_000_000
+    n = 2_000 if args.smoke else 200_000 if args.quick else 1_000_000
     big = million_ops(n)
     print(f"trace of {big['ops']} ops ({big['kept']} kept one by one): {big['trace_bytes'] / 2**20:.1f} MiB "
           f"held after finish, {big['peak_bytes'] / 2**20:.1f} MiB peak while capturing, {big['seconds']:.1f} s")

@@ -54,3 +54,16 @@ def test_real_allocator_oom():
     report = bd.diagnose("big = torch.empty(n, device='cuda')", ns)
     f = report.findings[0]
     assert f.kind == "oom" and f.line == 1 and not f.evidence["simulated"]
+
+
+def test_benchmark_script_runs_on_cuda_and_compares_peaks():
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "run.py")
+    out = subprocess.run([sys.executable, script, "--device", "cuda", "--smoke"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("cuda max_memory_allocated") == 3, out.stdout
+    assert "doctor_no_history" in out.stdout

@@ -1,0 +1,39 @@
+"""The overhead benchmark script keeps running (a smoke run; numbers are in benchmarks/RESULTS.md)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "run.py")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KINETO_LOG_LEVEL": "5"})
+
+
+def test_smoke_run_times_every_mode_on_the_three_workloads():
+    out = _run("--smoke")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^(mlp|cnn|transformer)\s+(\d+)\s.*$", out.stdout, re.M)}
+    assert set(rows) == {"mlp", "cnn", "transformer"}, out.stdout
+    for row in rows.values():
+        ratios = [float(x) for x in re.findall(r"([\d.]+)x", row)]
+        assert len(ratios) == 5 and ratios[0] == 1.0 and all(r > 0 for r in ratios), row
+    assert int(re.search(r"^transformer\s+(\d+)", out.stdout, re.M).group(1)) > 500  # ops per step
+    assert re.search(r"report build / plain step: mlp [\d.]+; cnn [\d.]+; transformer [\d.]+", out.stdout)
+    assert re.search(r"trace of 2000 ops \(2000 kept one by one\): [\d.]+ MiB held", out.stdout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error_and_runs_nothing():
+    out = _run("--device", "cuda")
+    assert out.returncode == 2
+    assert "no CUDA device is available" in out.stderr and "nothing was run" in out.stderr
+    assert "workload" not in out.stdout
