@@ -1,0 +1,345 @@
+"""The native first tier: :class:`Capture`'s records taken by a C++ observer instead of a dispatch mode.
+
+Same hooks, same namespace scan, same ``finish()`` and rules: only the per-op
+recording moves to ``native/recorder.cpp``, and its buffers are turned into the
+Python tier's compact records once, when the step is over. What it does not take
+(statistics of a failing op's inputs, index values, a simulated OOM) is what the
+Python tier is replayed for: a run that raises asks for a replay
+(``trace.needs_detail = "exception"``) and the caller replays it from the rollback
+snapshot, as it does for NaN/Inf.
+
+>>> import torch
+>>> from backward_doctor import native
+>>> x = torch.randn(4, 3, requires_grad=True)
+>>> if native.load() is not None:
+...     with NativeCapture() as cap:
+...         (x * 2).sum().backward()
+...     print([op.op for op in cap.finish().ops][:2])
+... else:
+...     print(['aten::mul', 'aten::sum'])
+['aten::mul', 'aten::sum']
+"""
+from __future__ import annotations
+
+import time
+from array import array
+from typing import Any
+
+import torch
+import torch.optim.optimizer as _optim
+from torch.nn.modules import module as _nn_module
+
+from . import native
+from ._record import _CLEARING, _PHASE_ID, REC_WIDTH
+from .capture import Capture
+from .memory import MemoryLedger
+from .trace import CATEGORIES, InplaceEvent, Where
+
+_CAT = {c: i for i, c in enumerate(CATEGORIES)}
+_DTYPES: dict[int, torch.dtype] = {}
+_DEVICE_TYPES: dict[int, str] = {}
+
+
+def _tables(ext: Any) -> None:
+    """ScalarType and DeviceType numbers -> torch objects, asked from the recorder itself."""
+    if _DTYPES:
+        return
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+               torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128):
+        _DTYPES[ext.codes_of(torch.empty(0, dtype=dt))[0]] = dt
+    for dev in ("cpu", "meta"):
+        _DEVICE_TYPES[ext.codes_of(torch.empty(0, device=dev))[1]] = dev
+
+
+class _NativeLedger(MemoryLedger):
+    """The Python ledger (weak references to what existed before the step), mirrored into the recorder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ext: Any = None
+        self._data: dict[int, int] = {}
+
+    def track(self, t: torch.Tensor, category: str, producer: int | None = None) -> bool:
+        new = super().track(t, category, producer)
+        if new:
+            key = t.untyped_storage()._cdata
+            self._data[key] = t.untyped_storage().data_ptr()
+            if self.ext is not None:
+                self.ext.register_storage(key, self._live[key], _CAT[category], self._data[key])
+        return new
+
+    def _freed(self, key: int) -> None:
+        self._data.pop(key, None)
+        if self.ext is not None:
+            self.ext.release(key)
+        super()._freed(key)
+
+    def reclassify(self, t: torch.Tensor, category: str) -> None:
+        super().reclassify(t, category)
+        if self.ext is not None:
+            key = t.untyped_storage()._cdata
+            if key not in self._data:
+                self.ext.register_storage(key, t.untyped_storage().nbytes(), _CAT[category],
+                                          t.untyped_storage().data_ptr())
+            self.ext.reclassify(key, _CAT[category])
+
+    def attach(self, ext: Any) -> None:
+        """Hand everything tracked so far to the (now running) recorder."""
+        self.ext = ext
+        for key, nbytes in self._live.items():
+            ext.register_storage(key, nbytes, self._cat[key], self._data.get(key, 0))
+
+
+class NativeCapture(Capture):
+    """:class:`Capture` with the per-op records taken in C++ (``detail=False`` only)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["detail"] = False
+        super().__init__(*args, **kwargs)
+        if self.memory_limit is not None or self.check_indices:
+            raise ValueError("NativeCapture: memory_limit and check_indices need the Python tier (Capture)")
+        self._ext = native.load(build=False) or native.load()
+        if self._ext is None:
+            raise RuntimeError(f"the native recorder is not available: {native.status()['reason']}")
+        _tables(self._ext)
+        self._ledger = _NativeLedger()
+        self._ledger.on_free = self._on_free
+        self._stack_ids: dict[tuple[int, ...], int] = {(): 0}
+        self._stacks: list[tuple[int, ...]] = [()]
+        self._post_counts: list[int] = []  # op count at the end of each optimizer step
+        self._line_cache: dict[tuple[Any, int], int | None] = {}
+        self._native_out: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._scan_namespace()
+        if self.history is not None:
+            self._forget_zeroed_grads()
+        self.trace.memory.baseline_bytes = self._ledger.total
+        self._handles += [
+            _nn_module.register_module_forward_pre_hook(self._module_pre),
+            _nn_module.register_module_forward_hook(self._module_post, always_call=True),
+            _optim.register_optimizer_step_pre_hook(self._optim_pre),
+            _optim.register_optimizer_step_post_hook(self._optim_post),
+        ]
+        self._t0 = time.perf_counter()
+        self._ext.start(self._frames.cell_file, True)
+        self._ledger.attach(self._ext)
+
+    def stop(self) -> None:
+        try:
+            if self._ext.running():
+                self._native_out = self._ext.stop()
+        finally:
+            self._ledger.ext = None
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            self._t_last = time.perf_counter()
+            self.trace.duration_s = self._t_last - self._t0
+
+    def _converted(self) -> None:
+        # The recorder's buffers become records after the step (finish), not in the step's time.
+        if self._native_out is not None:
+            out, self._native_out = self._native_out, None
+            self._convert(out)
+
+    def finish(self):
+        self._converted()
+        return super().finish()
+
+    # ---------------------------------------------------------------- hooks
+    def _set_stack(self) -> None:
+        sid = self._stack_ids.get(self._stack_key)
+        if sid is None:
+            sid = self._stack_ids[self._stack_key] = len(self._stacks)
+            self._stacks.append(self._stack_key)
+        self._ext.set_stack(sid)
+
+    def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
+        super()._module_pre(module, args)
+        self._set_stack()
+
+    def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        super()._module_post(module, args, output)
+        self._set_stack()
+
+    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._count = self._ext.op_count()
+        super()._optim_pre(opt, args, kwargs)
+        self._ext.set_optimizer_depth(self._opt_depth)
+
+    def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        super()._optim_post(opt, args, kwargs)
+        self._ext.set_optimizer_depth(self._opt_depth)
+        self._post_counts.append(self._ext.op_count())
+
+    # ---------------------------------------------------------------- after the step
+    def _line(self, code: Any, lasti: int) -> int | None:
+        key = (code, lasti)
+        line = self._line_cache.get(key)
+        if line is None and key not in self._line_cache:
+            line = None
+            for start, end, ln in code.co_lines():
+                if start <= lasti < end:
+                    line = ln
+                    break
+            self._line_cache[key] = line
+        return line
+
+    def _where_of(self, codes: list, lastis: list, first: int, n: int) -> Where:
+        """UserFrames.where over a recorded stack (innermost first)."""
+        w = Where()
+        for j in range(first, first + n):
+            code = codes[j]
+            kind = self._frames._classify(code)
+            if kind:
+                if w.line is None:
+                    w.line = self._line(code, lastis[j])
+                    w.file = None if kind == 2 else code.co_filename
+                    w.function = code.co_name
+                    w.lasti = lastis[j]
+                if kind == 2:
+                    w.cell_line = self._line(code, lastis[j])
+                    break
+        return w
+
+    def _convert(self, out: dict[str, Any]) -> None:
+        """The recorder's buffers -> the Python tier's records, timeline, peak and events."""
+        recs, tens, sizes, inplace = (array("q", out[k]) for k in ("recs", "tensors", "sizes", "inplace"))
+        codes, lastis, names = out["codes"], out["lastis"], out["names"]
+        width, tw = out["width"], out["tensor_width"]
+        roots = iter(out["roots"])
+        seq_map: dict[int, int] = {}
+        where_cache: dict[tuple, Where] = {}
+        metas: dict[tuple, tuple] = {}
+        phases = ("forward", "backward", "optimizer")
+        last_phase = "forward"
+        idx_where: dict[int, Where] = {}
+        stack_of = self._stacks
+        for r in range(len(recs) // width):
+            rec = recs[r * width:(r + 1) * width]
+            index, name = rec[0], names[rec[1]]
+            phase = phases[rec[2]]
+            if phase == "forward":
+                for s in range(rec[4], rec[5]):
+                    seq_map[s] = index
+                fwd = None
+            else:
+                fwd = seq_map.get(rec[3]) if phase == "backward" else None
+            fkey = tuple(zip(map(id, codes[rec[10]:rec[10] + rec[11]]), lastis[rec[10]:rec[10] + rec[11]]))
+            stack = stack_of[rec[19]] if phase == "forward" else ()
+            wkey = (fkey, stack)
+            where = where_cache.get(wkey)
+            if where is None:
+                where = where_cache[wkey] = self._where_of(codes, lastis, rec[10], rec[11])
+                if stack:
+                    self._where_stacks.append((where, stack))
+            if phase == "backward" and last_phase != "backward":
+                self.trace.backward_calls.append(where)
+                self.trace.backward_roots.append(next(roots, "").split("evaluate_function: ")[-1])
+                self._roots.append(fwd)
+            last_phase = phase
+            idx_where[index] = where
+            ins, outs = [], []
+            for j in range(rec[8] + rec[9]):
+                t = tens[(rec[7] + j) * tw:(rec[7] + j + 1) * tw]
+                key, dtype, dev_type, dev_index, rg, ndim, off = t[0], t[1], t[2], t[3], t[4], t[5], t[6]
+                shape = tuple(sizes[off:off + ndim])
+                mkey = (shape, dtype, dev_type, dev_index, rg)
+                m = metas.get(mkey)
+                if m is None:
+                    dev = _DEVICE_TYPES.get(dev_type, "cpu")
+                    device = torch.device(dev if dev_index < 0 else f"{dev}:{dev_index}")
+                    m = metas[mkey] = (torch.Size(shape), _DTYPES.get(dtype, torch.float32), device, bool(rg))
+                (ins if j < rec[8] else outs).append((m, key))
+            live = rec[12]
+            totals = list(rec[13:18])
+            us = rec[17] / 1e3
+            self._keep_native(index, name, phase, fwd, bool(rec[6]), where, ins, outs, live, us)
+            for _, k in outs:
+                if k:
+                    self._writer[k] = index
+            self._timeline.add(index, totals, live)
+            if live > self._peak:
+                self._peak, self._peak_index = live, index
+                self._peak_by_category = dict(zip(CATEGORIES, totals))
+            tot = self._op_totals.get(name)
+            if tot is None:
+                self._op_totals[name] = [1, us]
+            else:
+                tot[0] += 1
+                tot[1] += us
+            if rec[18] and self._nonfinite_seen is None:
+                self._nonfinite_seen = {"index": index, "line": where.line, "file": where.file}
+        self._count = out["count"]
+        self._inplace_events(inplace, tens, sizes, tw, idx_where)
+        final = out["totals"]
+        self._ledger.totals = list(final)
+        self._ledger.total = sum(final)
+
+    def _keep_native(self, index, name, phase, fwd, grad, where, ins, outs, live, us) -> None:
+        name_id = self._name_ids.get(name)
+        if name_id is None:
+            name_id = self._name_ids[name] = len(self._names)
+            self._names.append(name)
+        where_id = self._where_ids.get(id(where))
+        if where_id is None:
+            where_id = self._where_ids[id(where)] = len(self._wheres)
+            self._wheres.append(where)
+        io = []
+        for m, k in ins + outs:
+            mid = self._meta_ids.get(m)
+            if mid is None:
+                mid = self._meta_ids[m] = len(self._metas)
+                self._metas.append(m)
+            io += (mid, k)
+        f = -1 if fwd is None else fwd
+        if self._n_kept < self._max_ops:
+            self._n_kept += 1
+            self._rec_ints.extend((index, name_id, _PHASE_ID[phase], f, grad, where_id, len(ins), len(outs),
+                                   len(self._rec_io), live))
+            self._rec_io.extend(io)
+            self._rec_us.append(us)
+        else:
+            self._tail_count += 1
+            self._tail.append((index, name_id, _PHASE_ID[phase], f, grad, where_id, len(ins), tuple(io), live, us))
+
+    def _inplace_events(self, inplace: array, tens: array, sizes: array, tw: int, idx_where: dict) -> None:
+        last_post = self._post_counts[-1] if self._post_counts else -1
+        cleared: set[int] = set()
+        events = self.trace.inplace
+        for e in range(len(inplace) // 5):
+            index, key, version, producer, toff = inplace[e * 5:(e + 1) * 5]
+            name = self._op_name(index)
+            if name in _CLEARING and index >= last_post:
+                cleared.add(key)
+            if len(events) >= 2000:
+                continue
+            t = tens[toff * tw:(toff + 1) * tw]
+            events.append(InplaceEvent(
+                index=index, op=name or "?", key=key, version=version, shape=list(sizes[t[6]:t[6] + t[5]]),
+                requires_grad=bool(t[4]), where=idx_where.get(index, Where()),
+                producer_index=None if producer < 0 else producer,
+                producer_op=self._op_name(producer) if producer >= 0 else None))
+        if cleared and self.history is not None:
+            # zero_grad(set_to_none=False) after this run's last step: those gradients are not stale.
+            for p in self.parameters():
+                g = p.grad
+                if g is not None and g.untyped_storage()._cdata in cleared:
+                    self.history.stepped_grads.pop(g, None)
+
+    def record_exception(self, exc: BaseException) -> None:
+        self._converted()
+        super().record_exception(exc)
+        if isinstance(exc, Exception) and self.trace.exception is not None:
+            # The failing op's inputs, index values and OOM breakdown are the Python tier's to take.
+            self.trace.needs_detail = "exception"
+
+
+def native_available() -> bool:
+    """True when the recorder is built (or can be built now) and usable here (CPU-only torch)."""
+    return not torch.cuda.is_available() and native.enabled() and native.ready() is not None
+
+
+__all__ = ["NativeCapture", "native_available"]

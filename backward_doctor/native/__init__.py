@@ -1,0 +1,83 @@
+"""The native first tier's recorder: a C++ ``RecordFunction`` observer, compiled on first use.
+
+The Python dispatch mode costs 1.15-1.2x a step before it records anything
+(benchmarks/RESULTS.md); the same records taken from C++ cost a few percent. The
+recorder is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are
+needed; ~40 s once, cached under ``TORCH_EXTENSIONS_DIR``). Where it cannot be built,
+or with ``BACKWARD_DOCTOR_NATIVE=0``, the doctor uses the Python first tier and says
+why in ``status()``.
+
+>>> status()["reason"] is None or isinstance(status()["reason"], str)
+True
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from typing import Any
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorder.cpp")
+_lock = threading.Lock()
+_module: Any = None
+_reason: str | None = None
+_build_s: float | None = None
+_thread: threading.Thread | None = None
+
+
+def enabled() -> bool:
+    """False when switched off with ``BACKWARD_DOCTOR_NATIVE=0``."""
+    return os.environ.get("BACKWARD_DOCTOR_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def load(build: bool = True) -> Any:
+    """The compiled recorder, building it if needed (blocking); None if it cannot be had."""
+    global _module, _reason, _build_s
+    if _module is not None or not enabled():
+        return _module
+    with _lock:
+        if _module is not None or (_reason is not None and not build):
+            return _module
+        if not build:
+            return None
+        t = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load as _load
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _module = _load(name="backward_doctor_native", sources=[_SOURCE],
+                                extra_cflags=["-O2", "-DNDEBUG"], verbose=False)
+            _reason = None
+        except Exception as exc:  # no compiler, no ninja, no headers: the Python tier does the work
+            _reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
+            _module = None
+        _build_s = time.perf_counter() - t
+    return _module
+
+
+def build_in_background() -> threading.Thread | None:
+    """Start building the recorder without waiting (``%load_ext`` does this); None if nothing to do."""
+    global _thread
+    if _module is not None or not enabled() or _reason is not None:
+        return None
+    if _thread is None or not _thread.is_alive():
+        _thread = threading.Thread(target=load, name="backward_doctor-native-build", daemon=True)
+        _thread.start()
+    return _thread
+
+
+def ready() -> Any:
+    """The recorder if it is already built (never blocks), else None."""
+    if _module is not None or not enabled():
+        return _module
+    if _thread is not None and _thread.is_alive():
+        return None
+    return load(build=False) if _reason is not None else None
+
+
+def status() -> dict[str, Any]:
+    """What the doctor knows about the native recorder (for reports and ``%backward_doctor --status``)."""
+    return {"enabled": enabled(), "built": _module is not None, "building": bool(_thread and _thread.is_alive()),
+            "reason": _reason if enabled() else "switched off (BACKWARD_DOCTOR_NATIVE=0)", "build_s": _build_s}

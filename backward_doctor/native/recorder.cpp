@@ -1,0 +1,486 @@
+// The native first tier: a RecordFunction observer that records what the Python
+// dispatch mode (_record.py) records, at a fraction of its cost.
+//
+// It records the ops a Python TorchDispatchMode would see: dispatcher ops whose
+// enclosing ops (since the innermost autograd node) are all
+// CompositeImplicitAutograd, i.e. the first op below each decomposition. For each:
+// name, phase, autograd sequence numbers, grad mode, input/output tensor metadata
+// and storage identity (StorageImpl*, the same number as Python's
+// untyped_storage()._cdata), the Python stack as (code object, bytecode offset)
+// pairs, live bytes per category after it, in-place writes and a finiteness check of
+// scalar forward outputs. Live bytes: storages are counted when first seen as an
+// op output (or registered from Python) and uncounted when the CPU allocator
+// reports their memory freed (c10's memory-reporting hook, as the profiler uses).
+//
+// Everything is plain ints until stop(), which hands the buffers to Python.
+#include <torch/extension.h>
+#include <ATen/SequenceNumber.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <Python.h>
+#include <frameobject.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr int kCategories = 5;  // trace.CATEGORIES: parameters, gradients, optimizer, activations, other
+constexpr int kActivations = 3, kOther = 4, kOptimizerCat = 2;
+constexpr int kMaxFrames = 96;
+
+struct OpInfo {
+  bool composite = false;  // CompositeImplicitAutograd: decomposes above the Python key
+  bool transparent = false;  // not an operator (user ranges, ...): not an op, does not hide ops
+  bool is_view = false;
+  std::vector<int> mutated;  // positional arguments it writes into
+  int64_t name_id = -1;
+};
+
+struct Open {  // a RecordFunction still running on this thread
+  bool function = false;   // FUNCTION scope (else an autograd node)
+  bool visible = false;    // recorded as an op
+  bool composite = false;
+  int64_t seq = -1;        // autograd node: its sequence number
+  int64_t rec = -1;        // visible: index into recs (in units of kWidth)
+  int64_t t0 = 0;
+  const char* name = nullptr;  // autograd node: its name (lives as long as the RecordFunction)
+  bool engine = false;         // the engine's range around a node
+};
+
+struct Entry { int64_t nbytes; int cat; int64_t producer; int64_t data; };
+
+// Per visible op, kWidth ints: index, name id, phase (0 fwd, 1 bwd, 2 optimizer), node seq (bwd),
+// seq before, seq after (fwd), grad mode, tensor offset, inputs, outputs, frame offset, frames,
+// live total, 5 category totals, duration ns, non-finite scalar (1), module stack id (set from Python).
+constexpr int kWidth = 20;
+
+struct State {
+  std::thread::id owner;
+  std::string cell_file;
+  bool frames_on = true;
+  int optimizer_depth = 0;
+  int64_t stack_id = 0;
+  std::vector<int64_t> recs, tensors, sizes, inplace;  // inplace: op index, key, version, producer, tensor off
+  std::vector<PyObject*> codes;
+  std::vector<int64_t> lastis;
+  std::vector<Open> open;
+  std::unordered_map<const void*, OpInfo> infos;  // by (name pointer ^ overload pointer)
+  std::vector<std::string> names;
+  std::unordered_map<int64_t, Entry> live;        // storage key -> entry
+  std::unordered_map<int64_t, int64_t> by_data;   // data pointer -> storage key
+  std::unordered_map<PyObject*, bool> cell_codes;
+  std::vector<std::string> roots;                 // name of each backward's first node
+  int64_t totals[kCategories] = {0, 0, 0, 0, 0};
+  int64_t total = 0, count = 0, depth_bwd = 0, last_phase = 0;
+  at::CallbackHandle handle = 0;
+};
+State* S = nullptr;
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+OpInfo& info_for(const at::RecordFunction& fn) {
+  const void* key = reinterpret_cast<const void*>(
+      reinterpret_cast<uintptr_t>(fn.name()) ^ (reinterpret_cast<uintptr_t>(fn.overload_name()) << 1));
+  auto it = S->infos.find(key);
+  if (it != S->infos.end()) return it->second;
+  OpInfo info;
+  auto opname = fn.operator_name();
+  if (!opname) {
+    // Not an operator: its name may be built per call (freed after), so it is never cached by address.
+    static OpInfo transparent_info;
+    transparent_info.transparent = true;
+    return transparent_info;
+  }
+  {
+    auto op = c10::Dispatcher::singleton().findOp(*opname);
+    if (op) {
+      info.composite = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+      const auto& schema = op->schema();
+      const auto& args = schema.arguments();
+      for (size_t i = 0; i < args.size(); ++i) {
+        const auto* alias = args[i].alias_info();
+        if (alias && alias->isWrite() && !args[i].kwarg_only()) info.mutated.push_back((int)i);
+      }
+      if (info.mutated.empty())
+        for (const auto& r : schema.returns()) if (r.alias_info()) info.is_view = true;
+    }
+  }
+  info.name_id = (int64_t)S->names.size();
+  S->names.emplace_back(fn.name());
+  return S->infos.emplace(key, std::move(info)).first->second;
+}
+
+void count_storage(int64_t key, int64_t nbytes, int cat, int64_t producer, int64_t data) {
+  S->live.emplace(key, Entry{nbytes, cat, producer, data});
+  if (data) S->by_data[data] = key;
+  S->totals[cat] += nbytes;
+  S->total += nbytes;
+}
+
+void uncount(int64_t key) {
+  auto it = S->live.find(key);
+  if (it == S->live.end()) return;
+  S->totals[it->second.cat] -= it->second.nbytes;
+  S->total -= it->second.nbytes;
+  if (it->second.data) S->by_data.erase(it->second.data);
+  S->live.erase(it);
+}
+
+// One tensor: key, dtype, device type, device index, requires_grad, ndim, size offset, impl.
+constexpr int kTensorWidth = 8;
+
+void add_tensor(const at::Tensor& t, bool output, const std::vector<int64_t>* in_impls, int cat, int64_t index) {
+  int64_t key = 0, data = 0, nbytes = 0;
+  if (t.has_storage()) {
+    const auto& st = t.storage();
+    key = reinterpret_cast<int64_t>(st.unsafeGetStorageImpl());
+    data = reinterpret_cast<int64_t>(st.data_ptr().get());
+    nbytes = (int64_t)st.nbytes();
+  }
+  int64_t impl = reinterpret_cast<int64_t>(t.unsafeGetTensorImpl());
+  bool rg = t.requires_grad();
+  if (output) {
+    // Below autograd (where the Python mode looks) a fresh output does not require grad yet;
+    // an in-place op returns its input, which may.
+    bool same = false;
+    if (in_impls)
+      for (int64_t x : *in_impls) if (x == impl) same = true;
+    rg = same && rg;
+  }
+  if (key && nbytes > 0) {
+    auto it = S->live.find(key);
+    // An entry whose memory was never reported freed (allocated before the step) can outlive its
+    // storage: a different data pointer or size at the same StorageImpl address means a new storage.
+    if (it != S->live.end() && (it->second.data != data || it->second.nbytes != nbytes)) {
+      uncount(key);
+      it = S->live.end();
+    }
+    if (it == S->live.end()) {
+      if (output) count_storage(key, nbytes, cat, index, data);
+      else count_storage(key, nbytes, kOther, -1, data);  // made before the step, not registered from Python
+    }
+  }
+  auto sz = t.sizes();
+  S->tensors.insert(S->tensors.end(), {key, (int64_t)t.scalar_type(), (int64_t)t.device().type(),
+                                       (int64_t)t.device().index(), (int64_t)rg, (int64_t)sz.size(),
+                                       (int64_t)S->sizes.size(), impl});
+  S->sizes.insert(S->sizes.end(), sz.begin(), sz.end());
+}
+
+template <typename F>
+void for_tensors(c10::ArrayRef<const c10::IValue> vs, F&& f) {
+  for (const auto& v : vs) {
+    if (v.isTensor()) {
+      const auto& t = v.toTensor();
+      if (t.defined()) f(t);
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) if (t.defined()) f(t);
+    } else if (v.isList()) {
+      for (const c10::IValue& x : v.toListRef()) {
+        if (x.isTensor() && x.toTensor().defined()) f(x.toTensor());
+      }
+    }
+  }
+}
+
+void add_frames(int64_t* rec) {
+  rec[10] = (int64_t)S->codes.size();
+  rec[11] = 0;
+  if (!S->frames_on || !Py_IsInitialized()) return;
+  PyGILState_STATE g = PyGILState_Ensure();
+  PyFrameObject* f = PyEval_GetFrame();
+  Py_XINCREF(f);
+  int n = 0;
+  while (f && n < kMaxFrames) {
+    PyCodeObject* code = PyFrame_GetCode(f);  // new reference: kept until stop()
+    S->codes.push_back(reinterpret_cast<PyObject*>(code));
+    S->lastis.push_back(PyFrame_GetLasti(f));
+    ++n;
+    auto it = S->cell_codes.find(reinterpret_cast<PyObject*>(code));
+    bool is_cell;
+    if (it == S->cell_codes.end()) {
+      is_cell = PyUnicode_CompareWithASCIIString(code->co_filename, S->cell_file.c_str()) == 0;
+      S->cell_codes.emplace(reinterpret_cast<PyObject*>(code), is_cell);
+    } else {
+      is_cell = it->second;
+    }
+    PyFrameObject* back = PyFrame_GetBack(f);
+    Py_DECREF(f);
+    f = back;
+    if (is_cell) break;  // the cell's own frame is the last one the report needs
+  }
+  Py_XDECREF(f);
+  rec[11] = n;
+  PyGILState_Release(g);
+}
+
+int nonfinite_scalar(const at::Tensor& t) {
+  if (t.dim() != 0 || !t.device().is_cpu() || !t.has_storage()) return 0;
+  double v;
+  switch (t.scalar_type()) {
+    case at::kFloat: v = *t.const_data_ptr<float>(); break;
+    case at::kDouble: v = *t.const_data_ptr<double>(); break;
+    case at::kHalf: v = static_cast<float>(*t.const_data_ptr<at::Half>()); break;
+    case at::kBFloat16: v = static_cast<float>(*t.const_data_ptr<at::BFloat16>()); break;
+    default: return 0;
+  }
+  return std::isfinite(v) ? 0 : 1;
+}
+
+void start_op(const at::RecordFunction& fn, Open& o);
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  if (!S || std::this_thread::get_id() != S->owner) return nullptr;
+  Open o;
+  try {
+    start_op(fn, o);
+  } catch (...) {  // a tensor we cannot describe (nested, sparse...): the op is not recorded
+    if (o.visible) { S->recs.resize(o.rec); S->count--; }
+    o.visible = false;
+  }
+  o.t0 = now_ns();
+  S->open.push_back(o);
+  return nullptr;
+}
+
+void start_op(const at::RecordFunction& fn, Open& o) {
+  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION ||
+      std::strncmp(fn.name(), "autograd::engine::evaluate_function", 35) == 0) {
+    // An autograd node, or the engine's range around it (which also checks and reduces the
+    // node's output gradients: backward work too).
+    o.seq = fn.seqNr();
+    o.name = fn.name();
+    o.engine = fn.scope() != at::RecordScope::BACKWARD_FUNCTION;
+    // The engine's range has no sequence number: it takes its node's, for the gradient checks and
+    // reductions it runs after the node.
+    if (!o.engine && !S->open.empty() && S->open.back().engine && S->open.back().seq < 0) {
+      S->open.back().seq = o.seq;
+    }
+    S->depth_bwd++;
+    return;
+  }
+  o.function = true;
+  OpInfo& info = info_for(fn);
+  o.composite = info.composite || info.transparent;
+  bool visible = true;
+  int64_t node_seq = -1;
+  const char* node_name = nullptr;
+  for (auto it = S->open.rbegin(); it != S->open.rend(); ++it) {
+    if (!it->function) { node_seq = it->seq; node_name = it->name; break; }
+    if (!it->composite) { visible = false; break; }
+  }
+  if (visible && !o.composite && !info.transparent) {
+    o.visible = true;
+    int64_t index = S->count++;
+    size_t at = S->recs.size();
+    o.rec = (int64_t)at;
+    S->recs.resize(at + kWidth, 0);
+    int64_t* rec = &S->recs[at];
+    int64_t phase = S->depth_bwd > 0 ? 1 : (S->optimizer_depth > 0 ? 2 : 0);
+    if (phase == 1 && S->last_phase != 1)  // a new backward() call: its first node is the root
+      S->roots.emplace_back(node_name ? node_name : "");
+    S->last_phase = phase;
+    rec[19] = S->stack_id;
+    rec[0] = index; rec[1] = info.name_id; rec[2] = phase; rec[3] = node_seq;
+    rec[4] = (int64_t)at::sequence_number::peek(); rec[6] = at::GradMode::is_enabled();
+    rec[7] = (int64_t)S->tensors.size() / kTensorWidth;
+    int64_t n_in = 0;
+    for_tensors(fn.inputs(), [&](const at::Tensor& t) {
+      // A Python number passed where a tensor goes: the Python mode sees the number, not a tensor.
+      if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
+      add_tensor(t, false, nullptr, 0, index);
+      ++n_in;
+    });
+    rec[8] = n_in;
+    if (!info.mutated.empty() && phase == 0) {
+      auto inputs = fn.inputs();
+      for (int i : info.mutated) {
+        if (i < (int)inputs.size() && inputs[i].isTensor() && inputs[i].toTensor().defined()) {
+          const auto& t = inputs[i].toTensor();
+          int64_t key = t.has_storage() ? reinterpret_cast<int64_t>(t.storage().unsafeGetStorageImpl()) : 0;
+          auto it = S->live.find(key);
+          int64_t pos = 0;  // tensors recorded before argument i
+          for (int j = 0; j < i; ++j) {
+            if (inputs[j].isTensor()) pos += inputs[j].toTensor().defined() &&
+                                             !inputs[j].toTensor().unsafeGetTensorImpl()->is_wrapped_number();
+            else if (inputs[j].isTensorList()) pos += (int64_t)inputs[j].toTensorList().size();
+          }
+          S->inplace.insert(S->inplace.end(), {index, key, (int64_t)t._version() + 1,
+                                               it == S->live.end() ? -1 : it->second.producer,
+                                               rec[7] + pos});
+        }
+      }
+    }
+    add_frames(rec);
+  }
+}
+
+void end_op(const at::RecordFunction& fn, const Open& o);
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
+  if (!S || std::this_thread::get_id() != S->owner || S->open.empty()) return;
+  Open o = S->open.back();
+  S->open.pop_back();
+  if (!o.function) {
+    S->depth_bwd--;
+    return;
+  }
+  if (!o.visible) return;
+  try {
+    end_op(fn, o);
+  } catch (...) {
+  }
+}
+
+void end_op(const at::RecordFunction& fn, const Open& o) {
+  int64_t* rec = &S->recs[o.rec];
+  rec[17] = now_ns() - o.t0;
+  rec[5] = (int64_t)at::sequence_number::peek();
+  int phase = (int)rec[2];
+  int cat = phase == 1 ? kOther : (phase == 2 ? kOptimizerCat : kOther);
+  if (phase == 0 && rec[6]) {  // forward with grad on: activations if any input requires grad
+    int64_t first = rec[7];
+    for (int64_t j = 0; j < rec[8]; ++j)
+      if (S->tensors[(first + j) * kTensorWidth + 4]) { cat = kActivations; break; }
+  }
+  std::vector<int64_t> in_impls;
+  for (int64_t j = 0; j < rec[8]; ++j) in_impls.push_back(S->tensors[(rec[7] + j) * kTensorWidth + 7]);
+  const auto& outs = fn.outputs();
+  int64_t n_out = 0;
+  // Outputs follow this op's inputs unless nested ops added tensors in between: then copy the inputs
+  // after them, so each op's tensors stay contiguous.
+  if ((int64_t)S->tensors.size() / kTensorWidth != rec[7] + rec[8]) {
+    int64_t first = rec[7];
+    rec[7] = (int64_t)S->tensors.size() / kTensorWidth;
+    for (int64_t j = 0; j < rec[8]; ++j)
+      for (int k = 0; k < kTensorWidth; ++k) S->tensors.push_back(S->tensors[(first + j) * kTensorWidth + k]);
+  }
+  bool first_out = true;
+  for (const auto& v : outs) {
+    auto add = [&](const at::Tensor& t) {
+      add_tensor(t, true, &in_impls, cat, rec[0]);
+      ++n_out;
+      if (first_out && phase == 0) rec[18] = nonfinite_scalar(t);
+      first_out = false;
+    };
+    if (v.isTensor()) {
+      if (v.toTensor().defined()) add(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) if (t.defined()) add(t);
+    }
+  }
+  rec[9] = n_out;
+  rec[12] = S->total;
+  for (int c = 0; c < kCategories; ++c) rec[13 + c] = S->totals[c];
+}
+
+struct Reporter : public c10::MemoryReportingInfoBase {
+  void reportMemoryUsage(void* ptr, int64_t size, size_t, size_t, c10::Device) override {
+    if (!S || size >= 0) return;
+    auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
+    if (it != S->by_data.end()) uncount(it->second);
+  }
+  bool memoryProfilingEnabled() const override { return S != nullptr; }
+};
+
+}  // namespace
+
+void start(const std::string& cell_file, bool frames) {
+  TORCH_CHECK(S == nullptr, "backward_doctor: the native recorder is already running");
+  S = new State();
+  S->owner = std::this_thread::get_id();
+  S->cell_file = cell_file;
+  S->frames_on = frames;
+  S->recs.reserve(1 << 14);
+  S->tensors.reserve(1 << 15);
+  c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<Reporter>());
+  S->handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(on_start, on_end)
+          .needsInputs(true)
+          .needsOutputs(true)
+          .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+}
+
+bool running() { return S != nullptr; }
+
+void set_optimizer_depth(int64_t depth) { if (S) S->optimizer_depth = (int)depth; }
+
+void set_stack(int64_t stack_id) { if (S) S->stack_id = stack_id; }
+
+int64_t op_count() { return S ? S->count : 0; }
+
+// dtype and device type of a tensor as the ints this recorder writes (Python builds its tables from them).
+std::vector<int64_t> codes_of(const at::Tensor& t) {
+  return {(int64_t)t.scalar_type(), (int64_t)t.device().type()};
+}
+
+void register_storage(int64_t key, int64_t nbytes, int64_t cat, int64_t data) {
+  if (S && key && nbytes > 0 && !S->live.count(key)) count_storage(key, nbytes, (int)cat, -1, data);
+}
+
+void release(int64_t key) { if (S) uncount(key); }
+
+void reclassify(int64_t key, int64_t cat) {
+  if (!S) return;
+  auto it = S->live.find(key);
+  if (it == S->live.end() || it->second.cat == cat) return;
+  S->totals[it->second.cat] -= it->second.nbytes;
+  S->totals[cat] += it->second.nbytes;
+  it->second.cat = (int)cat;
+}
+
+std::vector<int64_t> totals() {
+  std::vector<int64_t> out;
+  if (S) out.assign(S->totals, S->totals + kCategories);
+  return out;
+}
+
+py::dict stop() {
+  TORCH_CHECK(S != nullptr, "backward_doctor: the native recorder is not running");
+  at::removeCallback(S->handle);
+  c10::ThreadLocalDebugInfo::_pop(c10::DebugInfoKind::PROFILER_STATE);
+  State* s = S;
+  S = nullptr;
+  py::dict out;
+  out["recs"] = py::bytes(reinterpret_cast<const char*>(s->recs.data()), s->recs.size() * sizeof(int64_t));
+  out["tensors"] = py::bytes(reinterpret_cast<const char*>(s->tensors.data()), s->tensors.size() * sizeof(int64_t));
+  out["sizes"] = py::bytes(reinterpret_cast<const char*>(s->sizes.data()), s->sizes.size() * sizeof(int64_t));
+  out["inplace"] = py::bytes(reinterpret_cast<const char*>(s->inplace.data()), s->inplace.size() * sizeof(int64_t));
+  out["lastis"] = s->lastis;
+  py::list codes;
+  for (PyObject* c : s->codes) codes.append(py::reinterpret_steal<py::object>(c));  // hands our references over
+  out["codes"] = codes;
+  out["names"] = s->names;
+  out["roots"] = s->roots;
+  out["count"] = s->count;
+  std::vector<int64_t> tot(s->totals, s->totals + kCategories);
+  out["totals"] = tot;
+  out["width"] = kWidth;
+  out["tensor_width"] = kTensorWidth;
+  delete s;
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("start", &start);
+  m.def("stop", &stop);
+  m.def("running", &running);
+  m.def("set_optimizer_depth", &set_optimizer_depth);
+  m.def("register_storage", &register_storage);
+  m.def("release", &release);
+  m.def("reclassify", &reclassify);
+  m.def("totals", &totals);
+  m.def("set_stack", &set_stack);
+  m.def("op_count", &op_count);
+  m.def("codes_of", &codes_of);
+}
