@@ -2,11 +2,12 @@
 
 Same hooks, same namespace scan, same ``finish()`` and rules: only the per-op
 recording moves to ``native/recorder.cpp``, and its buffers are turned into the
-Python tier's compact records once, when the step is over. What it does not take
-(statistics of a failing op's inputs, index values, a simulated OOM) is what the
-Python tier is replayed for: a run that raises asks for a replay
-(``trace.needs_detail = "exception"``) and the caller replays it from the rollback
-snapshot, as it does for NaN/Inf.
+Python tier's compact records once, when the step is over. The op that raised is
+known from C++ (it ends while an exception unwinds) and its arguments are kept
+while it runs, so the failing op's statistics and index values are taken as the
+Python tier takes them. What it does not do: a simulated memory limit and index
+checks before a kernel runs (both raise from inside an op: the Python tier's job),
+and CUDA (not yet run on a GPU).
 
 >>> import torch
 >>> from backward_doctor import native
@@ -33,7 +34,7 @@ from . import native
 from ._record import _CLEARING, _PHASE_ID, REC_WIDTH
 from .capture import Capture
 from .memory import MemoryLedger
-from .trace import CATEGORIES, InplaceEvent, Where
+from .trace import CATEGORIES, FailedOp, InplaceEvent, Where
 
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
 _DTYPES: dict[int, torch.dtype] = {}
@@ -98,10 +99,11 @@ class NativeCapture(Capture):
         super().__init__(*args, **kwargs)
         if self.memory_limit is not None or self.check_indices:
             raise ValueError("NativeCapture: memory_limit and check_indices need the Python tier (Capture)")
-        self._ext = native.load(build=False) or native.load()
+        self._ext = native.load()
         if self._ext is None:
             raise RuntimeError(f"the native recorder is not available: {native.status()['reason']}")
         _tables(self._ext)
+        self.trace.engine = "native"
         self._ledger = _NativeLedger()
         self._ledger.on_free = self._on_free
         self._stack_ids: dict[tuple[int, ...], int] = {(): 0}
@@ -109,6 +111,8 @@ class NativeCapture(Capture):
         self._post_counts: list[int] = []  # op count at the end of each optimizer step
         self._line_cache: dict[tuple[Any, int], int | None] = {}
         self._native_out: dict[str, Any] | None = None
+        self._failed: tuple[int, str, list] | None = None  # failing op: index, overload, its arguments
+        self._by_producer: dict[int, int] = {}
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -273,6 +277,9 @@ class NativeCapture(Capture):
             if rec[18] and self._nonfinite_seen is None:
                 self._nonfinite_seen = {"index": index, "line": where.line, "file": where.file}
         self._count = out["count"]
+        self._by_producer = dict(out["by_producer"])
+        if out["failed_index"] >= 0:
+            self._failed = (out["failed_index"], out["failed_overload"], list(out["failed_args"]))
         self._inplace_events(inplace, tens, sizes, tw, idx_where)
         final = out["totals"]
         self._ledger.totals = list(final)
@@ -331,15 +338,47 @@ class NativeCapture(Capture):
 
     def record_exception(self, exc: BaseException) -> None:
         self._converted()
+        if isinstance(exc, Exception) and self._failed is not None:
+            self._record_failed_op(exc)
         super().record_exception(exc)
-        if isinstance(exc, Exception) and self.trace.exception is not None:
-            # The failing op's inputs, index values and OOM breakdown are the Python tier's to take.
-            self.trace.needs_detail = "exception"
+
+    def _record_failed_op(self, exc: BaseException) -> None:
+        """The innermost op that raised (the recorder saw it unwinding), with its inputs' statistics."""
+        from . import checks
+        from .stats import meta
+
+        index, overload, args = self._failed
+        self._failed = None
+        name = self._op_name(index)
+        rec = next((r for r in self.kept_records() if r[0] == index), None)
+        if name is None or rec is None:
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [x for a in args if isinstance(a, list) for x in a if isinstance(x, torch.Tensor)]
+        idx = None
+        if isinstance(exc, (IndexError, RuntimeError)):
+            ns, _, op = name.partition("::")
+            packet = getattr(getattr(torch.ops, ns, None), op, None)
+            func = getattr(packet, overload or "default", None) if packet is not None else None
+            idx = checks.index_check(func, tuple(args), {}) if func is not None else None
+        with torch.no_grad():
+            inputs = [meta(t, with_stats=True) for t in tensors]
+        del tensors, args
+        self.trace.failed_op = FailedOp(
+            index=index, op=name, phase=rec[2], inputs=inputs, where=rec[5],
+            error=f"{type(exc).__name__}: {exc}".split("\n")[0][:500], fwd_index=rec[3], index_check=idx)
+
+    def _memory_breakdown(self, index: int, requested: int | None) -> dict[str, Any]:
+        by_producer = {(-1 if p < 0 else p): n for p, n in self._by_producer.items()}
+        return {"index": index, "requested": requested, "live": self._ledger.total,
+                "by_category": self._ledger.snapshot(), "by_producer": by_producer}
 
 
-def native_available() -> bool:
-    """True when the recorder is built (or can be built now) and usable here (CPU-only torch)."""
-    return not torch.cuda.is_available() and native.enabled() and native.ready() is not None
+def native_available(build: bool = False) -> bool:
+    """True when the recorder is built (``build``: or can be built now) and usable here (CPU-only torch)."""
+    if torch.cuda.is_available() or not native.enabled():
+        return False
+    return (native.load() if build else native.ready()) is not None
 
 
 __all__ = ["NativeCapture", "native_available"]

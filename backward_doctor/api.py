@@ -11,7 +11,7 @@ from typing import Any
 
 from .history import history_for
 from .report import Report
-from .tiers import replay_in_detail, snapshot_for
+from .tiers import check_engine, choose_engine, replay_in_detail, snapshot_for
 from .rules import analyze
 from .trace import Trace
 from .units import parse_size
@@ -57,7 +57,8 @@ def build_report(trace: Trace, fix: str | None = None) -> Report:
 
 
 def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: float | None = None,
-             memory_limit: int | str | None = None, fix: str | None = None, rollback: bool = True) -> Report:
+             memory_limit: int | str | None = None, fix: str | None = None, rollback: bool = True,
+             engine: str = "auto") -> Report:
     """Run ``source`` (one cell: a training step) in ``namespace`` and diagnose it.
 
     The namespace is mutated exactly as ``exec`` would; the cell's exception is
@@ -70,6 +71,11 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     rewritten cell and returns that run's report with ``report.fix_result``: the
     code to keep, a diff and before/after numbers. See ``backward_doctor.fixes``.
 
+    ``engine`` records the ops: ``"auto"`` (the native C++ recorder where it can
+    be used, else the Python dispatch mode), ``"native"`` or ``"python"``; see
+    ``backward_doctor.tiers.choose_engine``. A run that raises, or shows NaN/Inf,
+    is replayed from the rollback snapshot on the Python tier for its details.
+
     >>> import backward_doctor as bd
     >>> bd.diagnose("x = 1").ok
     True
@@ -80,6 +86,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     timeout = check_timeout(timeout)
     limit = parse_size(memory_limit)
     check_fix(fix)
+    check_engine(engine)
     ns = {} if namespace is None else namespace
     ns.setdefault("__builtins__", __builtins__)
     if fix is not None:
@@ -87,8 +94,9 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
 
         return run_fix(source, ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
     snapshot = snapshot_for(source, ns) if rollback else None
+    chosen, why_not = choose_engine(engine, replayable=snapshot is not None, memory_limit=limit)
     trace = run_source(source, ns, timeout=timeout, memory_limit=limit, history=history_for(source, ns),
-                       detail=False)
+                       detail=False, engine=chosen)
     if trace.needs_detail and snapshot is not None:
         trace = replay_in_detail(trace, source, ns, snapshot, timeout=timeout, memory_limit=limit)
     return build_report(trace, fix)

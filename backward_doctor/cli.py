@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", default=None, metavar="NAME", help="re-run with a fix (accumulate[:k], amp, sync, checkpoint)")
     p.add_argument("--no-rollback", action="store_true",
                    help="with --fix: do not restore the training state between the original and the fixed run")
+    p.add_argument("--engine", default="auto", choices=("auto", "native", "python"),
+                   help="what records the ops (default auto: the native recorder where it can be used)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
     p.add_argument("--html", default=None, metavar="OUT",
                    help="also write the report as one self-contained HTML page to OUT")
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(path))  # imports next to the script work, as with `python FILE`
     try:
         report = diagnose(source, namespace, timeout=args.timeout, memory_limit=limit, fix=args.fix,
+                          engine=args.engine,
                           rollback=not args.no_rollback)
     finally:
         sys.path.remove(os.path.dirname(path))

@@ -16,10 +16,9 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.display import display
 
 from .api import build_report, check_fix, check_timeout
-from .capture import Capture
 from .history import history_for
-from .tiers import replay_in_detail, snapshot_for
-from .runner import run_under_capture
+from .tiers import ENGINES, check_engine, choose_engine, replay_in_detail, snapshot_for
+from .runner import make_capture, run_under_capture
 from .units import parse_size
 
 
@@ -37,6 +36,9 @@ class BackwardDoctorMagics(Magics):
     @magic_arguments.argument("--no-rollback", action="store_true",
                               help="with --fix: do not restore the training state between the original and fixed runs")
     @magic_arguments.argument("--quiet", action="store_true", help="do not display the report when all is well")
+    @magic_arguments.argument("--engine", default="auto", metavar="NAME",
+                              help=f"what records the ops: {', '.join(ENGINES)} (default auto: the native "
+                                   "recorder when it is built, else the Python dispatch mode)")
     @cell_magic
     def backward_doctor(self, line: str, cell: str) -> None:
         """Run the cell as usual while capturing its training step, then show a diagnosis.
@@ -55,6 +57,7 @@ class BackwardDoctorMagics(Magics):
             timeout = check_timeout(args.timeout)
             limit = parse_size(args.memory_limit)
             check_fix(args.fix)
+            check_engine(args.engine)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         shell = self.shell
@@ -64,8 +67,13 @@ class BackwardDoctorMagics(Magics):
         # The same name run_cell will give the cell's code object, so frames map to its lines.
         filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
         snapshot = None if args.no_rollback else snapshot_for(cell, shell.user_ns)
-        capture = Capture(shell.user_ns, cell_file=filename, source=cell, memory_limit=limit,
-                          history=history_for(cell, shell.user_ns), detail=False)
+        try:
+            engine, _ = choose_engine(args.engine, replayable=snapshot is not None, memory_limit=limit,
+                                      build=False)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        capture = make_capture(engine, shell.user_ns, cell_file=filename, source=cell, memory_limit=limit,
+                               history=history_for(cell, shell.user_ns), detail=False)
 
         # The result of the cell that holds this magic: the inner run_cell's error is
         # copied onto it so Jupyter marks the cell failed (and "Run All" stops), as usual.
@@ -133,7 +141,11 @@ def _release_failed_frames(outer: Any) -> None:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    from . import native
+
     ipython.register_magics(BackwardDoctorMagics)
+    # The native recorder compiles once (~40 s, cached); cells run on the Python tier meanwhile.
+    native.build_in_background()
 
 
 def unload_ipython_extension(ipython: Any) -> None:

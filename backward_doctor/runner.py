@@ -91,6 +91,16 @@ class Watchdog:
         return False
 
 
+def make_capture(engine: str, namespace: dict[str, Any], **kwargs: Any) -> Capture:
+    """A :class:`Capture` for ``engine`` ("python" or "native"; see ``tiers.choose_engine``)."""
+    if engine == "native":
+        from ._native_capture import NativeCapture
+
+        kwargs.pop("detail", None)
+        return NativeCapture(namespace, **kwargs)
+    return Capture(namespace, **kwargs)
+
+
 def cell_filename() -> str:
     return f"<backward_doctor-cell-{next(_cells)}>"
 
@@ -127,13 +137,17 @@ def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
 
 def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
                memory_limit: int | None = None, filename: str | None = None,
-               history: CellHistory | None = None, detail: bool = True) -> Trace:
-    """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace."""
+               history: CellHistory | None = None, detail: bool = True, engine: str = "python") -> Trace:
+    """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace.
+
+    ``engine``: ``"python"`` (the dispatch-mode :class:`Capture`) or ``"native"``
+    (:class:`~backward_doctor._native_capture.NativeCapture`, first tier only).
+    """
     filename = filename or cell_filename()
     # Register the source so tracebacks and reports can show the cell's lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    capture = Capture(namespace, cell_file=filename, source=source, memory_limit=memory_limit,
-                      history=history, detail=detail)
+    capture = make_capture(engine, namespace, cell_file=filename, source=source, memory_limit=memory_limit,
+                           history=history, detail=detail)
 
     def run() -> BaseException | None:
         code = compile(source, filename, "exec")

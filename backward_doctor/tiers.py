@@ -44,9 +44,54 @@ def snapshot_for(source: str, namespace: dict[str, Any]) -> Any:
         return None
 
 
+ENGINES = ("auto", "native", "python")
+
+
+def check_engine(engine: Any) -> str:
+    """``ValueError`` for an unknown engine name (before anything runs)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    return engine
+
+
+def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None,
+                  build: bool = True) -> tuple[str, str | None]:
+    """The engine the first tier runs on, and why not the native one (None when it is native).
+
+    ``auto`` takes the native recorder when it is built (building it the first time,
+    ~40 s, cached after), torch has no CUDA (its CUDA path has not run on a GPU yet),
+    no memory limit is simulated (that raises from inside an op: the Python tier's
+    job) and a rollback snapshot exists (NaN/Inf is replayed from it on the Python
+    tier). ``native`` insists (ValueError if it cannot be had); ``python`` never uses it. ``build=False``: do not wait for a
+    build (the magic starts one in the background when the extension is loaded).
+
+    >>> choose_engine("python", replayable=True, memory_limit=None)
+    ('python', "engine='python'")
+    """
+    if engine == "python":
+        return "python", "engine='python'"
+    from . import native
+    from ._native_capture import native_available
+
+    why = None
+    if memory_limit is not None:
+        why = "a simulated memory limit needs the Python tier"
+    elif not replayable:
+        why = "no rollback snapshot to replay a failing run from"
+    elif not native_available(build=build or engine == "native"):
+        status = native.status()
+        why = status["reason"] or ("the native recorder is still being built" if status["building"]
+                                   else "the native recorder is not available here")
+    if why is None:
+        return "native", None
+    if engine == "native":
+        raise ValueError(f"engine='native' cannot be used: {why}")
+    return "python", why
+
+
 def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snapshot: Any, *,
                      timeout: float | None, memory_limit: int | None) -> Trace:
-    """Restore ``snapshot`` and run the step again with every op checked; returns the detailed trace.
+    """Restore ``snapshot`` and run the step again with every op checked (on the Python tier).
 
     The replay is silent (its prints are swallowed: the user saw them once). What
     only the first run could judge, comparisons with earlier runs of the cell, is

@@ -211,6 +211,7 @@ class Trace:
     notes: list[str] = field(default_factory=list)
     run_id: int = 0
     needs_detail: str | None = None  # the cheap first tier found something only a detailed run can place
+    engine: str = "python"  # what recorded the ops: "python" (dispatch mode) or "native" (C++ observer)
     nonfinite_hint: dict[str, Any] | None = None  # first tier: the first NaN/Inf scalar (the loss) it saw
     params: list[ParamInfo] = field(default_factory=list)
     graph_holders: list[dict[str, Any]] = field(default_factory=list)

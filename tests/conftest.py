@@ -18,3 +18,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionstart(session):
+    """Build (or load the cached) native recorder once, so ``engine="auto"`` runs on it in every test;
+    ``BACKWARD_DOCTOR_NATIVE=0`` runs the whole suite on the Python tier instead."""
+    from backward_doctor import native
+
+    if native.enabled() and native.load() is None:
+        print(f"\nbackward_doctor: native recorder unavailable ({native.status()['reason']}); "
+              "tests run on the Python tier", file=sys.stderr)

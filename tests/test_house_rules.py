@@ -126,19 +126,26 @@ def test_report_holds_no_tensors():
         stack.extend(gc.get_referents(obj))
 
 
-def test_a_very_deep_graph_can_be_freed_after_the_doctor_saw_it(tmp_path):
-    """Looking up autograd nodes gives them Python wrappers; freeing ~70k wrapped nodes in one chain
-    overflows the C stack. The doctor bounds its lookups, so the user's next gc survives."""
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_very_deep_graph_can_be_freed_after_the_doctor_saw_it(tmp_path, engine):
+    """Python tier: looking up autograd nodes gives them Python wrappers; freeing ~70k wrapped nodes
+    in one chain overflows the C stack. The doctor bounds its lookups, so the user's next gc survives.
+    The native tier wraps no node: every backward op keeps its forward op."""
     import subprocess
     import sys
 
+    if engine == "native" and not _native_ok():
+        pytest.skip("the native recorder is not available here")
+    check = ("any('not linked to their forward op' in n for n in r.trace.notes)" if engine == "python" else
+             "r.trace.engine == 'native' and all(o.fwd_index is not None for o in r.trace.ops "
+             "if o.phase == 'backward' and o.op == 'aten::mul')")
     script = tmp_path / "deep.py"
     script.write_text(
         "import gc, torch, backward_doctor as bd\n"
         "ns = {'torch': torch, 'h0': torch.ones(4, requires_grad=True)}\n"
         "src = 'h = h0\\nfor _ in range(34000):\\n    h = h * 1.0001 + 0.001\\nh.sum().backward()\\n'\n"
-        "r = bd.diagnose(src, ns)\n"
-        "assert r.ok and any('not linked to their forward op' in n for n in r.trace.notes), r.trace.notes\n"
+        f"r = bd.diagnose(src, ns, engine={engine!r})\n"
+        f"assert r.ok and {check}, r.trace.notes\n"
         "del ns, r\n"
         "gc.collect()\n"
         "print('survived')\n")
@@ -162,3 +169,9 @@ def test_timeout_still_ends_a_run_that_swallows_the_first_interrupt():
     ns = {}
     report = bd.diagnose(src, ns, timeout=0.3)
     assert report.findings[0].kind == "hang" and ns["swallowed"] == 2
+
+
+def _native_ok() -> bool:
+    from backward_doctor._native_capture import native_available
+
+    return native_available()

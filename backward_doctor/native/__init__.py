@@ -13,6 +13,7 @@ True
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import warnings
@@ -42,6 +43,12 @@ def load(build: bool = True) -> Any:
         if not build:
             return None
         t = time.perf_counter()
+        # Loading a cached build takes a second; compiling takes ~40 s: say so when it is slow.
+        notice = threading.Timer(3.0, lambda: print("backward_doctor: compiling the native recorder "
+                                                    "(once, ~40 s; cached after)...", file=sys.stderr, flush=True))
+        notice.daemon = True
+        if threading.current_thread() is threading.main_thread():
+            notice.start()
         try:
             from torch.utils.cpp_extension import load as _load
 
@@ -53,6 +60,8 @@ def load(build: bool = True) -> Any:
         except Exception as exc:  # no compiler, no ninja, no headers: the Python tier does the work
             _reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
             _module = None
+        finally:
+            notice.cancel()
         _build_s = time.perf_counter() - t
     return _module
 

@@ -50,6 +50,7 @@ struct Open {  // a RecordFunction still running on this thread
   int64_t seq = -1;        // autograd node: its sequence number
   int64_t rec = -1;        // visible: index into recs (in units of kWidth)
   int64_t t0 = 0;
+  int uncaught = 0;            // std::uncaught_exceptions() at start: more at the end means it failed
   const char* name = nullptr;  // autograd node: its name (lives as long as the RecordFunction)
   bool engine = false;         // the engine's range around a node
 };
@@ -67,6 +68,11 @@ struct State {
   bool frames_on = true;
   int optimizer_depth = 0;
   int64_t stack_id = 0;
+  int saved_log_level = 0;
+  std::vector<c10::IValue> cur_inputs;  // the running visible op's arguments (kept only while it runs)
+  int64_t failed_index = -1;             // the innermost op that raised, and its arguments
+  std::vector<c10::IValue> failed_inputs;
+  std::string failed_overload;
   std::vector<int64_t> recs, tensors, sizes, inplace;  // inplace: op index, key, version, producer, tensor off
   std::vector<PyObject*> codes;
   std::vector<int64_t> lastis;
@@ -248,6 +254,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     if (o.visible) { S->recs.resize(o.rec); S->count--; }
     o.visible = false;
   }
+  o.uncaught = std::uncaught_exceptions();
   o.t0 = now_ns();
   S->open.push_back(o);
   return nullptr;
@@ -302,6 +309,10 @@ void start_op(const at::RecordFunction& fn, Open& o) {
       ++n_in;
     });
     rec[8] = n_in;
+    // Its arguments stay referenced while it runs (they are alive anyway): if it raises, they are
+    // the failing op's evidence (statistics, index values) for the report.
+    auto args = fn.inputs();
+    S->cur_inputs.assign(args.begin(), args.end());
     if (!info.mutated.empty() && phase == 0) {
       auto inputs = fn.inputs();
       for (int i : info.mutated) {
@@ -344,6 +355,12 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
 
 void end_op(const at::RecordFunction& fn, const Open& o) {
   int64_t* rec = &S->recs[o.rec];
+  if (std::uncaught_exceptions() > o.uncaught && S->failed_index < 0) {  // unwinding: this op raised
+    S->failed_index = rec[0];
+    S->failed_inputs = std::move(S->cur_inputs);
+    S->failed_overload = fn.overload_name();
+  }
+  S->cur_inputs.clear();
   rec[17] = now_ns() - o.t0;
   rec[5] = (int64_t)at::sequence_number::peek();
   int phase = (int)rec[2];
@@ -404,6 +421,10 @@ void start(const std::string& cell_file, bool frames) {
   S->recs.reserve(1 << 14);
   S->tensors.reserve(1 << 15);
   c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<Reporter>());
+  // The CPU allocator logs a warning for memory it cannot size (allocated before we started):
+  // not the user's concern. Warnings are switched off while recording, restored in stop().
+  S->saved_log_level = FLAGS_caffe2_log_level;
+  FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 2);
   S->handle = at::addThreadLocalCallback(
       at::RecordFunctionCallback(on_start, on_end)
           .needsInputs(true)
@@ -445,13 +466,42 @@ std::vector<int64_t> totals() {
   return out;
 }
 
+// An op argument as a Python object, for the failing op's evidence (tensors, numbers, lists of them).
+py::object to_py(const c10::IValue& v) {
+  if (v.isTensor()) return py::cast(v.toTensor());
+  if (v.isInt()) return py::int_(v.toInt());
+  if (v.isDouble()) return py::float_(v.toDouble());
+  if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isTensorList()) {
+    py::list l;
+    for (const at::Tensor& t : v.toTensorList().vec()) l.append(py::cast(t));
+    return l;
+  }
+  if (v.isIntList()) return py::cast(v.toIntVector());
+  if (v.isList()) {
+    py::list l;
+    for (const c10::IValue& x : v.toListRef()) l.append(to_py(x));
+    return l;
+  }
+  return py::none();
+}
+
 py::dict stop() {
   TORCH_CHECK(S != nullptr, "backward_doctor: the native recorder is not running");
   at::removeCallback(S->handle);
   c10::ThreadLocalDebugInfo::_pop(c10::DebugInfoKind::PROFILER_STATE);
+  FLAGS_caffe2_log_level = S->saved_log_level;
   State* s = S;
   S = nullptr;
   py::dict out;
+  out["failed_index"] = s->failed_index;
+  out["failed_overload"] = s->failed_overload;
+  py::list failed;
+  for (const auto& v : s->failed_inputs) failed.append(to_py(v));
+  out["failed_args"] = failed;
+  std::unordered_map<int64_t, int64_t> by_producer;
+  for (const auto& kv : s->live) by_producer[kv.second.producer] += kv.second.nbytes;
+  out["by_producer"] = by_producer;
   out["recs"] = py::bytes(reinterpret_cast<const char*>(s->recs.data()), s->recs.size() * sizeof(int64_t));
   out["tensors"] = py::bytes(reinterpret_cast<const char*>(s->tensors.data()), s->tensors.size() * sizeof(int64_t));
   out["sizes"] = py::bytes(reinterpret_cast<const char*>(s->sizes.data()), s->sizes.size() * sizeof(int64_t));

@@ -9,6 +9,7 @@ capture's in-place events and per-op data flow lead back to the line that did it
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from ..findings import Finding, at, source_line
@@ -167,9 +168,25 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
             if k in seen_rg and not r:
                 wrote = trace.op(_last_writer_before(trace, k, op.index))
                 detach = _user_detach(trace, k, op.index, wrote)
-                return (detach, "detach") if detach is not None else (op, "data")
+                return (detach, "detach") if detach is not None else (_data_site(trace, k, op), "data")
         queue.extend(producers.get(idx, []))
     return None
+
+
+def _data_site(trace: Trace, key: int, consumer: OpRecord) -> OpRecord:
+    """Where ``.data`` cut the graph when no op marks the cut (``.data`` runs no op the native
+    recorder sees): the line that made the value, or the cell statement that made it, if it
+    reads ``.data``; else the op that consumed the cut value."""
+    made = trace.op(_last_writer_before(trace, key, consumer.index))
+    for op in (made, consumer):
+        if op is None:
+            continue
+        if ".data" in source_line(trace, op.where.line, op.where.file):
+            return op
+        cell = op.where.cell_line
+        if cell is not None and op.where.file is not None and ".data" in source_line(trace, cell, None):
+            return dataclasses.replace(op, where=Where(line=cell, file=None, cell_line=cell, module=op.where.module))
+    return consumer
 
 
 def _last_writer_before(trace: Trace, key: int, before: int) -> int | None:

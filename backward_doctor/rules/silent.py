@@ -18,7 +18,7 @@ from ..findings import Finding, at, source_line
 from ..stores import store_line
 from ..trace import OpRecord, Trace, Where
 from ..units import format_bytes
-from .autograd import _user_detach
+from .autograd import _data_site, _user_detach
 
 _LOSS_OPS = {"aten::mse_loss", "aten::l1_loss", "aten::smooth_l1_loss", "aten::huber_loss",
              "aten::binary_cross_entropy", "aten::binary_cross_entropy_with_logits", "aten::soft_margin_loss"}
@@ -117,7 +117,7 @@ def _cut_from(trace: Trace, keys: set[int]) -> tuple[OpRecord, str] | None:
                 detach = _user_detach(trace, k, op.index, None)
                 if detach is not None and ".data" not in _code(trace, detach.where.line, detach.where.file):
                     return detach, "detach"
-                return (detach or op), "data"
+                return (detach or _data_site(trace, k, op)), "data"
         if op.grad_enabled and op.op not in ("aten::detach", "aten::alias"):
             # Integer/bool results (argmax, comparisons) have no gradient by nature: not a cut.
             derived.update(k for k, m in zip(op.out_keys, op.outputs) if k and _differentiable(m.dtype))
