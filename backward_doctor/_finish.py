@@ -186,8 +186,9 @@ def finish(cap: "Capture") -> Trace:
     trace.ops_dropped = cap._tail_count - tail
     _build_ops(cap)
     if trace.ops_dropped:
-        trace.notes.append(f"{trace.ops_dropped} ops in the middle of the step are only counted in the op "
-                           f"totals (kept the first {cap._max_ops} and the last {tail} one by one)")
+        kept = f"the first {cap._max_ops} and the last {tail}" if tail else f"the first {cap._max_ops}"
+        trace.notes.append(f"{trace.ops_dropped} ops {'in the middle of' if tail else 'later in'} the step are "
+                           f"only counted in the op totals (kept {kept} one by one)")
     _resolve_modules(cap)
     _timeline(cap)
     _nonfinite_reach(cap)

@@ -111,8 +111,10 @@ class NativeCapture(Capture):
         self._post_counts: list[int] = []  # op count at the end of each optimizer step
         self._line_cache: dict[tuple[Any, int], int | None] = {}
         self._native_out: dict[str, Any] | None = None
-        self._failed: tuple[int, str, list] | None = None  # failing op: index, overload, its arguments
+        self._failed: tuple | None = None  # failing op: index, overload, arguments, name and phase if not kept
         self._by_producer: dict[int, int] = {}
+        #: bytes the C++ recorder held at the end of the step (its buffers; not on the Python heap)
+        self.buffer_bytes = 0
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -127,7 +129,7 @@ class NativeCapture(Capture):
             _optim.register_optimizer_step_post_hook(self._optim_post),
         ]
         self._t0 = time.perf_counter()
-        self._ext.start(self._frames.cell_file, True)
+        self._ext.start(self._frames.cell_file, True, self._max_ops)
         self._ledger.attach(self._ext)
 
     def stop(self) -> None:
@@ -277,13 +279,33 @@ class NativeCapture(Capture):
             if rec[18] and self._nonfinite_seen is None:
                 self._nonfinite_seen = {"index": index, "line": where.line, "file": where.file}
         self._count = out["count"]
+        self.buffer_bytes = out["buffer_bytes"]
+        self._light(out, names)
         self._by_producer = dict(out["by_producer"])
         if out["failed_index"] >= 0:
-            self._failed = (out["failed_index"], out["failed_overload"], list(out["failed_args"]))
+            self._failed = (out["failed_index"], out["failed_overload"], list(out["failed_args"]),
+                            names[out["failed_name"]] if out["failed_name"] >= 0 else None,
+                            ("forward", "backward", "optimizer")[out["failed_phase"]])
         self._inplace_events(inplace, tens, sizes, tw, idx_where)
         final = out["totals"]
         self._ledger.totals = list(final)
         self._ledger.total = sum(final)
+
+    def _light(self, out: dict[str, Any], names: list[str]) -> None:
+        """Ops past ``max_ops``: counted per name, a bounded timeline and the peak (not one by one)."""
+        self._tail_count = out["count"] - self._n_kept
+        for name_id, (count, ns) in out["light_totals"].items():
+            tot = self._op_totals.setdefault(names[name_id], [0, 0.0])
+            tot[0] += count
+            tot[1] += ns / 1e3
+        flat, w = out["light_timeline"], 7
+        for i in range(0, len(flat), w):
+            index, total, totals = flat[i], flat[i + 1], list(flat[i + 2:i + w])
+            self._timeline.add(index, totals, total)
+        peak = out["light_peak"]
+        if peak and peak[1] > self._peak:
+            self._peak, self._peak_index = peak[1], peak[0]
+            self._peak_by_category = dict(zip(CATEGORIES, peak[2:]))
 
     def _keep_native(self, index, name, phase, fwd, grad, where, ins, outs, live, us) -> None:
         name_id = self._name_ids.get(name)
@@ -338,21 +360,24 @@ class NativeCapture(Capture):
 
     def record_exception(self, exc: BaseException) -> None:
         self._converted()
+        super().record_exception(exc)
         if isinstance(exc, Exception) and self._failed is not None:
             self._record_failed_op(exc)
-        super().record_exception(exc)
 
     def _record_failed_op(self, exc: BaseException) -> None:
         """The innermost op that raised (the recorder saw it unwinding), with its inputs' statistics."""
         from . import checks
         from .stats import meta
 
-        index, overload, args = self._failed
+        index, overload, args, light_name, light_phase = self._failed
         self._failed = None
-        name = self._op_name(index)
         rec = next((r for r in self.kept_records() if r[0] == index), None)
-        if name is None or rec is None:
-            return
+        if rec is None:  # past max_ops: known by name and phase only
+            if light_name is None:
+                return
+            rec = (index, light_name, light_phase, None, True, self.trace.exception.where if self.trace.exception
+                   else Where())
+        name = rec[1]
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         tensors += [x for a in args if isinstance(a, list) for x in a if isinstance(x, torch.Tensor)]
         idx = None

@@ -36,7 +36,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from backward_doctor._native_capture import NativeCapture, native_available  # noqa: E402
 from backward_doctor.capture import Capture  # noqa: E402
+from backward_doctor import native  # noqa: E402
 from backward_doctor.report import Report  # noqa: E402
 from backward_doctor.rules import analyze  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
@@ -49,6 +51,7 @@ CELL = compile("step()", CELL_FILE, "exec")
 
 
 DEVICE = "cpu"
+NATIVE = False  # set in main(): the native recorder is built and the device is the CPU
 
 
 def _run_cell(step) -> None:
@@ -62,7 +65,16 @@ def plain(step):
 
 
 def doctor(step):
-    """First tier: what the magic always runs."""
+    """First tier, as the magic runs it: the native recorder where it is available (CPU)."""
+    if not NATIVE:
+        return doctor_python(step)
+    with NativeCapture(cell_file=CELL_FILE) as cap:
+        _run_cell(step)
+    return cap
+
+
+def doctor_python(step):
+    """First tier on the Python dispatch mode (where the native recorder cannot be built)."""
     with Capture(cell_file=CELL_FILE, detail=False) as cap:
         _run_cell(step)
     return cap
@@ -70,7 +82,7 @@ def doctor(step):
 
 def doctor_no_history(step):
     """First tier on CUDA without the allocator's memory history (its cost, by difference)."""
-    with Capture(cell_file=CELL_FILE, detail=False, cuda_history=False) as cap:
+    with Capture(cell_file=CELL_FILE, detail=False, cuda_history=False) as cap:  # CUDA: the Python tier
         _run_cell(step)
     return cap
 
@@ -96,8 +108,8 @@ def profiler(step):
     return prof
 
 
-MODES = {"plain": plain, "doctor": doctor, "doctor_detail": doctor_detail, "anomaly": anomaly,
-         "profiler": profiler}
+MODES = {"plain": plain, "doctor": doctor, "doctor_python": doctor_python, "doctor_detail": doctor_detail,
+         "anomaly": anomaly, "profiler": profiler}
 CUDA_MODES = {"doctor_no_history": doctor_no_history}
 
 
@@ -162,7 +174,8 @@ def rss_child(workload: str, mode: str, steps: int) -> int:
     """Peak RSS (bytes) of a fresh process running ``steps`` steps in ``mode``."""
     code = (f"import sys; sys.path[:0] = [{os.path.dirname(HERE)!r}, {HERE!r}]\n"
             "import torch, resource; torch.set_num_threads(1)\n"
-            "from run import MODES, report_time; from workloads import WORKLOADS\n"
+            "import run; from run import MODES, report_time; from workloads import WORKLOADS\n"
+            f"run.NATIVE = {mode!r} == 'doctor' and run.native_available(build=True)\n"
             f"step = WORKLOADS[{workload!r}]()\n"
             "MODES['plain'](step)\n"
             "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
@@ -175,24 +188,28 @@ def rss_child(workload: str, mode: str, steps: int) -> int:
     return int(base), int(peak)
 
 
-def million_ops(n: int) -> dict:
-    """Memory of a bounded trace: ``n`` tiny ops in one step (Python heap, via tracemalloc)."""
+def million_ops(n: int, cls=None) -> dict:
+    """Memory of a bounded trace: ``n`` tiny ops in one step (Python heap via tracemalloc, plus what the
+    native recorder held in C++ at the end of the step)."""
+    cls = cls or (NativeCapture if NATIVE else Capture)
+    kwargs = {} if cls is NativeCapture else {"detail": False}
     x = torch.ones(4)
-    with Capture(detail=False) as cap:  # warm-up: imports must not count as trace memory
+    with cls(cell_file=CELL_FILE, **kwargs) as cap:  # warm-up: imports must not count as trace memory
         x + 1
     cap.finish()
+    code = compile("y = x\nfor _ in range(n):\n    y = y + 1\n", CELL_FILE, "exec")
     tracemalloc.start()
     t = time.perf_counter()
-    with Capture(detail=False) as cap:
-        y = x
-        for _ in range(n):
-            y = y + 1
+    with cls(cell_file=CELL_FILE, **kwargs) as cap:
+        exec(code, {"x": x, "n": n})
+    captured = time.perf_counter() - t
     trace = cap.finish()
     elapsed = time.perf_counter() - t
     current, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    native_bytes = getattr(cap, "buffer_bytes", 0)
     return {"ops": trace.op_count, "kept": len(trace.ops), "trace_bytes": current, "peak_bytes": peak,
-            "seconds": elapsed}
+            "native_bytes": native_bytes, "capture_s": captured, "seconds": elapsed, "engine": trace.engine}
 
 
 def main() -> None:
@@ -206,8 +223,11 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available to this torch "
                 f"({torch.__version__}); nothing was run")
-    global DEVICE
+    global DEVICE, NATIVE
     DEVICE = args.device
+    NATIVE = DEVICE == "cpu" and native_available(build=True)
+    if not NATIVE:
+        print(f"# doctor = the Python first tier (native recorder: {native.status()['reason'] or 'not on CUDA'})")
     rounds = args.rounds or (1 if args.smoke else 5 if args.quick else 15)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -245,8 +265,10 @@ def main() -> None:
               f"{(plain_rss - b0) / 2**20:.1f} MiB, doctor {(doc_rss - b1) / 2**20:.1f} MiB")
     n = 2_000 if args.smoke else 200_000 if args.quick else 1_000_000
     big = million_ops(n)
-    print(f"trace of {big['ops']} ops ({big['kept']} kept one by one): {big['trace_bytes'] / 2**20:.1f} MiB "
-          f"held after finish, {big['peak_bytes'] / 2**20:.1f} MiB peak while capturing, {big['seconds']:.1f} s")
+    print(f"trace of {big['ops']} ops ({big['kept']} kept one by one, {big['engine']} tier): "
+          f"{big['trace_bytes'] / 2**20:.1f} MiB held after finish, {big['peak_bytes'] / 2**20:.1f} MiB peak "
+          f"(Python heap) + {big['native_bytes'] / 2**20:.1f} MiB in the native recorder; "
+          f"{big['capture_s']:.1f} s to capture, {big['seconds']:.1f} s with finish")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"results": results, "rss": rss, "trace": big}, fh, indent=1)

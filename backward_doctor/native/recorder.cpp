@@ -51,6 +51,8 @@ struct Open {  // a RecordFunction still running on this thread
   int64_t rec = -1;        // visible: index into recs (in units of kWidth)
   int64_t t0 = 0;
   int uncaught = 0;            // std::uncaught_exceptions() at start: more at the end means it failed
+  bool light = false;          // past max_ops: counted, not recorded
+  int64_t index = -1, name_id = -1, phase = 0;
   const char* name = nullptr;  // autograd node: its name (lives as long as the RecordFunction)
   bool engine = false;         // the engine's range around a node
 };
@@ -73,6 +75,16 @@ struct State {
   int64_t failed_index = -1;             // the innermost op that raised, and its arguments
   std::vector<c10::IValue> failed_inputs;
   std::string failed_overload;
+  int64_t failed_name = -1, failed_phase = 0;
+  // Past max_ops (a bounded trace): per-name counts and time, and a timeline of at most
+  // kLightCap samples (each the largest of its bucket, buckets doubling when full).
+  int64_t max_ops = 50000;
+  std::unordered_map<int64_t, std::pair<int64_t, int64_t>> light_totals;
+  std::vector<int64_t> light_tl;  // index, total, 5 category totals per sample
+  int64_t light_stride = 1, light_in_bucket = 0;
+  std::vector<int64_t> light_best;
+  int64_t light_peak = -1;
+  std::vector<int64_t> light_peak_rec;
   std::vector<int64_t> recs, tensors, sizes, inplace;  // inplace: op index, key, version, producer, tensor off
   std::vector<PyObject*> codes;
   std::vector<int64_t> lastis;
@@ -251,7 +263,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   try {
     start_op(fn, o);
   } catch (...) {  // a tensor we cannot describe (nested, sparse...): the op is not recorded
-    if (o.visible) { S->recs.resize(o.rec); S->count--; }
+    if (o.visible && !o.light) { S->recs.resize(o.rec); S->count--; }
     o.visible = false;
   }
   o.uncaught = std::uncaught_exceptions();
@@ -286,7 +298,16 @@ void start_op(const at::RecordFunction& fn, Open& o) {
     if (!it->function) { node_seq = it->seq; node_name = it->name; break; }
     if (!it->composite) { visible = false; break; }
   }
-  if (visible && !o.composite && !info.transparent) {
+  if (visible && !o.composite && !info.transparent && S->count >= S->max_ops) {
+    o.visible = o.light = true;
+    o.index = S->count++;
+    o.name_id = info.name_id;
+    o.phase = S->depth_bwd > 0 ? 1 : (S->optimizer_depth > 0 ? 2 : 0);
+    if (o.phase == 1 && S->last_phase != 1) S->roots.emplace_back(node_name ? node_name : "");
+    S->last_phase = o.phase;
+    auto args = fn.inputs();
+    S->cur_inputs.assign(args.begin(), args.end());
+  } else if (visible && !o.composite && !info.transparent) {
     o.visible = true;
     int64_t index = S->count++;
     size_t at = S->recs.size();
@@ -353,7 +374,61 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
   }
 }
 
+void end_light(const at::RecordFunction& fn, const Open& o) {
+  if (std::uncaught_exceptions() > o.uncaught && S->failed_index < 0) {
+    S->failed_index = o.index;
+    S->failed_inputs = std::move(S->cur_inputs);
+    S->failed_overload = fn.overload_name();
+    S->failed_name = o.name_id;
+    S->failed_phase = o.phase;
+  }
+  int cat = o.phase == 1 ? kOther : (o.phase == 2 ? kOptimizerCat : kOther);
+  if (o.phase == 0 && at::GradMode::is_enabled()) {
+    for (const auto& v : S->cur_inputs)
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad()) { cat = kActivations; break; }
+  }
+  S->cur_inputs.clear();
+  for (const auto& v : fn.outputs()) {
+    if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().has_storage()) continue;
+    const auto& st = v.toTensor().storage();
+    int64_t key = reinterpret_cast<int64_t>(st.unsafeGetStorageImpl());
+    int64_t data = reinterpret_cast<int64_t>(st.data_ptr().get());
+    int64_t nbytes = (int64_t)st.nbytes();
+    if (nbytes <= 0) continue;
+    auto it = S->live.find(key);
+    if (it != S->live.end() && (it->second.data != data || it->second.nbytes != nbytes)) {
+      uncount(key);
+      it = S->live.end();
+    }
+    if (it == S->live.end()) count_storage(key, nbytes, cat, o.index, data);
+  }
+  auto& tot = S->light_totals[o.name_id];
+  tot.first += 1;
+  tot.second += now_ns() - o.t0;
+  std::vector<int64_t> sample{o.index, S->total};
+  sample.insert(sample.end(), S->totals, S->totals + kCategories);
+  if (S->total > S->light_peak) { S->light_peak = S->total; S->light_peak_rec = sample; }
+  if (S->light_best.empty() || S->total >= S->light_best[1]) S->light_best = sample;
+  if (++S->light_in_bucket >= S->light_stride) {
+    S->light_tl.insert(S->light_tl.end(), S->light_best.begin(), S->light_best.end());
+    S->light_best.clear();
+    S->light_in_bucket = 0;
+    constexpr size_t kLightCap = 8192, kSample = 2 + kCategories;
+    if (S->light_tl.size() >= kLightCap * kSample) {  // halve: keep the larger of each pair
+      std::vector<int64_t> kept;
+      for (size_t i = 0; i < S->light_tl.size(); i += 2 * kSample) {
+        size_t best = i;
+        if (i + kSample < S->light_tl.size() && S->light_tl[i + kSample + 1] > S->light_tl[i + 1]) best = i + kSample;
+        kept.insert(kept.end(), S->light_tl.begin() + best, S->light_tl.begin() + best + kSample);
+      }
+      S->light_tl.swap(kept);
+      S->light_stride *= 2;
+    }
+  }
+}
+
 void end_op(const at::RecordFunction& fn, const Open& o) {
+  if (o.light) return end_light(fn, o);
   int64_t* rec = &S->recs[o.rec];
   if (std::uncaught_exceptions() > o.uncaught && S->failed_index < 0) {  // unwinding: this op raised
     S->failed_index = rec[0];
@@ -412,9 +487,10 @@ struct Reporter : public c10::MemoryReportingInfoBase {
 
 }  // namespace
 
-void start(const std::string& cell_file, bool frames) {
+void start(const std::string& cell_file, bool frames, int64_t max_ops) {
   TORCH_CHECK(S == nullptr, "backward_doctor: the native recorder is already running");
   S = new State();
+  S->max_ops = max_ops;
   S->owner = std::this_thread::get_id();
   S->cell_file = cell_file;
   S->frames_on = frames;
@@ -502,6 +578,19 @@ py::dict stop() {
   std::unordered_map<int64_t, int64_t> by_producer;
   for (const auto& kv : s->live) by_producer[kv.second.producer] += kv.second.nbytes;
   out["by_producer"] = by_producer;
+  out["failed_name"] = s->failed_name;
+  out["failed_phase"] = s->failed_phase;
+  if (!s->light_best.empty()) s->light_tl.insert(s->light_tl.end(), s->light_best.begin(), s->light_best.end());
+  out["light_timeline"] = s->light_tl;
+  out["light_peak"] = s->light_peak_rec;
+  std::unordered_map<int64_t, std::vector<int64_t>> light_totals;
+  for (const auto& kv : s->light_totals) light_totals[kv.first] = {kv.second.first, kv.second.second};
+  out["light_totals"] = light_totals;
+  int64_t held = (int64_t)((s->recs.capacity() + s->tensors.capacity() + s->sizes.capacity() +
+                            s->inplace.capacity() + s->lastis.capacity() + s->light_tl.capacity()) * sizeof(int64_t) +
+                           s->codes.capacity() * sizeof(PyObject*) +
+                           s->live.size() * (sizeof(Entry) + 32) + s->by_data.size() * 32);
+  out["buffer_bytes"] = held;  // what the recorder held at the end of the step (for benchmarks/)
   out["recs"] = py::bytes(reinterpret_cast<const char*>(s->recs.data()), s->recs.size() * sizeof(int64_t));
   out["tensors"] = py::bytes(reinterpret_cast<const char*>(s->tensors.data()), s->tensors.size() * sizeof(int64_t));
   out["sizes"] = py::bytes(reinterpret_cast<const char*>(s->sizes.data()), s->sizes.size() * sizeof(int64_t));

@@ -1,0 +1,178 @@
+"""The native first tier (C++ recorder) against the Python tier it replaces on the hot path.
+
+Skipped, with the reason, where the recorder cannot be built (no compiler or ninja).
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import backward_doctor as bd
+from backward_doctor import native
+from backward_doctor._native_capture import NativeCapture, native_available
+from backward_doctor.capture import Capture
+
+pytestmark = pytest.mark.skipif(not native_available(build=True),
+                                reason=f"native recorder unavailable: {native.status()['reason']}")
+
+CELL = "<native-test-cell>"
+STEP = compile("opt.zero_grad()\nloss = F.cross_entropy(model(x), y)\nloss.backward()\nopt.step()\n", CELL, "exec")
+# Autograd's own detaches (when it saves an output) and the optimizer's profiler ranges reach a
+# Python dispatch mode but are not the user's ops; the native recorder does not list them.
+_NOISE = ("aten::detach", "profiler::_record_function_enter_new", "profiler::_record_function_exit")
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    return {"F": F, "model": model, "opt": torch.optim.Adam(model.parameters()),
+            "x": torch.randn(16, 32), "y": torch.randint(0, 5, (16,))}
+
+
+def _cnn():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(8 * 8 * 8, 5))
+    return {"F": F, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            "x": torch.randn(4, 3, 16, 16), "y": torch.randint(0, 5, (4,))}
+
+
+def _trace(cls, ns):
+    kwargs = {} if cls is NativeCapture else {"detail": False}
+    with cls(ns, cell_file=CELL, **kwargs) as cap:
+        exec(STEP, ns)
+    return cap.finish()
+
+
+def _ops(trace):
+    ops = [o for o in trace.ops if o.op not in _NOISE]
+    pos = {o.index: i for i, o in enumerate(ops)}
+    return [(o.op, o.phase, pos.get(o.fwd_index), [m.shape for m in o.inputs], [m.shape for m in o.outputs],
+             [m.dtype for m in o.inputs + o.outputs], [m.requires_grad for m in o.inputs + o.outputs],
+             o.grad_enabled, o.where.line, o.where.cell_line, o.where.module) for o in ops], ops
+
+
+@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
+def test_same_trace_as_the_python_tier(make):
+    ns = make()
+    exec(STEP, ns)  # a first step makes the optimizer state, as in training
+    py, nat = _trace(Capture, ns), _trace(NativeCapture, ns)
+    assert nat.engine == "native" and py.engine == "python"
+    (a, a_ops), (b, b_ops) = _ops(py), _ops(nat)
+    assert [r[:2] for r in a] == [r[:2] for r in b]
+    assert a == b
+    # Live bytes after every op, by the same accounting (a Python number passed to an in-place op
+    # is an 8-byte tensor only the native recorder sees while the op runs).
+    assert all(abs(x.live_bytes - y.live_bytes) <= 64 for x, y in zip(a_ops, b_ops))
+    assert nat.memory.peak_bytes == py.memory.peak_bytes
+    assert nat.memory.peak_by_category == py.memory.peak_by_category
+    assert nat.backward_roots == py.backward_roots == ["NllLossBackward0"]
+    assert [(s["optimizer"], s["line"]) for s in nat.optimizer_steps] == \
+        [(s["optimizer"], s["line"]) for s in py.optimizer_steps]
+
+
+def test_gradients_are_bit_identical_and_nothing_is_kept_alive():
+    plain, doc = _mlp(), _mlp()
+    exec(STEP, plain)
+    seen = []
+    doc["keep"] = lambda t: seen.append(weakref.ref(t)) or t
+    step = compile("h = keep(model[0](x))\nloss = F.cross_entropy(model[1:](h), y)\nloss.backward()\n"
+                   "opt.step()\ndel h, loss\n", CELL, "exec")
+    plain_step = compile("loss = F.cross_entropy(model(x), y)\nloss.backward()\nopt.step()\n", CELL, "exec")
+    plain, doc = _mlp(), {**_mlp(), "keep": doc["keep"]}
+    exec(plain_step, plain)
+    with NativeCapture(doc, cell_file=CELL) as cap:
+        exec(step, doc)
+    trace = cap.finish()
+    for p, q in zip(plain["model"].parameters(), doc["model"].parameters()):
+        assert torch.equal(p.grad, q.grad) and torch.equal(p, q)
+    gc.collect()
+    assert seen and all(r() is None for r in seen), "an activation outlived the step"
+    assert trace.op_count > 0
+
+
+def test_failing_op_evidence_matches_the_python_tier():
+    src = ("emb = torch.nn.Embedding(10, 4)\nidx = torch.tensor([[1, 2], [3, 12]])\n"
+           "out = emb(idx).sum()\n")
+    reports = {e: bd.diagnose(src, {"torch": torch}, engine=e) for e in ("python", "native")}
+    py, nat = (reports[e].trace for e in ("python", "native"))
+    assert nat.engine == "native"
+    assert nat.failed_op is not None and py.failed_op is not None
+    assert (nat.failed_op.op, nat.failed_op.phase, nat.failed_op.where.line) == \
+        (py.failed_op.op, py.failed_op.phase, py.failed_op.where.line)
+    assert [m.shape for m in nat.failed_op.inputs] == [m.shape for m in py.failed_op.inputs]
+    assert nat.failed_op.index_check["bad"] == py.failed_op.index_check["bad"] == [12]
+    assert [f.kind for f in reports["native"].findings] == [f.kind for f in reports["python"].findings]
+    assert reports["native"].findings[0].kind == "index_out_of_range"
+
+
+def test_failed_arguments_are_released():
+    box = []
+    ns = {"torch": torch, "box": box}
+    src = "a = torch.ones(1000, 3)\nbox.append(__import__('weakref').ref(a))\nb = a @ torch.ones(4, 2)\n"
+    report = bd.diagnose(src, ns, engine="native")
+    assert report.trace.failed_op is not None and report.trace.failed_op.op == "aten::mm"
+    del ns["a"]
+    gc.collect()
+    assert box[0]() is None, "the failing op's argument is still referenced"
+
+
+def test_recorder_stops_and_pops_its_state_even_when_the_cell_raises():
+    ns = _mlp()
+    with pytest.raises(RuntimeError):
+        with NativeCapture(ns, cell_file=CELL):
+            ns["model"](torch.randn(2, 7))
+    assert not native.load().running()
+    # The allocator's memory reporting slot is free again: the profiler can use it.
+    with torch.profiler.profile(profile_memory=True, record_shapes=True) as prof:
+        torch.ones(1000) * 2
+    assert any(e.cpu_memory_usage > 0 for e in prof.events())
+    with NativeCapture(ns, cell_file=CELL) as cap:  # and the recorder can run again
+        exec(STEP, ns)
+    assert cap.finish().op_count > 10
+
+
+def test_engine_choice_and_bad_arguments(monkeypatch):
+    ns = _mlp()
+    before = ns["model"][0].weight.clone()
+    with pytest.raises(ValueError, match="engine must be one of"):
+        bd.diagnose("opt.step()", ns, engine="fast")
+    assert torch.equal(before, ns["model"][0].weight)  # nothing ran
+    src = "loss = F.cross_entropy(model(x), y)\nloss.backward()\n"
+    assert bd.diagnose(src, ns).trace.engine == "native"
+    assert bd.diagnose(src, ns, engine="python").trace.engine == "python"
+    assert bd.diagnose(src, ns, memory_limit="1GB").trace.engine == "python"  # a simulated OOM is Python's
+    assert bd.diagnose(src, ns, rollback=False).trace.engine == "python"  # no snapshot to replay NaN from
+    monkeypatch.setenv("BACKWARD_DOCTOR_NATIVE", "0")
+    assert bd.diagnose(src, ns).trace.engine == "python"
+    with pytest.raises(ValueError, match="engine='native' cannot be used: switched off"):
+        bd.diagnose(src, ns, engine="native")
+
+
+def test_nonfinite_loss_is_replayed_in_detail_on_the_python_tier():
+    ns = _mlp()
+    ns["model"][2].weight.data[0, 0] = float("nan")
+    report = bd.diagnose("loss = F.cross_entropy(model(x), y)\nloss.backward()\n", ns)
+    assert report.trace.engine == "python" and report.trace.needs_detail is None
+    assert any("replayed" in n for n in report.trace.notes)
+    assert report.findings and report.findings[0].kind == "nonfinite"
+
+
+def test_a_long_step_is_kept_bounded():
+    """Past max_ops the recorder only counts: per-name totals, a bounded timeline, the peak."""
+    x = torch.ones(256)
+    code = compile("y = x\nbig = None\nfor i in range(3000):\n    y = y + 1\n    if i == 2500:\n"
+                   "        big = torch.ones(100_000)\n", CELL, "exec")
+    with NativeCapture(cell_file=CELL, max_ops=100) as cap:
+        exec(code, {"x": x, "torch": torch})
+    trace = cap.finish()
+    assert trace.op_count == 3001 and len(trace.ops) == 100  # 3000 adds and one ones()
+    assert trace.op_totals["aten::add"][0] == 3000
+    assert any("later in the step are only counted" in n for n in trace.notes)
+    assert trace.memory.peak_bytes >= 400_000 and trace.memory.peak_index > 2500  # the late peak is kept
+    assert cap.buffer_bytes < 1_000_000
