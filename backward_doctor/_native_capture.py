@@ -78,10 +78,10 @@ class _NativeLedger(MemoryLedger):
     def reclassify(self, t: torch.Tensor, category: str) -> None:
         super().reclassify(t, category)
         if self.ext is not None:
-            key = t.untyped_storage()._cdata
-            if key not in self._data:
-                self.ext.register_storage(key, t.untyped_storage().nbytes(), _CAT[category],
-                                          t.untyped_storage().data_ptr())
+            st = t.untyped_storage()
+            key = st._cdata
+            if key not in self._data:  # made during the step: the recorder has it already, or learns it here
+                self.ext.register_storage(key, st.nbytes(), _CAT[category], st.data_ptr())
             self.ext.reclassify(key, _CAT[category])
 
     def attach(self, ext: Any) -> None:

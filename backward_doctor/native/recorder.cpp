@@ -478,7 +478,7 @@ void end_op(const at::RecordFunction& fn, const Open& o) {
 
 struct Reporter : public c10::MemoryReportingInfoBase {
   void reportMemoryUsage(void* ptr, int64_t size, size_t, size_t, c10::Device) override {
-    if (!S || size >= 0) return;
+    if (!S || size >= 0 || std::this_thread::get_id() != S->owner) return;
     auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
     if (it != S->by_data.end()) uncount(it->second);
   }
@@ -510,9 +510,13 @@ void start(const std::string& cell_file, bool frames, int64_t max_ops) {
 
 bool running() { return S != nullptr; }
 
-void set_optimizer_depth(int64_t depth) { if (S) S->optimizer_depth = (int)depth; }
+// Calls from Python (hooks, weak-reference callbacks) count only on the recording thread: a tensor
+// freed by another thread is left to the staleness check in add_tensor.
+inline bool mine() { return S != nullptr && std::this_thread::get_id() == S->owner; }
 
-void set_stack(int64_t stack_id) { if (S) S->stack_id = stack_id; }
+void set_optimizer_depth(int64_t depth) { if (mine()) S->optimizer_depth = (int)depth; }
+
+void set_stack(int64_t stack_id) { if (mine()) S->stack_id = stack_id; }
 
 int64_t op_count() { return S ? S->count : 0; }
 
@@ -522,13 +526,13 @@ std::vector<int64_t> codes_of(const at::Tensor& t) {
 }
 
 void register_storage(int64_t key, int64_t nbytes, int64_t cat, int64_t data) {
-  if (S && key && nbytes > 0 && !S->live.count(key)) count_storage(key, nbytes, (int)cat, -1, data);
+  if (mine() && key && nbytes > 0 && !S->live.count(key)) count_storage(key, nbytes, (int)cat, -1, data);
 }
 
-void release(int64_t key) { if (S) uncount(key); }
+void release(int64_t key) { if (mine()) uncount(key); }
 
 void reclassify(int64_t key, int64_t cat) {
-  if (!S) return;
+  if (!mine()) return;
   auto it = S->live.find(key);
   if (it == S->live.end() || it->second.cat == cat) return;
   S->totals[it->second.cat] -= it->second.nbytes;
