@@ -76,13 +76,17 @@ class _NativeLedger(MemoryLedger):
         super()._freed(key)
 
     def reclassify(self, t: torch.Tensor, category: str) -> None:
-        super().reclassify(t, category)
-        if self.ext is not None:
-            st = t.untyped_storage()
-            key = st._cdata
-            if key not in self._data:  # made during the step: the recorder has it already, or learns it here
-                self.ext.register_storage(key, st.nbytes(), _CAT[category], st.data_ptr())
-            self.ext.reclassify(key, _CAT[category])
+        if self.ext is None:
+            super().reclassify(t, category)
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._live:  # existed before the step: the Python side keeps its weak reference
+            super().reclassify(t, category)
+        # Made during the step (a gradient, optimizer state): the recorder counts it already (this
+        # registers it only if it does not), and learns its memory is freed from the allocator.
+        self.ext.register_storage(key, st.nbytes(), _CAT[category], st.data_ptr())
+        self.ext.reclassify(key, _CAT[category])
 
     def attach(self, ext: Any) -> None:
         """Hand everything tracked so far to the (now running) recorder."""
@@ -157,18 +161,24 @@ class NativeCapture(Capture):
     # ---------------------------------------------------------------- hooks
     def _set_stack(self) -> None:
         sid = self._stack_ids.get(self._stack_key)
-        if sid is None:
-            sid = self._stack_ids[self._stack_key] = len(self._stacks)
-            self._stacks.append(self._stack_key)
-        self._ext.set_stack(sid)
+        self._ext.set_stack(sid if sid is not None else self._new_stack(self._stack_key))
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        super()._module_pre(module, args)
-        self._set_stack()
+        if id(module) not in self._modules:
+            self._register_module(module)
+        self._module_stack.append(id(module))
+        self._stack_key = key = tuple(self._module_stack)
+        sid = self._stack_ids.get(key)
+        self._ext.set_stack(sid if sid is not None else self._new_stack(key))
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         super()._module_post(module, args, output)
         self._set_stack()
+
+    def _new_stack(self, key: tuple[int, ...]) -> int:
+        sid = self._stack_ids[key] = len(self._stacks)
+        self._stacks.append(key)
+        return sid
 
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._count = self._ext.op_count()

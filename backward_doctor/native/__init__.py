@@ -3,7 +3,7 @@
 The Python dispatch mode costs 1.15-1.2x a step before it records anything
 (benchmarks/RESULTS.md); the same records taken from C++ cost a few percent. The
 recorder is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are
-needed; ~40 s once, cached under ``TORCH_EXTENSIONS_DIR``). Where it cannot be built,
+needed; ~40 s once, cached under ``TORCH_EXTENSIONS_DIR``, one directory per torch install). Where it cannot be built,
 or with ``BACKWARD_DOCTOR_NATIVE=0``, the doctor uses the Python first tier and says
 why in ``status()``.
 
@@ -32,6 +32,28 @@ def enabled() -> bool:
     return os.environ.get("BACKWARD_DOCTOR_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _build_dir() -> str:
+    """One build directory per torch install and Python (two venvs must not share one), under
+    ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``; a lock left by a process killed
+    while compiling (a build takes well under a minute) is removed after 10 minutes."""
+    import hashlib
+
+    import torch
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                   "torch_extensions")
+    tag = hashlib.sha1(f"{torch.__file__}|{torch.__version__}|{sys.version}".encode()).hexdigest()[:10]
+    path = os.path.join(root, f"backward_doctor_native_{tag}")
+    os.makedirs(path, exist_ok=True)
+    lock = os.path.join(path, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > 600:
+            os.remove(lock)
+    except OSError:
+        pass
+    return path
+
+
 def load(build: bool = True) -> Any:
     """The compiled recorder, building it if needed (blocking); None if it cannot be had."""
     global _module, _reason, _build_s
@@ -54,7 +76,7 @@ def load(build: bool = True) -> Any:
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                _module = _load(name="backward_doctor_native", sources=[_SOURCE],
+                _module = _load(name="backward_doctor_native", sources=[_SOURCE], build_directory=_build_dir(),
                                 extra_cflags=["-O2", "-DNDEBUG"], verbose=False)
             _reason = None
         except Exception as exc:  # no compiler, no ninja, no headers: the Python tier does the work
