@@ -58,7 +58,7 @@ def test_failing_cell_keeps_traceback_and_reports_root_cause(shell):
 
 def test_bad_arguments_give_usage_error_and_do_not_run(shell):
     shell.user_ns.pop("ran", None)
-    for line in ("--timeout abc", "--memory-limit lots", "--fix nonsense", "--bogus"):
+    for line in ("--timeout abc", "--memory-limit lots", "--fix nonsense", "--bogus", "--engine turbo"):
         result, cap = _run(shell, f"%%backward_doctor {line}\nran = True")
         assert "UsageError" in cap.stderr + cap.stdout, line
         assert "ran" not in shell.user_ns, line
@@ -106,3 +106,16 @@ def test_memory_of_a_failed_oom_step_is_released(shell):
     import gc
     gc.collect()
     assert shell.user_ns["freed"] == [True]
+
+
+def test_engine_flag_picks_what_records_the_ops(shell):
+    from backward_doctor._native_capture import native_available
+
+    _run(shell, "import torch\nlin = torch.nn.Linear(4, 2)\nx = torch.randn(5, 4)")
+    step = "\nloss = lin(x).pow(2).mean()\nloss.backward()"
+    _run(shell, "%%backward_doctor --engine python" + step)
+    assert bd.last_report().trace.engine == "python" and bd.last_report().ok
+    _run(shell, "%%backward_doctor" + step)
+    assert bd.last_report().trace.engine == ("native" if native_available() else "python")
+    _run(shell, "%%backward_doctor --memory-limit 1GB" + step)  # a simulated device: the Python tier
+    assert bd.last_report().trace.engine == "python"
