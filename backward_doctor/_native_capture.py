@@ -134,7 +134,11 @@ class NativeCapture(Capture):
         ]
         self._t0 = time.perf_counter()
         self._ext.start(self._frames.cell_file, True, self._max_ops)
-        self._ledger.attach(self._ext)
+        try:
+            self._ledger.attach(self._ext)
+        except BaseException:  # never leave the recorder running behind a failed start
+            self.stop()
+            raise
 
     def stop(self) -> None:
         try:
@@ -413,7 +417,9 @@ def native_available(build: bool = False) -> bool:
     """True when the recorder is built (``build``: or can be built now) and usable here (CPU-only torch)."""
     if torch.cuda.is_available() or not native.enabled():
         return False
-    return (native.load() if build else native.ready()) is not None
+    ext = native.load() if build else native.ready()
+    # One recorder per process: a diagnose() inside a doctored cell runs on the Python tier.
+    return ext is not None and not ext.running()
 
 
 __all__ = ["NativeCapture", "native_available"]

@@ -176,3 +176,12 @@ def test_a_long_step_is_kept_bounded():
     assert any("later in the step are only counted" in n for n in trace.notes)
     assert trace.memory.peak_bytes >= 400_000 and trace.memory.peak_index > 2500  # the late peak is kept
     assert cap.buffer_bytes < 1_000_000
+
+
+def test_a_diagnosis_inside_a_native_run_uses_the_python_tier():
+    ns = {"torch": torch, "bd": bd}
+    outer = bd.diagnose("inner = bd.diagnose('y = (torch.ones(3, requires_grad=True) * 2).sum()')\n"
+                        "z = torch.ones(2) + 1\n", ns)
+    assert outer.trace.engine == "native" and outer.ok
+    assert ns["inner"].trace.engine == "python" and ns["inner"].ok
+    assert not native.load().running()
