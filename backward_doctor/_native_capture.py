@@ -27,8 +27,6 @@ from array import array
 from typing import Any
 
 import torch
-import torch.optim.optimizer as _optim
-from torch.nn.modules import module as _nn_module
 
 from . import native
 from ._record import _CLEARING, _PHASE_ID, REC_WIDTH
@@ -122,16 +120,7 @@ class NativeCapture(Capture):
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        self._scan_namespace()
-        if self.history is not None:
-            self._forget_zeroed_grads()
-        self.trace.memory.baseline_bytes = self._ledger.total
-        self._handles += [
-            _nn_module.register_module_forward_pre_hook(self._module_pre),
-            _nn_module.register_module_forward_hook(self._module_post, always_call=True),
-            _optim.register_optimizer_step_pre_hook(self._optim_pre),
-            _optim.register_optimizer_step_post_hook(self._optim_post),
-        ]
+        self._prepare()
         self._t0 = time.perf_counter()
         self._ext.start(self._frames.cell_file, True, self._max_ops)
         try:
@@ -276,7 +265,8 @@ class NativeCapture(Capture):
             live = rec[12]
             totals = list(rec[13:18])
             us = rec[17] / 1e3
-            self._keep_native(index, name, phase, fwd, bool(rec[6]), where, ins, outs, live, us)
+            self._append(index, name, phase, fwd, bool(rec[6]), where, [m for m, _ in ins + outs],
+                         [k for _, k in ins + outs], len(ins), live, us)
             for _, k in outs:
                 if k:
                     self._writer[k] = index
@@ -320,33 +310,6 @@ class NativeCapture(Capture):
         if peak and peak[1] > self._peak:
             self._peak, self._peak_index = peak[1], peak[0]
             self._peak_by_category = dict(zip(CATEGORIES, peak[2:]))
-
-    def _keep_native(self, index, name, phase, fwd, grad, where, ins, outs, live, us) -> None:
-        name_id = self._name_ids.get(name)
-        if name_id is None:
-            name_id = self._name_ids[name] = len(self._names)
-            self._names.append(name)
-        where_id = self._where_ids.get(id(where))
-        if where_id is None:
-            where_id = self._where_ids[id(where)] = len(self._wheres)
-            self._wheres.append(where)
-        io = []
-        for m, k in ins + outs:
-            mid = self._meta_ids.get(m)
-            if mid is None:
-                mid = self._meta_ids[m] = len(self._metas)
-                self._metas.append(m)
-            io += (mid, k)
-        f = -1 if fwd is None else fwd
-        if self._n_kept < self._max_ops:
-            self._n_kept += 1
-            self._rec_ints.extend((index, name_id, _PHASE_ID[phase], f, grad, where_id, len(ins), len(outs),
-                                   len(self._rec_io), live))
-            self._rec_io.extend(io)
-            self._rec_us.append(us)
-        else:
-            self._tail_count += 1
-            self._tail.append((index, name_id, _PHASE_ID[phase], f, grad, where_id, len(ins), tuple(io), live, us))
 
     def _inplace_events(self, inplace: array, tens: array, sizes: array, tw: int, idx_where: dict) -> None:
         last_post = self._post_counts[-1] if self._post_counts else -1

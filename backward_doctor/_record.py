@@ -213,6 +213,15 @@ class OpRecorder:
     def _keep(self, index, name, phase, fwd_index, grad_enabled, where, ins, outs, in_keys, out_keys, total,
               us) -> None:
         """Append the op's record as ints (interning name, tensor metadata and position)."""
+        metas = [(t.shape, t.dtype, t.device, t.requires_grad) for t in ins]
+        metas += [(t.shape, t.dtype, t.device, t.requires_grad) for t in outs]
+        self._append(index, name, phase, fwd_index, grad_enabled, where, metas, list(in_keys) + list(out_keys),
+                     len(ins), total, us)
+
+    def _append(self, index: int, name: str, phase: str, fwd_index: int | None, grad_enabled: bool, where: Where,
+                metas: list[tuple], keys: list[int], n_in: int, total: int, us: float) -> None:
+        """One op's record from its tensors' (shape, dtype, device, requires_grad) and storage keys
+        (inputs first); shared with the native tier, which has these without the tensors."""
         name_id = self._name_ids.get(name)
         if name_id is None:
             name_id = self._name_ids[name] = len(self._names)
@@ -221,32 +230,24 @@ class OpRecorder:
         if where_id is None:  # every Where is kept in _wheres, so its id() is never reused
             where_id = self._where_ids[id(where)] = len(self._wheres)
             self._wheres.append(where)
-        meta_ids, metas = self._meta_ids, self._metas
+        meta_ids, known = self._meta_ids, self._metas
         io = []
-        for t, k in zip(ins, in_keys):
-            m = (t.shape, t.dtype, t.device, t.requires_grad)
+        for m, k in zip(metas, keys):
             mid = meta_ids.get(m)
             if mid is None:
-                mid = meta_ids[m] = len(metas)
-                metas.append(m)
-            io += (mid, k)
-        for t, k in zip(outs, out_keys):
-            m = (t.shape, t.dtype, t.device, t.requires_grad)
-            mid = meta_ids.get(m)
-            if mid is None:
-                mid = meta_ids[m] = len(metas)
-                metas.append(m)
+                mid = meta_ids[m] = len(known)
+                known.append(m)
             io += (mid, k)
         fwd = -1 if fwd_index is None else fwd_index
         if self._n_kept < self._max_ops:
             self._n_kept += 1
-            self._rec_ints.extend((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, len(ins),
-                                   len(outs), len(self._rec_io), total))
+            self._rec_ints.extend((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
+                                   len(metas) - n_in, len(self._rec_io), total))
             self._rec_io.extend(io)
             self._rec_us.append(us)
         else:  # past max_ops: a ring buffer of the last ops (a tuple each, bounded)
             self._tail_count += 1
-            self._tail.append((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, len(ins),
+            self._tail.append((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
                                tuple(io), total, us))
 
     def kept_records(self):

@@ -132,6 +132,16 @@ class Capture(OpRecorder):
     def start(self) -> None:
         import torch._dynamo  # noqa: F401  (the first dispatch mode imports it: keep that out of step time)
 
+        self._prepare()
+        if self._cuda:
+            from . import cuda as _cuda
+            _cuda.start(self)
+        self._t0 = time.perf_counter()
+        self._mode = _DoctorMode(self)
+        self._mode.__enter__()
+
+    def _prepare(self) -> None:
+        """What exists before the step (namespace, parameters, optimizer state), and the global hooks."""
         self._scan_namespace()
         if self.history is not None:
             self._forget_zeroed_grads()
@@ -142,12 +152,6 @@ class Capture(OpRecorder):
             _optim.register_optimizer_step_pre_hook(self._optim_pre),
             _optim.register_optimizer_step_post_hook(self._optim_post),
         ]
-        if self._cuda:
-            from . import cuda as _cuda
-            _cuda.start(self)
-        self._t0 = time.perf_counter()
-        self._mode = _DoctorMode(self)
-        self._mode.__enter__()
 
     def stop(self) -> None:
         """Pop the mode and remove every hook; safe to call twice."""

@@ -180,7 +180,8 @@ def test_a_long_step_is_kept_bounded():
 
 def test_a_diagnosis_inside_a_native_run_uses_the_python_tier():
     ns = {"torch": torch, "bd": bd}
-    outer = bd.diagnose("inner = bd.diagnose('y = (torch.ones(3, requires_grad=True) * 2).sum()')\n"
+    outer = bd.diagnose("inner = bd.diagnose('y = (torch.ones(3, requires_grad=True) * 2).sum()', "
+                        "{'torch': torch})\n"
                         "z = torch.ones(2) + 1\n", ns)
     assert outer.trace.engine == "native" and outer.ok
     assert ns["inner"].trace.engine == "python" and ns["inner"].ok
