@@ -113,6 +113,7 @@ class NativeCapture(Capture):
         self._post_counts: list[int] = []  # op count at the end of each optimizer step
         self._line_cache: dict[tuple[Any, int], int | None] = {}
         self._native_out: dict[str, Any] | None = None
+        self._profiler_functions: tuple | None = None  # torch's, while ours stand in for them
         self._failed: tuple | None = None  # failing op: index, overload, arguments, name and phase if not kept
         self._by_producer: dict[int, int] = {}
         #: bytes the C++ recorder held at the end of the step (its buffers; not on the Python heap)
@@ -125,12 +126,43 @@ class NativeCapture(Capture):
         self._ext.start(self._frames.cell_file, True, self._max_ops)
         try:
             self._ledger.attach(self._ext)
+            self._yield_to_profiler()
         except BaseException:  # never leave the recorder running behind a failed start
             self.stop()
             raise
 
+    def _yield_to_profiler(self) -> None:
+        """A ``torch.profiler`` the user starts during the step needs the allocator's reporting slot
+        the recorder holds: hand it over while their profiler runs (torch's own functions are
+        wrapped for the step and put back in ``stop()``)."""
+        import torch.autograd.profiler as prof
+
+        enable, disable, ext = prof._enable_profiler, prof._disable_profiler, self._ext
+
+        def _enable_profiler(*args: Any, **kwargs: Any) -> Any:
+            ext.suspend_memory()
+            try:
+                return enable(*args, **kwargs)
+            except BaseException:
+                ext.resume_memory()
+                raise
+
+        def _disable_profiler(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return disable(*args, **kwargs)
+            finally:
+                ext.resume_memory()
+
+        prof._enable_profiler, prof._disable_profiler = _enable_profiler, _disable_profiler
+        self._profiler_functions = (enable, disable)
+
     def stop(self) -> None:
         try:
+            if self._profiler_functions is not None:
+                import torch.autograd.profiler as prof
+
+                prof._enable_profiler, prof._disable_profiler = self._profiler_functions
+                self._profiler_functions = None
             if self._ext.running():
                 self._native_out = self._ext.stop()
         finally:
@@ -378,8 +410,8 @@ class NativeCapture(Capture):
 
 def native_available(build: bool = False) -> bool:
     """True when the recorder is built (``build``: or can be built now) and usable here (CPU-only torch)."""
-    if torch.cuda.is_available() or not native.enabled():
-        return False
+    if torch.cuda.is_available() or not native.enabled() or torch._C._autograd._profiler_enabled():
+        return False  # (a profiler already running holds the allocator's reporting slot)
     ext = native.load() if build else native.ready()
     # One recorder per process: a diagnose() inside a doctored cell runs on the Python tier.
     return ext is not None and not ext.running()

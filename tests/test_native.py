@@ -186,3 +186,20 @@ def test_a_diagnosis_inside_a_native_run_uses_the_python_tier():
     assert outer.trace.engine == "native" and outer.ok
     assert ns["inner"].trace.engine == "python" and ns["inner"].ok
     assert not native.load().running()
+
+
+def test_a_users_profiler_still_runs_inside_a_native_run():
+    """torch.profiler needs the allocator's reporting slot the recorder holds: it gets it for its run."""
+    import torch.autograd.profiler as prof_mod
+
+    enable, disable = prof_mod._enable_profiler, prof_mod._disable_profiler
+    ns = {"torch": torch, "x": torch.randn(64, 64, requires_grad=True)}
+    src = ("with torch.profiler.profile(profile_memory=True) as prof:\n    y = (x * 2).sum()\n"
+           "w = x * 3\ny.backward()\n")
+    report = bd.diagnose(src, ns)
+    assert report.ok and report.trace.engine == "native", report.exception
+    assert any(e.cpu_memory_usage > 0 for e in ns["prof"].events())
+    assert (prof_mod._enable_profiler, prof_mod._disable_profiler) == (enable, disable)  # put back
+    with torch.profiler.profile(profile_memory=True):  # and a diagnosis inside a profiler: Python tier
+        inner = bd.diagnose("z = (x * 2).sum()", ns)
+    assert inner.ok and inner.trace.engine == "python"

@@ -71,6 +71,8 @@ struct State {
   int optimizer_depth = 0;
   int64_t stack_id = 0;
   int saved_log_level = 0;
+  std::shared_ptr<c10::MemoryReportingInfoBase> reporter;
+  bool reporting = false;  // our reporter is on the debug-info stack (off while a user's profiler runs)
   std::vector<c10::IValue> cur_inputs;  // the running visible op's arguments (kept only while it runs)
   int64_t failed_index = -1;             // the innermost op that raised, and its arguments
   std::vector<c10::IValue> failed_inputs;
@@ -496,7 +498,9 @@ void start(const std::string& cell_file, bool frames, int64_t max_ops) {
   S->frames_on = frames;
   S->recs.reserve(1 << 14);
   S->tensors.reserve(1 << 15);
-  c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<Reporter>());
+  S->reporter = std::make_shared<Reporter>();
+  c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, S->reporter);
+  S->reporting = true;
   // The CPU allocator logs a warning for memory it cannot size (allocated before we started):
   // not the user's concern. Warnings are switched off while recording, restored in stop().
   S->saved_log_level = FLAGS_caffe2_log_level;
@@ -509,6 +513,30 @@ void start(const std::string& cell_file, bool frames, int64_t max_ops) {
 }
 
 bool running() { return S != nullptr; }
+
+// The allocator reports to whatever holds the PROFILER_STATE slot, and torch.profiler refuses to
+// start while it is taken: a user's profiler inside a doctored cell gets the slot for its duration
+// (frees it reports then are missed here; add_tensor's staleness check copes).
+void pop_reporter() {
+  if (!S || !S->reporting) return;
+  if (c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE) == S->reporter.get()) {
+    try {
+      c10::ThreadLocalDebugInfo::_pop(c10::DebugInfoKind::PROFILER_STATE);
+    } catch (...) {  // something else was pushed after it: leave the stack alone
+      return;
+    }
+  }
+  S->reporting = false;
+}
+
+void suspend_memory() { if (S && std::this_thread::get_id() == S->owner) pop_reporter(); }
+
+void resume_memory() {
+  if (!S || S->reporting || std::this_thread::get_id() != S->owner) return;
+  if (c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE) != nullptr) return;  // still taken
+  c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, S->reporter);
+  S->reporting = true;
+}
 
 // Calls from Python (hooks, weak-reference callbacks) count only on the recording thread: a tensor
 // freed by another thread is left to the staleness check in add_tensor.
@@ -569,7 +597,7 @@ py::object to_py(const c10::IValue& v) {
 py::dict stop() {
   TORCH_CHECK(S != nullptr, "backward_doctor: the native recorder is not running");
   at::removeCallback(S->handle);
-  c10::ThreadLocalDebugInfo::_pop(c10::DebugInfoKind::PROFILER_STATE);
+  pop_reporter();
   FLAGS_caffe2_log_level = S->saved_log_level;
   State* s = S;
   S = nullptr;
@@ -618,6 +646,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("start", &start);
   m.def("stop", &stop);
   m.def("running", &running);
+  m.def("suspend_memory", &suspend_memory);
+  m.def("resume_memory", &resume_memory);
   m.def("set_optimizer_depth", &set_optimizer_depth);
   m.def("register_storage", &register_storage);
   m.def("release", &release);
