@@ -23,31 +23,17 @@ and CUDA (not yet run on a GPU).
 from __future__ import annotations
 
 import time
-from array import array
 from typing import Any
 
 import torch
 
 from . import native
-from ._record import _CLEARING, _PHASE_ID, REC_WIDTH
+from ._native_records import NativeRecords, _tables
 from .capture import Capture
 from .memory import MemoryLedger
-from .trace import CATEGORIES, FailedOp, InplaceEvent, Where
+from .trace import CATEGORIES, FailedOp, Where
 
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
-_DTYPES: dict[int, torch.dtype] = {}
-_DEVICE_TYPES: dict[int, str] = {}
-
-
-def _tables(ext: Any) -> None:
-    """ScalarType and DeviceType numbers -> torch objects, asked from the recorder itself."""
-    if _DTYPES:
-        return
-    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-               torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128):
-        _DTYPES[ext.codes_of(torch.empty(0, dtype=dt))[0]] = dt
-    for dev in ("cpu", "meta"):
-        _DEVICE_TYPES[ext.codes_of(torch.empty(0, device=dev))[1]] = dev
 
 
 class _NativeLedger(MemoryLedger):
@@ -93,7 +79,7 @@ class _NativeLedger(MemoryLedger):
             ext.register_storage(key, nbytes, self._cat[key], self._data.get(key, 0))
 
 
-class NativeCapture(Capture):
+class NativeCapture(NativeRecords, Capture):
     """:class:`Capture` with the per-op records taken in C++ (``detail=False`` only)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -216,157 +202,6 @@ class NativeCapture(Capture):
         self._post_counts.append(self._ext.op_count())
 
     # ---------------------------------------------------------------- after the step
-    def _line(self, code: Any, lasti: int) -> int | None:
-        key = (code, lasti)
-        line = self._line_cache.get(key)
-        if line is None and key not in self._line_cache:
-            line = None
-            for start, end, ln in code.co_lines():
-                if start <= lasti < end:
-                    line = ln
-                    break
-            self._line_cache[key] = line
-        return line
-
-    def _where_of(self, codes: list, lastis: list, first: int, n: int) -> Where:
-        """UserFrames.where over a recorded stack (innermost first)."""
-        w = Where()
-        for j in range(first, first + n):
-            code = codes[j]
-            kind = self._frames._classify(code)
-            if kind:
-                if w.line is None:
-                    w.line = self._line(code, lastis[j])
-                    w.file = None if kind == 2 else code.co_filename
-                    w.function = code.co_name
-                    w.lasti = lastis[j]
-                if kind == 2:
-                    w.cell_line = self._line(code, lastis[j])
-                    break
-        return w
-
-    def _convert(self, out: dict[str, Any]) -> None:
-        """The recorder's buffers -> the Python tier's records, timeline, peak and events."""
-        recs, tens, sizes, inplace = (array("q", out[k]) for k in ("recs", "tensors", "sizes", "inplace"))
-        codes, lastis, names = out["codes"], out["lastis"], out["names"]
-        width, tw = out["width"], out["tensor_width"]
-        roots = iter(out["roots"])
-        seq_map: dict[int, int] = {}
-        where_cache: dict[tuple, Where] = {}
-        metas: dict[tuple, tuple] = {}
-        phases = ("forward", "backward", "optimizer")
-        last_phase = "forward"
-        idx_where: dict[int, Where] = {}
-        stack_of = self._stacks
-        for r in range(len(recs) // width):
-            rec = recs[r * width:(r + 1) * width]
-            index, name = rec[0], names[rec[1]]
-            phase = phases[rec[2]]
-            if phase == "forward":
-                for s in range(rec[4], rec[5]):
-                    seq_map[s] = index
-                fwd = None
-            else:
-                fwd = seq_map.get(rec[3]) if phase == "backward" else None
-            fkey = tuple(zip(map(id, codes[rec[10]:rec[10] + rec[11]]), lastis[rec[10]:rec[10] + rec[11]]))
-            stack = stack_of[rec[19]] if phase == "forward" else ()
-            wkey = (fkey, stack)
-            where = where_cache.get(wkey)
-            if where is None:
-                where = where_cache[wkey] = self._where_of(codes, lastis, rec[10], rec[11])
-                if stack:
-                    self._where_stacks.append((where, stack))
-            if phase == "backward" and last_phase != "backward":
-                self.trace.backward_calls.append(where)
-                self.trace.backward_roots.append(next(roots, "").split("evaluate_function: ")[-1])
-                self._roots.append(fwd)
-            last_phase = phase
-            idx_where[index] = where
-            ins, outs = [], []
-            for j in range(rec[8] + rec[9]):
-                t = tens[(rec[7] + j) * tw:(rec[7] + j + 1) * tw]
-                key, dtype, dev_type, dev_index, rg, ndim, off = t[0], t[1], t[2], t[3], t[4], t[5], t[6]
-                shape = tuple(sizes[off:off + ndim])
-                mkey = (shape, dtype, dev_type, dev_index, rg)
-                m = metas.get(mkey)
-                if m is None:
-                    dev = _DEVICE_TYPES.get(dev_type, "cpu")
-                    device = torch.device(dev if dev_index < 0 else f"{dev}:{dev_index}")
-                    m = metas[mkey] = (torch.Size(shape), _DTYPES.get(dtype, torch.float32), device, bool(rg))
-                (ins if j < rec[8] else outs).append((m, key))
-            live = rec[12]
-            totals = list(rec[13:18])
-            us = rec[17] / 1e3
-            self._append(index, name, phase, fwd, bool(rec[6]), where, [m for m, _ in ins + outs],
-                         [k for _, k in ins + outs], len(ins), live, us)
-            for _, k in outs:
-                if k:
-                    self._writer[k] = index
-            self._timeline.add(index, totals, live)
-            if live > self._peak:
-                self._peak, self._peak_index = live, index
-                self._peak_by_category = dict(zip(CATEGORIES, totals))
-            tot = self._op_totals.get(name)
-            if tot is None:
-                self._op_totals[name] = [1, us]
-            else:
-                tot[0] += 1
-                tot[1] += us
-            if rec[18] and self._nonfinite_seen is None:
-                self._nonfinite_seen = {"index": index, "line": where.line, "file": where.file}
-        self._count = out["count"]
-        self.buffer_bytes = out["buffer_bytes"]
-        self._light(out, names)
-        self._by_producer = dict(out["by_producer"])
-        if out["failed_index"] >= 0:
-            self._failed = (out["failed_index"], out["failed_overload"], list(out["failed_args"]),
-                            names[out["failed_name"]] if out["failed_name"] >= 0 else None,
-                            ("forward", "backward", "optimizer")[out["failed_phase"]])
-        self._inplace_events(inplace, tens, sizes, tw, idx_where)
-        final = out["totals"]
-        self._ledger.totals = list(final)
-        self._ledger.total = sum(final)
-
-    def _light(self, out: dict[str, Any], names: list[str]) -> None:
-        """Ops past ``max_ops``: counted per name, a bounded timeline and the peak (not one by one)."""
-        self._tail_count = out["count"] - self._n_kept
-        for name_id, (count, ns) in out["light_totals"].items():
-            tot = self._op_totals.setdefault(names[name_id], [0, 0.0])
-            tot[0] += count
-            tot[1] += ns / 1e3
-        flat, w = out["light_timeline"], 7
-        for i in range(0, len(flat), w):
-            index, total, totals = flat[i], flat[i + 1], list(flat[i + 2:i + w])
-            self._timeline.add(index, totals, total)
-        peak = out["light_peak"]
-        if peak and peak[1] > self._peak:
-            self._peak, self._peak_index = peak[1], peak[0]
-            self._peak_by_category = dict(zip(CATEGORIES, peak[2:]))
-
-    def _inplace_events(self, inplace: array, tens: array, sizes: array, tw: int, idx_where: dict) -> None:
-        last_post = self._post_counts[-1] if self._post_counts else -1
-        cleared: set[int] = set()
-        events = self.trace.inplace
-        for e in range(len(inplace) // 5):
-            index, key, version, producer, toff = inplace[e * 5:(e + 1) * 5]
-            name = self._op_name(index)
-            if name in _CLEARING and index >= last_post:
-                cleared.add(key)
-            if len(events) >= 2000:
-                continue
-            t = tens[toff * tw:(toff + 1) * tw]
-            events.append(InplaceEvent(
-                index=index, op=name or "?", key=key, version=version, shape=list(sizes[t[6]:t[6] + t[5]]),
-                requires_grad=bool(t[4]), where=idx_where.get(index, Where()),
-                producer_index=None if producer < 0 else producer,
-                producer_op=self._op_name(producer) if producer >= 0 else None))
-        if cleared and self.history is not None:
-            # zero_grad(set_to_none=False) after this run's last step: those gradients are not stale.
-            for p in self.parameters():
-                g = p.grad
-                if g is not None and g.untyped_storage()._cdata in cleared:
-                    self.history.stepped_grads.pop(g, None)
-
     def record_exception(self, exc: BaseException) -> None:
         self._converted()
         super().record_exception(exc)
