@@ -203,3 +203,27 @@ def test_a_users_profiler_still_runs_inside_a_native_run():
     with torch.profiler.profile(profile_memory=True):  # and a diagnosis inside a profiler: Python tier
         inner = bd.diagnose("z = (x * 2).sum()", ns)
     assert inner.ok and inner.trace.engine == "python"
+
+
+def test_a_recorder_that_cannot_be_built_leaves_the_python_tier_and_a_reason(tmp_path):
+    """No compiler, no ninja, broken headers: the doctor says why and runs on the Python tier,
+    without trying the build again on every run."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "recorder.cpp"
+    bad.write_text("#error this recorder is broken on purpose\n")
+    script = tmp_path / "nobuild.py"
+    script.write_text(
+        "import time, torch, backward_doctor as bd\n"
+        "from backward_doctor import native\n"
+        f"native._SOURCE = {str(bad)!r}\n"
+        "r = bd.diagnose('y = (torch.ones(3, requires_grad=True) * 2).sum()\\ny.backward()', {'torch': torch})\n"
+        "assert r.ok and r.trace.engine == 'python', r.trace.engine\n"
+        "reason = native.status()['reason']\n"
+        "assert reason and 'Error' in reason, reason\n"
+        "t = time.perf_counter(); assert native.load() is None; assert time.perf_counter() - t < 0.1\n"
+        "print('fell back:', reason[:80])\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
+    assert proc.returncode == 0 and "fell back" in proc.stdout, proc.stderr[-2000:]

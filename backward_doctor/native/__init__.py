@@ -54,16 +54,17 @@ def _build_dir() -> str:
     return path
 
 
-def load(build: bool = True) -> Any:
-    """The compiled recorder, building it if needed (blocking); None if it cannot be had."""
+def load(build: bool = True, retry: bool = False) -> Any:
+    """The compiled recorder, building it if needed (blocking); None if it cannot be had.
+
+    A build that failed is not tried again in this process (``retry=True`` does).
+    """
     global _module, _reason, _build_s
     if _module is not None or not enabled():
         return _module
     with _lock:
-        if _module is not None or (_reason is not None and not build):
+        if _module is not None or (_reason is not None and not retry) or not build:
             return _module
-        if not build:
-            return None
         t = time.perf_counter()
         # Loading a cached build takes a second; compiling takes ~40 s: say so when it is slow.
         notice = threading.Timer(3.0, lambda: print("backward_doctor: compiling the native recorder "
@@ -101,14 +102,12 @@ def build_in_background() -> threading.Thread | None:
 
 def ready() -> Any:
     """The recorder if it is already built (never blocks), else None."""
-    if _module is not None or not enabled():
-        return _module
     if _thread is not None and _thread.is_alive():
         return None
-    return load(build=False) if _reason is not None else None
+    return _module if enabled() else None
 
 
 def status() -> dict[str, Any]:
-    """What the doctor knows about the native recorder (for reports and ``%backward_doctor --status``)."""
+    """What the doctor knows about the native recorder: switched on, built, building, why not."""
     return {"enabled": enabled(), "built": _module is not None, "building": bool(_thread and _thread.is_alive()),
             "reason": _reason if enabled() else "switched off (BACKWARD_DOCTOR_NATIVE=0)", "build_s": _build_s}
