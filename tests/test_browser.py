@@ -3,8 +3,8 @@
 A notebook with an out-of-memory training step under ``%%backward_doctor --memory-limit``
 is run; the panel must render with a visible memory plot, a fix button is clicked, the
 after-view must appear, and "Insert as a new cell below" must put the fixed code into a
-new cell under the panel's cell. Screenshots go to ``docs/screenshots/`` (the README
-shows them).
+new cell under the panel's cell. With ``BD_UPDATE_SCREENSHOTS=1`` its screenshots replace
+``docs/screenshots/`` (the README shows them).
 
 Needs ``jupyterlab`` and ``playwright`` (the ``test`` extra) and ``/usr/bin/chromium``
 (``make test`` apt-installs it). Never run ``playwright install``: it downloads a browser.
@@ -235,6 +235,9 @@ def test_panel_in_the_browser(tmp_path, app):
             assert not errors, errors
         finally:
             browser.close()
-    os.makedirs(SHOTS, exist_ok=True)
-    for name in os.listdir(shots):  # only a run that got this far replaces the README's pictures
-        shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))
+    if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":
+        # Only on request (a normal run must not dirty the tracked pictures), and only by a run that got
+        # this far.
+        os.makedirs(SHOTS, exist_ok=True)
+        for name in os.listdir(shots):
+            shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))
