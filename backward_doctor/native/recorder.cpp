@@ -22,6 +22,7 @@
 #include <Python.h>
 #include <frameobject.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -38,7 +39,6 @@ constexpr int kMaxFrames = 96;
 struct OpInfo {
   bool composite = false;  // CompositeImplicitAutograd: decomposes above the Python key
   bool transparent = false;  // not an operator (user ranges, ...): not an op, does not hide ops
-  bool is_view = false;
   std::vector<int> mutated;  // positional arguments it writes into
   int64_t name_id = -1;
 };
@@ -52,7 +52,7 @@ struct Open {  // a RecordFunction still running on this thread
   int64_t t0 = 0;
   int uncaught = 0;            // std::uncaught_exceptions() at start: more at the end means it failed
   bool light = false;          // past max_ops: counted, not recorded
-  int64_t index = -1, name_id = -1, phase = 0;
+  int64_t index = -1, name_id = -1, phase = 0;  // visible ops
   const char* name = nullptr;  // autograd node: its name (lives as long as the RecordFunction)
   bool engine = false;         // the engine's range around a node
 };
@@ -84,9 +84,9 @@ struct State {
   std::unordered_map<int64_t, std::pair<int64_t, int64_t>> light_totals;
   std::vector<int64_t> light_tl;  // index, total, 5 category totals per sample
   int64_t light_stride = 1, light_in_bucket = 0;
-  std::vector<int64_t> light_best;
+  std::array<int64_t, 2 + kCategories> light_best{}, light_peak_rec{};  // index, total, category totals
+  bool has_best = false;
   int64_t light_peak = -1;
-  std::vector<int64_t> light_peak_rec;
   std::vector<int64_t> recs, tensors, sizes, inplace;  // inplace: op index, key, version, producer, tensor off
   std::vector<PyObject*> codes;
   std::vector<int64_t> lastis;
@@ -131,8 +131,6 @@ OpInfo& info_for(const at::RecordFunction& fn) {
         const auto* alias = args[i].alias_info();
         if (alias && alias->isWrite() && !args[i].kwarg_only()) info.mutated.push_back((int)i);
       }
-      if (info.mutated.empty())
-        for (const auto& r : schema.returns()) if (r.alias_info()) info.is_view = true;
     }
   }
   info.name_id = (int64_t)S->names.size();
@@ -156,40 +154,43 @@ void uncount(int64_t key) {
   S->live.erase(it);
 }
 
+// Counts t's storage under cat (made by op producer, -1: before the step) unless it is counted
+// already; returns its key (0: no storage).
+int64_t note_storage(const at::Tensor& t, int cat, int64_t producer) {
+  if (!t.has_storage()) return 0;
+  const auto& st = t.storage();
+  int64_t key = reinterpret_cast<int64_t>(st.unsafeGetStorageImpl());
+  int64_t data = reinterpret_cast<int64_t>(st.data_ptr().get());
+  int64_t nbytes = (int64_t)st.nbytes();
+  if (nbytes <= 0) return key;
+  auto it = S->live.find(key);
+  // An entry whose memory was never reported freed (allocated before the step) can outlive its
+  // storage: a different data pointer or size at the same StorageImpl address means a new storage.
+  if (it != S->live.end() && (it->second.data != data || it->second.nbytes != nbytes)) {
+    uncount(key);
+    it = S->live.end();
+  }
+  if (it == S->live.end()) count_storage(key, nbytes, cat, producer, data);
+  return key;
+}
+
 // One tensor: key, dtype, device type, device index, requires_grad, ndim, size offset, impl.
 constexpr int kTensorWidth = 8;
 
-void add_tensor(const at::Tensor& t, bool output, const std::vector<int64_t>* in_impls, int cat, int64_t index) {
-  int64_t key = 0, data = 0, nbytes = 0;
-  if (t.has_storage()) {
-    const auto& st = t.storage();
-    key = reinterpret_cast<int64_t>(st.unsafeGetStorageImpl());
-    data = reinterpret_cast<int64_t>(st.data_ptr().get());
-    nbytes = (int64_t)st.nbytes();
-  }
+// Records t. An input first seen here was made before the step and not registered from Python
+// ("other"); an output is counted under cat as made by op index. inputs: first tensor record and
+// count of this op's inputs (for an output: is it one of them).
+void add_tensor(const at::Tensor& t, bool output, int64_t in_first, int64_t n_in, int cat, int64_t index) {
   int64_t impl = reinterpret_cast<int64_t>(t.unsafeGetTensorImpl());
   bool rg = t.requires_grad();
   if (output) {
     // Below autograd (where the Python mode looks) a fresh output does not require grad yet;
     // an in-place op returns its input, which may.
     bool same = false;
-    if (in_impls)
-      for (int64_t x : *in_impls) if (x == impl) same = true;
+    for (int64_t j = in_first; j < in_first + n_in; ++j) same = same || S->tensors[j * kTensorWidth + 7] == impl;
     rg = same && rg;
   }
-  if (key && nbytes > 0) {
-    auto it = S->live.find(key);
-    // An entry whose memory was never reported freed (allocated before the step) can outlive its
-    // storage: a different data pointer or size at the same StorageImpl address means a new storage.
-    if (it != S->live.end() && (it->second.data != data || it->second.nbytes != nbytes)) {
-      uncount(key);
-      it = S->live.end();
-    }
-    if (it == S->live.end()) {
-      if (output) count_storage(key, nbytes, cat, index, data);
-      else count_storage(key, nbytes, kOther, -1, data);  // made before the step, not registered from Python
-    }
-  }
+  int64_t key = output ? note_storage(t, cat, index) : note_storage(t, kOther, -1);
   auto sz = t.sizes();
   S->tensors.insert(S->tensors.end(), {key, (int64_t)t.scalar_type(), (int64_t)t.device().type(),
                                        (int64_t)t.device().index(), (int64_t)rg, (int64_t)sz.size(),
@@ -265,7 +266,11 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   try {
     start_op(fn, o);
   } catch (...) {  // a tensor we cannot describe (nested, sparse...): the op is not recorded
-    if (o.visible && !o.light) { S->recs.resize(o.rec); S->count--; }
+    if (o.visible && !o.light) {
+      if (o.rec >= 0) S->recs.resize(o.rec);
+      S->count--;
+    }
+    S->cur_inputs.clear();
     o.visible = false;
   }
   o.uncaught = std::uncaught_exceptions();
@@ -300,26 +305,27 @@ void start_op(const at::RecordFunction& fn, Open& o) {
     if (!it->function) { node_seq = it->seq; node_name = it->name; break; }
     if (!it->composite) { visible = false; break; }
   }
-  if (visible && !o.composite && !info.transparent && S->count >= S->max_ops) {
-    o.visible = o.light = true;
-    o.index = S->count++;
-    o.name_id = info.name_id;
-    o.phase = S->depth_bwd > 0 ? 1 : (S->optimizer_depth > 0 ? 2 : 0);
-    if (o.phase == 1 && S->last_phase != 1) S->roots.emplace_back(node_name ? node_name : "");
-    S->last_phase = o.phase;
-    auto args = fn.inputs();
-    S->cur_inputs.assign(args.begin(), args.end());
-  } else if (visible && !o.composite && !info.transparent) {
-    o.visible = true;
-    int64_t index = S->count++;
+  if (!visible || o.composite || info.transparent) return;
+  o.visible = true;
+  int64_t index = o.index = S->count++;
+  o.name_id = info.name_id;
+  int64_t phase = o.phase = S->depth_bwd > 0 ? 1 : (S->optimizer_depth > 0 ? 2 : 0);
+  if (phase == 1 && S->last_phase != 1)  // a new backward() call: its first node is the root
+    S->roots.emplace_back(node_name ? node_name : "");
+  S->last_phase = phase;
+  // Its arguments stay referenced while it runs (they are alive anyway): if it raises, they are
+  // the failing op's evidence (statistics, index values) for the report.
+  auto args = fn.inputs();
+  S->cur_inputs.assign(args.begin(), args.end());
+  if (index >= S->max_ops) {  // past the bound: counted, not recorded (end_light)
+    o.light = true;
+    return;
+  }
+  {
     size_t at = S->recs.size();
     o.rec = (int64_t)at;
     S->recs.resize(at + kWidth, 0);
     int64_t* rec = &S->recs[at];
-    int64_t phase = S->depth_bwd > 0 ? 1 : (S->optimizer_depth > 0 ? 2 : 0);
-    if (phase == 1 && S->last_phase != 1)  // a new backward() call: its first node is the root
-      S->roots.emplace_back(node_name ? node_name : "");
-    S->last_phase = phase;
     rec[19] = S->stack_id;
     rec[0] = index; rec[1] = info.name_id; rec[2] = phase; rec[3] = node_seq;
     rec[4] = (int64_t)at::sequence_number::peek(); rec[6] = at::GradMode::is_enabled();
@@ -328,16 +334,12 @@ void start_op(const at::RecordFunction& fn, Open& o) {
     for_tensors(fn.inputs(), [&](const at::Tensor& t) {
       // A Python number passed where a tensor goes: the Python mode sees the number, not a tensor.
       if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
-      add_tensor(t, false, nullptr, 0, index);
+      add_tensor(t, false, 0, 0, kOther, index);
       ++n_in;
     });
     rec[8] = n_in;
-    // Its arguments stay referenced while it runs (they are alive anyway): if it raises, they are
-    // the failing op's evidence (statistics, index values) for the report.
-    auto args = fn.inputs();
-    S->cur_inputs.assign(args.begin(), args.end());
     if (!info.mutated.empty() && phase == 0) {
-      auto inputs = fn.inputs();
+      const auto& inputs = args;
       for (int i : info.mutated) {
         if (i < (int)inputs.size() && inputs[i].isTensor() && inputs[i].toTensor().defined()) {
           const auto& t = inputs[i].toTensor();
@@ -376,7 +378,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
   }
 }
 
-void end_light(const at::RecordFunction& fn, const Open& o) {
+// The op that raised: the first op (innermost) whose range ends while an exception unwinds.
+void note_failure(const at::RecordFunction& fn, const Open& o) {
   if (std::uncaught_exceptions() > o.uncaught && S->failed_index < 0) {
     S->failed_index = o.index;
     S->failed_inputs = std::move(S->cur_inputs);
@@ -384,36 +387,33 @@ void end_light(const at::RecordFunction& fn, const Open& o) {
     S->failed_name = o.name_id;
     S->failed_phase = o.phase;
   }
-  int cat = o.phase == 1 ? kOther : (o.phase == 2 ? kOptimizerCat : kOther);
-  if (o.phase == 0 && at::GradMode::is_enabled()) {
-    for (const auto& v : S->cur_inputs)
-      if (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad()) { cat = kActivations; break; }
-  }
   S->cur_inputs.clear();
-  for (const auto& v : fn.outputs()) {
-    if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().has_storage()) continue;
-    const auto& st = v.toTensor().storage();
-    int64_t key = reinterpret_cast<int64_t>(st.unsafeGetStorageImpl());
-    int64_t data = reinterpret_cast<int64_t>(st.data_ptr().get());
-    int64_t nbytes = (int64_t)st.nbytes();
-    if (nbytes <= 0) continue;
-    auto it = S->live.find(key);
-    if (it != S->live.end() && (it->second.data != data || it->second.nbytes != nbytes)) {
-      uncount(key);
-      it = S->live.end();
-    }
-    if (it == S->live.end()) count_storage(key, nbytes, cat, o.index, data);
-  }
+}
+
+// What an op's new outputs count as (see _record.py): forward with grad on and an input that
+// requires grad: activations; optimizer step: optimizer state; else other.
+int category(int64_t phase, bool activations) {
+  return phase == 2 ? kOptimizerCat : (phase == 0 && activations ? kActivations : kOther);
+}
+
+void end_light(const at::RecordFunction& fn, const Open& o) {
+  bool rg = false;
+  if (o.phase == 0 && at::GradMode::is_enabled())
+    for (const auto& v : S->cur_inputs) rg = rg || (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad());
+  note_failure(fn, o);
+  int cat = category(o.phase, rg);
+  for (const auto& v : fn.outputs())
+    if (v.isTensor() && v.toTensor().defined()) note_storage(v.toTensor(), cat, o.index);
   auto& tot = S->light_totals[o.name_id];
   tot.first += 1;
   tot.second += now_ns() - o.t0;
-  std::vector<int64_t> sample{o.index, S->total};
-  sample.insert(sample.end(), S->totals, S->totals + kCategories);
+  std::array<int64_t, 2 + kCategories> sample{o.index, S->total};
+  std::copy(S->totals, S->totals + kCategories, sample.begin() + 2);
   if (S->total > S->light_peak) { S->light_peak = S->total; S->light_peak_rec = sample; }
-  if (S->light_best.empty() || S->total >= S->light_best[1]) S->light_best = sample;
+  if (!S->has_best || S->total >= S->light_best[1]) { S->light_best = sample; S->has_best = true; }
   if (++S->light_in_bucket >= S->light_stride) {
     S->light_tl.insert(S->light_tl.end(), S->light_best.begin(), S->light_best.end());
-    S->light_best.clear();
+    S->has_best = false;
     S->light_in_bucket = 0;
     constexpr size_t kLightCap = 8192, kSample = 2 + kCategories;
     if (S->light_tl.size() >= kLightCap * kSample) {  // halve: keep the larger of each pair
@@ -432,23 +432,13 @@ void end_light(const at::RecordFunction& fn, const Open& o) {
 void end_op(const at::RecordFunction& fn, const Open& o) {
   if (o.light) return end_light(fn, o);
   int64_t* rec = &S->recs[o.rec];
-  if (std::uncaught_exceptions() > o.uncaught && S->failed_index < 0) {  // unwinding: this op raised
-    S->failed_index = rec[0];
-    S->failed_inputs = std::move(S->cur_inputs);
-    S->failed_overload = fn.overload_name();
-  }
-  S->cur_inputs.clear();
+  note_failure(fn, o);
   rec[17] = now_ns() - o.t0;
   rec[5] = (int64_t)at::sequence_number::peek();
   int phase = (int)rec[2];
-  int cat = phase == 1 ? kOther : (phase == 2 ? kOptimizerCat : kOther);
-  if (phase == 0 && rec[6]) {  // forward with grad on: activations if any input requires grad
-    int64_t first = rec[7];
-    for (int64_t j = 0; j < rec[8]; ++j)
-      if (S->tensors[(first + j) * kTensorWidth + 4]) { cat = kActivations; break; }
-  }
-  std::vector<int64_t> in_impls;
-  for (int64_t j = 0; j < rec[8]; ++j) in_impls.push_back(S->tensors[(rec[7] + j) * kTensorWidth + 7]);
+  bool rg = false;
+  for (int64_t j = 0; j < rec[8]; ++j) rg = rg || S->tensors[(rec[7] + j) * kTensorWidth + 4];
+  int cat = category(phase, rec[6] && rg);
   const auto& outs = fn.outputs();
   int64_t n_out = 0;
   // Outputs follow this op's inputs unless nested ops added tensors in between: then copy the inputs
@@ -462,7 +452,7 @@ void end_op(const at::RecordFunction& fn, const Open& o) {
   bool first_out = true;
   for (const auto& v : outs) {
     auto add = [&](const at::Tensor& t) {
-      add_tensor(t, true, &in_impls, cat, rec[0]);
+      add_tensor(t, true, rec[7], rec[8], cat, rec[0]);
       ++n_out;
       if (first_out && phase == 0) rec[18] = nonfinite_scalar(t);
       first_out = false;
@@ -612,9 +602,10 @@ py::dict stop() {
   out["by_producer"] = by_producer;
   out["failed_name"] = s->failed_name;
   out["failed_phase"] = s->failed_phase;
-  if (!s->light_best.empty()) s->light_tl.insert(s->light_tl.end(), s->light_best.begin(), s->light_best.end());
+  if (s->has_best) s->light_tl.insert(s->light_tl.end(), s->light_best.begin(), s->light_best.end());
   out["light_timeline"] = s->light_tl;
-  out["light_peak"] = s->light_peak_rec;
+  out["light_peak"] = s->light_peak >= 0 ? std::vector<int64_t>(s->light_peak_rec.begin(), s->light_peak_rec.end())
+                                          : std::vector<int64_t>();
   std::unordered_map<int64_t, std::vector<int64_t>> light_totals;
   for (const auto& kv : s->light_totals) light_totals[kv.first] = {kv.second.first, kv.second.second};
   out["light_totals"] = light_totals;
