@@ -29,6 +29,7 @@ import torch
 
 from . import native
 from ._native_records import NativeRecords, _tables
+from ._record import _tensors
 from .capture import Capture
 from .memory import MemoryLedger
 from .trace import CATEGORIES, FailedOp, Where
@@ -43,12 +44,14 @@ class _NativeLedger(MemoryLedger):
         super().__init__()
         self.ext: Any = None
         self._data: dict[int, int] = {}
+        self._final_by_producer: dict[int | None, int] | None = None  # the recorder's, after the step
 
     def track(self, t: torch.Tensor, category: str, producer: int | None = None) -> bool:
         new = super().track(t, category, producer)
         if new:
-            key = t.untyped_storage()._cdata
-            self._data[key] = t.untyped_storage().data_ptr()
+            st = t.untyped_storage()
+            key = st._cdata
+            self._data[key] = st.data_ptr()
             if self.ext is not None:
                 self.ext.register_storage(key, self._live[key], _CAT[category], self._data[key])
         return new
@@ -78,13 +81,23 @@ class _NativeLedger(MemoryLedger):
         for key, nbytes in self._live.items():
             ext.register_storage(key, nbytes, self._cat[key], self._data.get(key, 0))
 
+    def adopt(self, totals: list[int], by_producer: dict[int, int]) -> None:
+        """The recorder's figures at the end of the step (it counted what the step made)."""
+        self.totals, self.total = list(totals), sum(totals)
+        self._final_by_producer = {(None if p < 0 else p): n for p, n in by_producer.items()}
+
+    def bytes_by_producer(self) -> dict[int | None, int]:
+        final = self._final_by_producer
+        return dict(final) if final is not None else super().bytes_by_producer()
+
 
 class NativeCapture(NativeRecords, Capture):
     """:class:`Capture` with the per-op records taken in C++ (``detail=False`` only)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["detail"] = False
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, detail: bool = False, **kwargs: Any) -> None:
+        if detail:
+            raise ValueError("NativeCapture is the first tier only (detail=False); use Capture(detail=True)")
+        super().__init__(*args, detail=False, **kwargs)
         if self.memory_limit is not None or self.check_indices:
             raise ValueError("NativeCapture: memory_limit and check_indices need the Python tier (Capture)")
         self._ext = native.load()
@@ -97,11 +110,9 @@ class NativeCapture(NativeRecords, Capture):
         self._stack_ids: dict[tuple[int, ...], int] = {(): 0}
         self._stacks: list[tuple[int, ...]] = [()]
         self._post_counts: list[int] = []  # op count at the end of each optimizer step
-        self._line_cache: dict[tuple[Any, int], int | None] = {}
         self._native_out: dict[str, Any] | None = None
         self._profiler_functions: tuple | None = None  # torch's, while ours stand in for them
         self._failed: tuple | None = None  # failing op: index, overload, arguments, name and phase if not kept
-        self._by_producer: dict[int, int] = {}
         #: bytes the C++ recorder held at the end of the step (its buffers; not on the Python heap)
         self.buffer_bytes = 0
 
@@ -175,12 +186,8 @@ class NativeCapture(NativeRecords, Capture):
         self._ext.set_stack(sid if sid is not None else self._new_stack(self._stack_key))
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if id(module) not in self._modules:
-            self._register_module(module)
-        self._module_stack.append(id(module))
-        self._stack_key = key = tuple(self._module_stack)
-        sid = self._stack_ids.get(key)
-        self._ext.set_stack(sid if sid is not None else self._new_stack(key))
+        super()._module_pre(module, args)
+        self._set_stack()
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         super()._module_post(module, args, output)
@@ -222,8 +229,7 @@ class NativeCapture(NativeRecords, Capture):
             rec = (index, light_name, light_phase, None, True, self.trace.exception.where if self.trace.exception
                    else Where())
         name = rec[1]
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        tensors += [x for a in args if isinstance(a, list) for x in a if isinstance(x, torch.Tensor)]
+        tensors = _tensors(tuple(args), None)
         idx = None
         if isinstance(exc, (IndexError, RuntimeError)):
             ns, _, op = name.partition("::")
@@ -236,11 +242,6 @@ class NativeCapture(NativeRecords, Capture):
         self.trace.failed_op = FailedOp(
             index=index, op=name, phase=rec[2], inputs=inputs, where=rec[5],
             error=f"{type(exc).__name__}: {exc}".split("\n")[0][:500], fwd_index=rec[3], index_check=idx)
-
-    def _memory_breakdown(self, index: int, requested: int | None) -> dict[str, Any]:
-        by_producer = {(-1 if p < 0 else p): n for p, n in self._by_producer.items()}
-        return {"index": index, "requested": requested, "live": self._ledger.total,
-                "by_category": self._ledger.snapshot(), "by_producer": by_producer}
 
 
 def native_available(build: bool = False) -> bool:

@@ -8,12 +8,13 @@ it runs, so ``finish()`` and every rule work unchanged.
 """
 from __future__ import annotations
 
+import warnings
 from array import array
 from typing import Any
 
 import torch
 
-from ._record import _CLEARING
+from ._record import _CLEARING, PHASES
 from .trace import CATEGORIES, InplaceEvent, Where
 
 _DTYPES: dict[int, torch.dtype] = {}
@@ -24,44 +25,19 @@ def _tables(ext: Any) -> None:
     """ScalarType and DeviceType numbers -> torch objects, asked from the recorder itself."""
     if _DTYPES:
         return
-    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-               torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128):
-        _DTYPES[ext.codes_of(torch.empty(0, dtype=dt))[0]] = dt
+    with warnings.catch_warnings():  # (quantized and complex32 dtypes warn when made)
+        warnings.simplefilter("ignore")
+        for dt in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:  # every dtype this torch has
+            try:
+                _DTYPES[ext.codes_of(torch.empty(0, dtype=dt))[0]] = dt
+            except Exception:  # dtypes that have no plain empty tensor
+                pass
     for dev in ("cpu", "meta"):
         _DEVICE_TYPES[ext.codes_of(torch.empty(0, device=dev))[1]] = dev
 
 
 class NativeRecords:
     """Mixin: ``_convert(out)`` with ``out`` from the recorder's ``stop()``."""
-
-    def _line(self, code: Any, lasti: int) -> int | None:
-        key = (code, lasti)
-        line = self._line_cache.get(key)
-        if line is None and key not in self._line_cache:
-            line = None
-            for start, end, ln in code.co_lines():
-                if start <= lasti < end:
-                    line = ln
-                    break
-            self._line_cache[key] = line
-        return line
-
-    def _where_of(self, codes: list, lastis: list, first: int, n: int) -> Where:
-        """UserFrames.where over a recorded stack (innermost first)."""
-        w = Where()
-        for j in range(first, first + n):
-            code = codes[j]
-            kind = self._frames._classify(code)
-            if kind:
-                if w.line is None:
-                    w.line = self._line(code, lastis[j])
-                    w.file = None if kind == 2 else code.co_filename
-                    w.function = code.co_name
-                    w.lasti = lastis[j]
-                if kind == 2:
-                    w.cell_line = self._line(code, lastis[j])
-                    break
-        return w
 
     def _convert(self, out: dict[str, Any]) -> None:
         """The recorder's buffers -> the Python tier's records, timeline, peak and events."""
@@ -72,14 +48,13 @@ class NativeRecords:
         seq_map: dict[int, int] = {}
         where_cache: dict[tuple, Where] = {}
         metas: dict[tuple, tuple] = {}
-        phases = ("forward", "backward", "optimizer")
         last_phase = "forward"
         idx_where: dict[int, Where] = {}
         stack_of = self._stacks
         for r in range(len(recs) // width):
             rec = recs[r * width:(r + 1) * width]
             index, name = rec[0], names[rec[1]]
-            phase = phases[rec[2]]
+            phase = PHASES[rec[2]]
             if phase == "forward":
                 for s in range(rec[4], rec[5]):
                     seq_map[s] = index
@@ -91,7 +66,7 @@ class NativeRecords:
             wkey = (fkey, stack)
             where = where_cache.get(wkey)
             if where is None:
-                where = where_cache[wkey] = self._where_of(codes, lastis, rec[10], rec[11])
+                where = where_cache[wkey] = self._frames.where_recorded(codes, lastis, rec[10], rec[11])
                 if stack:
                     self._where_stacks.append((where, stack))
             if phase == "backward" and last_phase != "backward":
@@ -120,30 +95,21 @@ class NativeRecords:
             for _, k in outs:
                 if k:
                     self._writer[k] = index
-            self._timeline.add(index, totals, live)
-            if live > self._peak:
-                self._peak, self._peak_index = live, index
-                self._peak_by_category = dict(zip(CATEGORIES, totals))
-            tot = self._op_totals.get(name)
-            if tot is None:
-                self._op_totals[name] = [1, us]
-            else:
-                tot[0] += 1
-                tot[1] += us
+            self._sample(index, totals, live)
+            tot = self._op_totals.setdefault(name, [0, 0.0])
+            tot[0] += 1
+            tot[1] += us
             if rec[18] and self._nonfinite_seen is None:
                 self._nonfinite_seen = {"index": index, "line": where.line, "file": where.file}
         self._count = out["count"]
         self.buffer_bytes = out["buffer_bytes"]
         self._light(out, names)
-        self._by_producer = dict(out["by_producer"])
         if out["failed_index"] >= 0:
             self._failed = (out["failed_index"], out["failed_overload"], list(out["failed_args"]),
                             names[out["failed_name"]] if out["failed_name"] >= 0 else None,
-                            ("forward", "backward", "optimizer")[out["failed_phase"]])
+                            PHASES[out["failed_phase"]])
         self._inplace_events(inplace, tens, sizes, tw, idx_where)
-        final = out["totals"]
-        self._ledger.totals = list(final)
-        self._ledger.total = sum(final)
+        self._ledger.adopt(out["totals"], out["by_producer"])
 
     def _light(self, out: dict[str, Any], names: list[str]) -> None:
         """Ops past ``max_ops``: counted per name, a bounded timeline and the peak (not one by one)."""
@@ -152,14 +118,20 @@ class NativeRecords:
             tot = self._op_totals.setdefault(names[name_id], [0, 0.0])
             tot[0] += count
             tot[1] += ns / 1e3
-        flat, w = out["light_timeline"], 7
+        flat, w = out["light_timeline"], 2 + len(CATEGORIES)
         for i in range(0, len(flat), w):
-            index, total, totals = flat[i], flat[i + 1], list(flat[i + 2:i + w])
-            self._timeline.add(index, totals, total)
+            self._timeline.add(flat[i], list(flat[i + 2:i + w]), flat[i + 1])
         peak = out["light_peak"]
-        if peak and peak[1] > self._peak:
-            self._peak, self._peak_index = peak[1], peak[0]
-            self._peak_by_category = dict(zip(CATEGORIES, peak[2:]))
+        if peak:
+            self._sample(peak[0], list(peak[2:]), peak[1], timeline=False)
+
+    def _sample(self, index: int, totals: list[int], live: int, timeline: bool = True) -> None:
+        """Live bytes after op ``index``: into the timeline, and the peak if it is one."""
+        if timeline:
+            self._timeline.add(index, totals, live)
+        if live > self._peak:
+            self._peak, self._peak_index = live, index
+            self._peak_by_category = dict(zip(CATEGORIES, totals))
 
     def _inplace_events(self, inplace: array, tens: array, sizes: array, tw: int, idx_where: dict) -> None:
         last_post = self._post_counts[-1] if self._post_counts else -1

@@ -48,6 +48,7 @@ class UserFrames:
         self.cell_file = cell_file
         self._library = _library_dirs()
         self._cache: dict[types.CodeType, int] = {}  # 0 library, 1 user, 2 cell
+        self._lines: dict[tuple[types.CodeType, int], int | None] = {}
 
     def is_user(self, filename: str) -> bool:
         return self._classify_file(filename) > 0
@@ -92,6 +93,32 @@ class UserFrames:
                     break
             f = f.f_back
         return w
+
+    def where_recorded(self, codes: list[types.CodeType], lastis: list[int], first: int, n: int) -> Where:
+        """:meth:`where` over a recorded stack: ``codes[first:first + n]`` with their bytecode offsets,
+        innermost first (the native recorder's). The walk over live frames above is kept apart: it runs
+        for every op of the Python tier."""
+        w = Where()
+        for j in range(first, first + n):
+            code = codes[j]
+            kind = self._classify(code)
+            if kind:
+                if w.line is None:
+                    w.line = self.line_at(code, lastis[j])
+                    w.file = None if kind == 2 else code.co_filename
+                    w.function = code.co_name
+                    w.lasti = lastis[j]
+                if kind == 2:
+                    w.cell_line = self.line_at(code, lastis[j])
+                    break
+        return w
+
+    def line_at(self, code: types.CodeType, lasti: int) -> int | None:
+        """The source line of bytecode offset ``lasti`` in ``code`` (what ``frame.f_lineno`` says)."""
+        key = (code, lasti)
+        if key not in self._lines:
+            self._lines[key] = next((ln for start, end, ln in code.co_lines() if start <= lasti < end), None)
+        return self._lines[key]
 
     def frame_info(self, filename: str, lineno: int, name: str, code: str = "") -> FrameInfo:
         kind = self._classify_file(filename)

@@ -96,7 +96,6 @@ def make_capture(engine: str, namespace: dict[str, Any], **kwargs: Any) -> Captu
     if engine == "native":
         from ._native_capture import NativeCapture
 
-        kwargs.pop("detail", None)
         return NativeCapture(namespace, **kwargs)
     return Capture(namespace, **kwargs)
 

@@ -64,34 +64,30 @@ def plain(step):
     _run_cell(step)
 
 
-def doctor(step):
-    """First tier, as the magic runs it: the native recorder where it is available (CPU)."""
-    if not NATIVE:
-        return doctor_python(step)
-    with NativeCapture(cell_file=CELL_FILE) as cap:
+def _doctored(step, cls=Capture, **kwargs):
+    with cls(cell_file=CELL_FILE, **kwargs) as cap:
         _run_cell(step)
     return cap
+
+
+def doctor(step):
+    """First tier, as the magic runs it: the native recorder where it is available (CPU)."""
+    return _doctored(step, NativeCapture if NATIVE else Capture, detail=False)
 
 
 def doctor_python(step):
     """First tier on the Python dispatch mode (where the native recorder cannot be built)."""
-    with Capture(cell_file=CELL_FILE, detail=False) as cap:
-        _run_cell(step)
-    return cap
+    return _doctored(step, detail=False)
 
 
 def doctor_no_history(step):
-    """First tier on CUDA without the allocator's memory history (its cost, by difference)."""
-    with Capture(cell_file=CELL_FILE, detail=False, cuda_history=False) as cap:  # CUDA: the Python tier
-        _run_cell(step)
-    return cap
+    """First tier on CUDA (the Python tier) without the allocator's memory history (its cost, by difference)."""
+    return _doctored(step, detail=False, cuda_history=False)
 
 
 def doctor_detail(step):
     """Second tier: every op screened for NaN/Inf."""
-    with Capture(cell_file=CELL_FILE, detail=True) as cap:
-        _run_cell(step)
-    return cap
+    return _doctored(step, detail=True)
 
 
 def anomaly(step):
@@ -192,15 +188,14 @@ def million_ops(n: int, cls=None) -> dict:
     """Memory of a bounded trace: ``n`` tiny ops in one step (Python heap via tracemalloc, plus what the
     native recorder held in C++ at the end of the step)."""
     cls = cls or (NativeCapture if NATIVE else Capture)
-    kwargs = {} if cls is NativeCapture else {"detail": False}
     x = torch.ones(4)
-    with cls(cell_file=CELL_FILE, **kwargs) as cap:  # warm-up: imports must not count as trace memory
+    with cls(cell_file=CELL_FILE, detail=False) as cap:  # warm-up: imports must not count as trace memory
         x + 1
     cap.finish()
     code = compile("y = x\nfor _ in range(n):\n    y = y + 1\n", CELL_FILE, "exec")
     tracemalloc.start()
     t = time.perf_counter()
-    with cls(cell_file=CELL_FILE, **kwargs) as cap:
+    with cls(cell_file=CELL_FILE, detail=False) as cap:
         exec(code, {"x": x, "n": n})
     captured = time.perf_counter() - t
     trace = cap.finish()

@@ -43,8 +43,7 @@ def _cnn():
 
 
 def _trace(cls, ns):
-    kwargs = {} if cls is NativeCapture else {"detail": False}
-    with cls(ns, cell_file=CELL, **kwargs) as cap:
+    with cls(ns, cell_file=CELL, detail=False) as cap:
         exec(STEP, ns)
     return cap.finish()
 
