@@ -73,8 +73,8 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
 
     ``engine`` records the ops: ``"auto"`` (the native C++ recorder where it can
     be used, else the Python dispatch mode), ``"native"`` or ``"python"``; see
-    ``backward_doctor.tiers.choose_engine``. A run that raises, or shows NaN/Inf,
-    is replayed from the rollback snapshot on the Python tier for its details.
+    ``backward_doctor.tiers.choose_engine``. A run that shows NaN/Inf is replayed
+    from the rollback snapshot on the Python tier, every op checked, to find its origin.
 
     >>> import backward_doctor as bd
     >>> bd.diagnose("x = 1").ok
@@ -94,7 +94,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
 
         return run_fix(source, ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
     snapshot = snapshot_for(source, ns) if rollback else None
-    chosen, why_not = choose_engine(engine, replayable=snapshot is not None, memory_limit=limit)
+    chosen = choose_engine(engine, replayable=snapshot is not None, memory_limit=limit)
     trace = run_source(source, ns, timeout=timeout, memory_limit=limit, history=history_for(source, ns),
                        detail=False, engine=chosen)
     if trace.needs_detail and snapshot is not None:

@@ -68,8 +68,7 @@ class BackwardDoctorMagics(Magics):
         filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
         snapshot = None if args.no_rollback else snapshot_for(cell, shell.user_ns)
         try:
-            engine, _ = choose_engine(args.engine, replayable=snapshot is not None, memory_limit=limit,
-                                      build=False)
+            engine = choose_engine(args.engine, replayable=snapshot is not None, memory_limit=limit, build=False)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         capture = make_capture(engine, shell.user_ns, cell_file=filename, source=cell, memory_limit=limit,

@@ -54,22 +54,22 @@ def check_engine(engine: Any) -> str:
     return engine
 
 
-def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None,
-                  build: bool = True) -> tuple[str, str | None]:
-    """The engine the first tier runs on, and why not the native one (None when it is native).
+def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None, build: bool = True) -> str:
+    """The engine the first tier runs on: ``"native"`` or ``"python"``.
 
     ``auto`` takes the native recorder when it is built (building it the first time,
     ~40 s, cached after), torch has no CUDA (its CUDA path has not run on a GPU yet),
     no memory limit is simulated (that raises from inside an op: the Python tier's
     job) and a rollback snapshot exists (NaN/Inf is replayed from it on the Python
-    tier). ``native`` insists (ValueError if it cannot be had); ``python`` never uses it. ``build=False``: do not wait for a
-    build (the magic starts one in the background when the extension is loaded).
+    tier). ``native`` insists (ValueError, saying why, if it cannot be had); ``python``
+    never uses it. ``build=False``: do not wait for a build (the magic starts one in the
+    background when the extension is loaded).
 
     >>> choose_engine("python", replayable=True, memory_limit=None)
-    ('python', "engine='python'")
+    'python'
     """
     if engine == "python":
-        return "python", "engine='python'"
+        return "python"
     from . import native
     from ._native_capture import native_available
 
@@ -77,16 +77,16 @@ def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None,
     if memory_limit is not None:
         why = "a simulated memory limit needs the Python tier"
     elif not replayable:
-        why = "no rollback snapshot to replay a failing run from"
+        why = "no rollback snapshot to replay NaN/Inf from"
     elif not native_available(build=build or engine == "native"):
         status = native.status()
         why = status["reason"] or ("the native recorder is still being built" if status["building"]
                                    else "the native recorder is not available here")
     if why is None:
-        return "native", None
+        return "native"
     if engine == "native":
         raise ValueError(f"engine='native' cannot be used: {why}")
-    return "python", why
+    return "python"
 
 
 def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snapshot: Any, *,
