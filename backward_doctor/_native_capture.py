@@ -167,8 +167,7 @@ class NativeCapture(NativeRecords, Capture):
             for h in self._handles:
                 h.remove()
             self._handles = []
-            self._t_last = time.perf_counter()
-            self.trace.duration_s = self._t_last - self._t0
+            self.trace.duration_s = time.perf_counter() - self._t0
 
     def _converted(self) -> None:
         # The recorder's buffers become records after the step (finish), not in the step's time.

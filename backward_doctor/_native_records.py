@@ -102,6 +102,8 @@ class NativeRecords:
             if rec[18] and self._nonfinite_seen is None:
                 self._nonfinite_seen = {"index": index, "line": where.line, "file": where.file}
         self._count = out["count"]
+        if self._count:  # the end of the last op (a failed step's time stops there, as on the Python tier)
+            self._t_last = self._t0 + out["last_op_end_s"]
         self.buffer_bytes = out["buffer_bytes"]
         self._light(out, names)
         if out["failed_index"] >= 0:

@@ -226,3 +226,14 @@ def test_a_recorder_that_cannot_be_built_leaves_the_python_tier_and_a_reason(tmp
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
     assert proc.returncode == 0 and "fell back" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_failed_step_lasts_until_its_last_op():
+    """As on the Python tier: the time after the failing op (IPython printing the traceback, here a
+    sleep in an exception handler outside the ops) is not the step's."""
+    src = ("import time\ntry:\n    torch.ones(2, 3) @ torch.ones(4, 5)\nexcept RuntimeError:\n    time.sleep(0.5)\n"
+           "    raise\n")
+    for engine in ("python", "native"):
+        report = bd.diagnose(src, {"torch": torch}, engine=engine)
+        assert report.trace.engine == engine and report.trace.failed_op is not None
+        assert report.trace.duration_s < 0.4, (engine, report.trace.duration_s)

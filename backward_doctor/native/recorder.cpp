@@ -99,6 +99,7 @@ struct State {
   std::vector<std::string> roots;                 // name of each backward's first node
   int64_t totals[kCategories] = {0, 0, 0, 0, 0};
   int64_t total = 0, count = 0, depth_bwd = 0, last_phase = 0;
+  int64_t start_ns = 0, last_end_ns = 0;  // when recording started, when the latest op ended
   at::CallbackHandle handle = 0;
 };
 State* S = nullptr;
@@ -430,6 +431,7 @@ void end_light(const at::RecordFunction& fn, const Open& o) {
 }
 
 void end_op(const at::RecordFunction& fn, const Open& o) {
+  S->last_end_ns = now_ns();
   if (o.light) return end_light(fn, o);
   int64_t* rec = &S->recs[o.rec];
   note_failure(fn, o);
@@ -483,6 +485,7 @@ void start(const std::string& cell_file, bool frames, int64_t max_ops) {
   TORCH_CHECK(S == nullptr, "backward_doctor: the native recorder is already running");
   S = new State();
   S->max_ops = max_ops;
+  S->start_ns = S->last_end_ns = now_ns();
   S->owner = std::this_thread::get_id();
   S->cell_file = cell_file;
   S->frames_on = frames;
@@ -593,6 +596,7 @@ py::dict stop() {
   S = nullptr;
   py::dict out;
   out["failed_index"] = s->failed_index;
+  out["last_op_end_s"] = (s->last_end_ns - s->start_ns) / 1e9;  // a failed step's time ends at its last op
   out["failed_overload"] = s->failed_overload;
   py::list failed;
   for (const auto& v : s->failed_inputs) failed.append(to_py(v));
