@@ -13,6 +13,7 @@ from torch import nn
 
 from .memory import storage_key
 from .namespace import module_paths
+from .namespace import tensors as ns_tensors
 from .stats import screen_nonfinite
 from .stats import dtype_name
 from .trace import CATEGORIES, ExceptionInfo, OpRecord, TensorMeta, Trace
@@ -133,34 +134,84 @@ def _build_ops(cap: "Capture") -> None:
     trace.op_totals = cap._op_totals
 
 
+def _step_keys(trace: Trace) -> set[int]:
+    """Storages this step's recorded ops read or wrote."""
+    keys: set[int] = set()
+    for op in trace.ops:
+        keys.update(op.in_keys)
+        keys.update(op.out_keys)
+    keys.discard(0)
+    return keys
+
+
+def _final_tensors(cap: "Capture") -> list[tuple[torch.Tensor, str]]:
+    """What this step leaves behind that NaN/Inf must not reach: the parameters it used or updated and
+    the gradients it made, and the gradients of the cell's own leaf tensors. Only what the step touched:
+    NaN an earlier cell left on another model is not this step's doing."""
+    touched = _step_keys(cap.trace)
+    got_grad = cap._got_grad
+    out = []
+    for p in cap.parameters():
+        if storage_key(p) in touched or id(p) in got_grad:
+            out.append((p, "parameters"))
+        g = p.grad
+        if g is not None and (id(p) in got_grad or storage_key(g) in touched):
+            out.append((g, "gradients"))
+    for _, t in ns_tensors(cap.namespace):
+        if t.is_leaf and t.grad is not None and storage_key(t.grad) in touched:
+            out.append((t.grad, "gradients"))
+    return out
+
+
 def _nonfinite_reach(cap: "Capture") -> None:
+    """Which NaN/Inf origins reached the loss, a gradient or a parameter (the others were intended,
+    like the ``-inf`` of a mask that softmax turns into zeros, also when checkpointing recomputes it in
+    backward)."""
     trace = cap.trace
     reached: set[int] = set()
     flags = {"loss": False, "gradients": False, "parameters": False}
-    for ev in trace.nonfinite:
-        if ev.phase == "backward":
-            reached.add(ev.origin)
-            flags["gradients"] = True
     for root in cap._roots:
         if root is not None and root in cap._nf_by_index:
             reached.add(cap._nf_by_index[root])
             flags["loss"] = True
     with torch.no_grad():
-        finals = [(t, what) for p in cap.parameters() for t, what in ((p, "parameters"), (p.grad, "gradients"))
-                  if t is not None and screen_nonfinite(t)]
+        finals = [(t, what) for t, what in _final_tensors(cap) if screen_nonfinite(t)]
     for t, what in finals:
         flags[what] = True
         key = storage_key(t)
         if key in cap._nf_origin:
             reached.add(cap._nf_origin[key])
     del finals
+    if flags["gradients"] and not reached:
+        # Non-finite gradients whose storage the screen did not follow: every origin in backward is a suspect.
+        reached.update(ev.origin for ev in trace.nonfinite if ev.phase == "backward")
     for ev in trace.nonfinite:
         ev.reached = ev.origin in reached
     trace.nonfinite_reached = flags
-    if not cap.detail and (cap._nonfinite_seen or flags["gradients"] or flags["parameters"]):
-        # The first tier saw NaN/Inf but screened too little to say where it was born.
-        trace.needs_detail = "nonfinite"
-        trace.nonfinite_hint = cap._nonfinite_seen
+    if not cap.detail:
+        hint = _scalar_that_mattered(cap)
+        if hint is not None or flags["gradients"] or flags["parameters"]:
+            # The first tier saw NaN/Inf but screened too little to say where it was born.
+            trace.needs_detail = "nonfinite"
+            trace.nonfinite_hint = hint or next(iter(cap._nf_scalars.values()), None)
+            if hint is not None:
+                flags["loss"] = True
+
+
+def _scalar_that_mattered(cap: "Capture") -> dict[str, Any] | None:
+    """First tier: the NaN/Inf scalar that was a loss backward started from, or that the cell kept in a
+    variable (None when every one was an intermediate value, like a mask's ``-inf``)."""
+    flagged = cap._nf_scalars
+    if not flagged:
+        return None
+    for root in cap._roots:
+        if root in flagged:
+            return flagged[root]
+    for _, t in ns_tensors(cap.namespace):
+        writer = cap._writer.get(storage_key(t) or 0)
+        if writer in flagged:
+            return flagged[writer]
+    return None
 
 
 def _remember(cap: "Capture") -> None:
@@ -180,6 +231,27 @@ def _remember(cap: "Capture") -> None:
                      "run_ids": [r.run_id for r in runs], "amp_skipped": [r.amp_skipped for r in runs]}
 
 
+def _compiled_notes(trace: Trace) -> None:
+    """torch.compile in the step: compiled regions are summed up as regions (their fused kernels are not
+    seen one by one), and compilation time is said apart from the step's ops."""
+    regions: dict[tuple[str, str | None, int | None], int] = {}
+    for op in trace.ops:
+        if op.where.compiled:
+            key = (op.phase, op.where.module, op.where.cell_line or op.where.line)
+            regions[key] = regions.get(key, 0) + 1
+    if regions:
+        parts = [f"{phase} of {module or 'a compiled function'}"
+                 f"{f' (line {line})' if line and phase == 'forward' else ''}: {n} ops dispatched"
+                 for (phase, module, line), n in regions.items()]
+        trace.notes.append("torch.compile: compiled code ran compiled (" + "; ".join(parts) + "); its fused "
+                           "kernels are not seen one by one, so memory and NaN/Inf inside them are seen only "
+                           "at the region's edges")
+    if trace.compiles:
+        total = sum(c["seconds"] for c in trace.compiles)
+        trace.notes.append(f"torch.compile compiled {len(trace.compiles)} time(s) during this step ({total:.1f} s); "
+                           "the doctor stepped aside while it compiled (not part of the op trace)")
+
+
 def finish(cap: "Capture") -> Trace:
     trace = cap.trace
     tail = len(cap._tail)
@@ -190,6 +262,7 @@ def finish(cap: "Capture") -> Trace:
         trace.notes.append(f"{trace.ops_dropped} ops {'in the middle of' if tail else 'later in'} the step are "
                            f"only counted in the op totals (kept {kept} one by one)")
     _resolve_modules(cap)
+    _compiled_notes(trace)
     _timeline(cap)
     _nonfinite_reach(cap)
     from ._step_state import graph_holders, param_infos

@@ -22,6 +22,13 @@ class _DoctorMode(TorchDispatchMode):
         super().__init__()
         self._recorder = recorder
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """``torch.compile`` compiles as it would without the doctor (the mode is off while it traces),
+        and the compiled code runs compiled, its kernels unseen; the ops it dispatches still come here.
+        (False would make dynamo fall back to eager under the mode: other kernels, other results.)"""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D401 - torch API
         __tracebackhide__ = True  # IPython hides frames that set this: the user's traceback stays theirs
         return self._recorder.dispatch(func, args, kwargs or {})

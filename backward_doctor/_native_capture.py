@@ -66,7 +66,10 @@ class _NativeLedger(MemoryLedger):
         if self.ext is None:
             super().reclassify(t, category)
             return
-        st = t.untyped_storage()
+        try:
+            st = t.untyped_storage()
+        except Exception:  # sparse/nested tensors have no plain storage: not counted
+            return
         key = st._cdata
         if key in self._live:  # existed before the step: the Python side keeps its weak reference
             super().reclassify(t, category)
@@ -164,10 +167,13 @@ class NativeCapture(NativeRecords, Capture):
                 self._native_out = self._ext.stop()
         finally:
             self._ledger.ext = None
+            self._compile_watch.remove()
+            self._remove_global_hooks()
             for h in self._handles:
                 h.remove()
             self._handles = []
             self.trace.duration_s = time.perf_counter() - self._t0
+            self.trace.compiles = self._compile_watch.events
 
     def _converted(self) -> None:
         # The recorder's buffers become records after the step (finish), not in the step's time.
@@ -180,6 +186,14 @@ class NativeCapture(NativeRecords, Capture):
         return super().finish()
 
     # ---------------------------------------------------------------- hooks
+    def _compile_started(self) -> None:
+        super()._compile_started()
+        self._ext.pause()  # what torch.compile runs while it compiles is not the step's work
+
+    def _compile_ended(self) -> None:
+        self._ext.resume()
+        super()._compile_ended()
+
     def _set_stack(self) -> None:
         sid = self._stack_ids.get(self._stack_key)
         self._ext.set_stack(sid if sid is not None else self._new_stack(self._stack_key))

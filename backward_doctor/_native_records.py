@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ._record import _CLEARING, PHASES
+from ._record import _CLEARING, _MAX_SCALARS, PHASES
+from .memory import storage_key
 from .trace import CATEGORIES, InplaceEvent, Where
 
 _DTYPES: dict[int, torch.dtype] = {}
@@ -99,8 +100,8 @@ class NativeRecords:
             tot = self._op_totals.setdefault(name, [0, 0.0])
             tot[0] += 1
             tot[1] += us
-            if rec[18] and self._nonfinite_seen is None:
-                self._nonfinite_seen = {"index": index, "line": where.line, "file": where.file}
+            if rec[18] and len(self._nf_scalars) < _MAX_SCALARS:
+                self._nf_scalars[index] = {"index": index, "line": where.line, "file": where.file}
         self._count = out["count"]
         if self._count:  # the end of the last op (a failed step's time stops there, as on the Python tier)
             self._t_last = self._t0 + out["last_op_end_s"]
@@ -156,5 +157,5 @@ class NativeRecords:
             # zero_grad(set_to_none=False) after this run's last step: those gradients are not stale.
             for p in self.parameters():
                 g = p.grad
-                if g is not None and g.untyped_storage()._cdata in cleared:
+                if g is not None and storage_key(g) in cleared:
                     self.history.stepped_grads.pop(g, None)

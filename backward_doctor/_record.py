@@ -35,6 +35,7 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad = torch._C._set_grad_enabled
 _now = time.perf_counter
 _MAX_EVENTS = 200
+_MAX_SCALARS = 64  # non-finite scalar outputs the first tier remembers
 _CLEARING = ("aten::zero_", "aten::_foreach_zero_")  # what zero_grad(set_to_none=False) does
 
 #: op overload -> (name, positions it writes into, is a view, has an index check)
@@ -302,9 +303,10 @@ class OpRecorder:
                     producer_op=self._op_name(producer)))
 
     def _screen_scalar(self, index: int, out: torch.Tensor, where: Where) -> None:
-        """First tier: a scalar forward output (a loss) that is NaN/Inf means the detailed run is needed."""
-        if self._nonfinite_seen is None and screen_nonfinite(out):
-            self._nonfinite_seen = {"index": index, "line": where.line, "file": where.file}
+        """First tier: a NaN/Inf scalar forward output; the detailed run is needed if it was the loss or a
+        value the cell kept (decided in ``finish()``)."""
+        if len(self._nf_scalars) < _MAX_SCALARS and screen_nonfinite(out):
+            self._nf_scalars[index] = {"index": index, "line": where.line, "file": where.file}
 
     def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated) -> None:
         for o, k in zip(outs, out_keys):

@@ -11,7 +11,7 @@ from typing import Any
 
 from .history import history_for
 from .report import Report
-from .tiers import check_engine, choose_engine, replay_in_detail, snapshot_for
+from .tiers import check_engine, choose_engine, replay_in_detail, snapshot_for, wants_replay
 from .rules import analyze
 from .trace import Trace
 from .units import parse_size
@@ -97,7 +97,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     chosen = choose_engine(engine, replayable=snapshot is not None, memory_limit=limit)
     trace = run_source(source, ns, timeout=timeout, memory_limit=limit, history=history_for(source, ns),
                        detail=False, engine=chosen)
-    if trace.needs_detail and snapshot is not None:
+    if wants_replay(trace, snapshot):
         trace = replay_in_detail(trace, source, ns, snapshot, timeout=timeout, memory_limit=limit)
     return build_report(trace, fix)
 

@@ -30,6 +30,7 @@ import torch.optim.optimizer as _optim
 from torch.nn.modules import module as _nn_module
 
 from . import namespace as ns_mod
+from ._compile_watch import CompileWatch
 from ._mode import _DoctorMode
 from .frames import UserFrames
 from ._record import _NODE_BUDGET, OpRecorder
@@ -96,6 +97,8 @@ class Capture(OpRecorder):
         self._node_budget, self._budget_noted = _NODE_BUDGET, False
         self._seq_start = self._last_seq = _sequence_nr()
         self._handles: list[Any] = []
+        self._global_handles: list[Any] = []  # module and optimizer hooks (off while torch.compile compiles)
+        self._compile_watch = CompileWatch(self._compile_started, self._compile_ended)
         self._mode: _DoctorMode | None = None
         self._modules: dict[int, tuple[weakref.ref, str]] = {}
         self._module_stack: list[int] = []
@@ -109,7 +112,10 @@ class Capture(OpRecorder):
         self._writer: dict[int, int] = {}      # storage key -> last op that wrote it
         self._nf_origin: dict[int, int] = {}   # storage key -> op index that first made its NaN/Inf
         self._nf_by_index: dict[int, int] = {}
-        self._nonfinite_seen: dict[str, Any] | None = None  # first tier: a NaN/Inf scalar output
+        #: first tier: forward ops whose scalar output was NaN/Inf (op index -> where), the first few.
+        #: Only one that reached the loss or a variable of the cell calls for the detailed run: the
+        #: ``-inf`` scalars attention masks are built from are intended.
+        self._nf_scalars: dict[int, dict[str, Any]] = {}
         self._detail_budget = 8  # non-finite origins that get full statistics
         self._ns_names: dict[int, str] = {}    # storage key -> variable name (at start)
         self._last_phase = "forward"
@@ -146,12 +152,30 @@ class Capture(OpRecorder):
         if self.history is not None:
             self._forget_zeroed_grads()
         self.trace.memory.baseline_bytes = self._ledger.total
-        self._handles += [
+        self._add_global_hooks()
+        self._compile_watch.install()
+
+    def _add_global_hooks(self) -> None:
+        self._global_handles = [
             _nn_module.register_module_forward_pre_hook(self._module_pre),
             _nn_module.register_module_forward_hook(self._module_post, always_call=True),
             _optim.register_optimizer_step_pre_hook(self._optim_pre),
             _optim.register_optimizer_step_post_hook(self._optim_post),
         ]
+
+    def _remove_global_hooks(self) -> None:
+        handles, self._global_handles = self._global_handles, []
+        for h in handles:
+            h.remove()
+
+    def _compile_started(self) -> None:
+        """torch.compile starts compiling (dynamo tracing a frame, or a backward compiled lazily): the
+        doctor steps aside, so that it compiles exactly what it would compile without the doctor.
+        Global module hooks would be traced into the graph (graph breaks: other kernels)."""
+        self._remove_global_hooks()
+
+    def _compile_ended(self) -> None:
+        self._add_global_hooks()
 
     def stop(self) -> None:
         """Pop the mode and remove every hook; safe to call twice."""
@@ -160,10 +184,13 @@ class Capture(OpRecorder):
             if mode is not None:
                 mode.__exit__(None, None, None)
         finally:
+            self._compile_watch.remove()
+            self._remove_global_hooks()
             for h in self._handles:
                 h.remove()
             self._handles = []
             self.trace.duration_s = time.perf_counter() - self._t0
+            self.trace.compiles = self._compile_watch.events
             if self._cuda:
                 from . import cuda as _cuda
                 _cuda.stop(self)
@@ -212,7 +239,9 @@ class Capture(OpRecorder):
         self._ledger.track(p, "parameters")
         if p.grad is not None:
             self._ledger.track(p.grad, "gradients")
-        if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+        # A parameter that is no longer a leaf (an in-place update with grad on attached a graph to it)
+        # gets no gradient and takes no hook: the rules report it (``nonleaf_param``).
+        if p.requires_grad and p.is_leaf and hasattr(p, "register_post_accumulate_grad_hook"):
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def _accumulated(self, param: torch.Tensor) -> None:
@@ -307,7 +336,7 @@ class Capture(OpRecorder):
             return w
         w = self._frames.where(f)
         # One Where object per position and module stack: a forward op does not keep a new one.
-        key = (w.line, w.file, w.cell_line, w.lasti, self._stack_key)
+        key = (w.line, w.file, w.cell_line, w.lasti, w.compiled, self._stack_key)
         got = self._where_intern.get(key)
         if got is None:
             got = self._where_intern[key] = w

@@ -41,6 +41,15 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(sorted(os.path.abspath(d) + os.sep for d in dirs if d))
 
 
+# Code that runs what torch.compile made: AOTAutograd's runtime wrappers (the compiled autograd
+# Function), inductor's output code and the modules it generates (a cache directory, often under /tmp,
+# which would otherwise pass for user code). An op whose stack passes through them ran compiled.
+_COMPILED_RUNTIME = (os.path.join("torch", "_functorch", "_aot_autograd") + os.sep,
+                     os.path.join("torch", "_inductor", "output_code.py"))
+_GENERATED = os.sep + "torchinductor_"
+LIBRARY, USER, CELL, COMPILED = 0, 1, 2, 3
+
+
 class UserFrames:
     """Finds the innermost user frame and the innermost cell frame of a stack."""
 
@@ -54,17 +63,20 @@ class UserFrames:
         return self._classify_file(filename) > 0
 
     def _classify_file(self, filename: str) -> int:
+        """CELL, USER, LIBRARY, or COMPILED (library code that runs torch.compile's output)."""
         if filename == self.cell_file:
-            return 2
+            return CELL
         if filename.startswith("<"):
-            # <frozen ...>, <string>, <ipython-input-...> of other cells: only real
-            # ipython cells count as user code.
-            return 1 if filename.startswith("<ipython-input") else 0
+            # <frozen ...>, <string>, <eval_with_key> (fx), <ipython-input-...> of other cells: only
+            # real ipython cells count as user code.
+            return USER if filename.startswith("<ipython-input") else LIBRARY
         path = os.path.abspath(filename)
+        if _GENERATED in path or path.endswith(_COMPILED_RUNTIME[1]) or _COMPILED_RUNTIME[0] in path:
+            return COMPILED
         if path.startswith(self._library):
-            return 0
+            return LIBRARY
         # ipykernel writes cells to files in a temp dir; those are user code.
-        return 1
+        return USER
 
     def _classify(self, code: types.CodeType) -> int:
         kind = self._cache.get(code)
@@ -83,14 +95,17 @@ class UserFrames:
             if kind is None:
                 kind = self._classify(code)
             if kind:
-                if w.line is None:
-                    w.line = f.f_lineno
-                    w.file = None if kind == 2 else code.co_filename
-                    w.function = code.co_name
-                    w.lasti = f.f_lasti
-                if kind == 2:
-                    w.cell_line = f.f_lineno
-                    break
+                if kind == COMPILED:
+                    w.compiled = True
+                else:
+                    if w.line is None:
+                        w.line = f.f_lineno
+                        w.file = None if kind == CELL else code.co_filename
+                        w.function = code.co_name
+                        w.lasti = f.f_lasti
+                    if kind == CELL:
+                        w.cell_line = f.f_lineno
+                        break
             f = f.f_back
         return w
 
@@ -102,13 +117,15 @@ class UserFrames:
         for j in range(first, first + n):
             code = codes[j]
             kind = self._classify(code)
-            if kind:
+            if kind == COMPILED:
+                w.compiled = True
+            elif kind:
                 if w.line is None:
                     w.line = self.line_at(code, lastis[j])
-                    w.file = None if kind == 2 else code.co_filename
+                    w.file = None if kind == CELL else code.co_filename
                     w.function = code.co_name
                     w.lasti = lastis[j]
-                if kind == 2:
+                if kind == CELL:
                     w.cell_line = self.line_at(code, lastis[j])
                     break
         return w
@@ -122,7 +139,8 @@ class UserFrames:
 
     def frame_info(self, filename: str, lineno: int, name: str, code: str = "") -> FrameInfo:
         kind = self._classify_file(filename)
-        return FrameInfo(file=filename, line=lineno, function=name, in_cell=kind == 2, user=kind > 0, code=code)
+        return FrameInfo(file=filename, line=lineno, function=name, in_cell=kind == CELL,
+                         user=kind in (USER, CELL), code=code)
 
     def from_traceback(self, tb: types.TracebackType | None) -> list[FrameInfo]:
         """Frames of a traceback, outermost first, as plain records."""

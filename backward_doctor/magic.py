@@ -17,7 +17,7 @@ from IPython.display import display
 
 from .api import build_report, check_fix, check_timeout
 from .history import history_for
-from .tiers import ENGINES, check_engine, choose_engine, replay_in_detail, snapshot_for
+from .tiers import ENGINES, check_engine, choose_engine, replay_in_detail, snapshot_for, wants_replay
 from .runner import make_capture, run_under_capture
 from .units import parse_size
 
@@ -88,7 +88,7 @@ class BackwardDoctorMagics(Magics):
             return error
 
         trace = run_under_capture(run, capture, timeout)
-        if trace.needs_detail and snapshot is not None:
+        if wants_replay(trace, snapshot):
             # NaN/Inf seen: replay the step from the saved state with every op checked. The
             # namespace ends as a plain run leaves it (the replay recomputes the same step).
             trace = replay_in_detail(trace, cell, shell.user_ns, snapshot, timeout=timeout, memory_limit=limit)

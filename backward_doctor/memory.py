@@ -36,6 +36,14 @@ def storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage (0 for sparse/nested tensors, which have no plain one)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except Exception:
+        return 0
+
+
 class MemoryLedger:
     """Running live bytes per category, plus who made each storage.
 

@@ -89,6 +89,18 @@ def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None, bu
     return "python"
 
 
+def wants_replay(trace: Trace, snapshot: Any) -> bool:
+    """The first tier asks for the detailed run, and one can be had: a snapshot to replay from, and a
+    step that ended by itself (a hang or a Ctrl-C is never run a second time).
+
+    >>> wants_replay(Trace(needs_detail="nonfinite"), snapshot=None)
+    False
+    """
+    if not trace.needs_detail or snapshot is None or trace.timed_out:
+        return False
+    return trace.exception is None or trace.exception.type != "KeyboardInterrupt"
+
+
 def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snapshot: Any, *,
                      timeout: float | None, memory_limit: int | None) -> Trace:
     """Restore ``snapshot`` and run the step again with every op checked (on the Python tier).

@@ -50,6 +50,7 @@ class Where:
     module: str | None = None
     function: str | None = None
     lasti: int = -1  # bytecode offset in the user frame: tells apart two calls on one line
+    compiled: bool = False  # inside code torch.compile made (its fused kernels are not seen one by one)
 
 
 @dataclass(slots=True)
@@ -177,6 +178,7 @@ class ParamInfo:
     got_grad: bool          # autograd accumulated a gradient into it during this run
     stepped: bool           # it belongs to an optimizer that stepped during this run
     numel: int = 0
+    grad_fn: str | None = None  # a parameter that is no longer a leaf: the node it hangs from
 
 
 @dataclass
@@ -217,6 +219,8 @@ class Trace:
     graph_holders: list[dict[str, Any]] = field(default_factory=list)
     stale_steps: list[dict[str, Any]] = field(default_factory=list)
     history: dict[str, Any] = field(default_factory=dict)  # earlier runs of this cell, in numbers
+    #: torch.compile compilations during the step ({"trigger", "seconds"} each): not recorded as ops
+    compiles: list[dict[str, Any]] = field(default_factory=list)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

@@ -237,3 +237,31 @@ def test_a_failed_step_lasts_until_its_last_op():
         report = bd.diagnose(src, {"torch": torch}, engine=engine)
         assert report.trace.engine == engine and report.trace.failed_op is not None
         assert report.trace.duration_s < 0.4, (engine, report.trace.duration_s)
+
+
+class _Double(torch.autograd.Function):
+    forward = staticmethod(lambda ctx, x: x * 2)
+    backward = staticmethod(lambda ctx, g: g * 2)
+
+
+def test_custom_functions_run_as_without_the_recorder():
+    """The recorder holds the allocator's reporting slot, which PyTorch reads as a profiler state: it must
+    be one (disabled), or every custom Function's apply reads garbage (std::bad_alloc in the user's step)."""
+    w = torch.randn(3, requires_grad=True)
+    for _ in range(20):
+        w.grad = None
+        report = bd.diagnose("loss = Double.apply(w).sum()\nloss.backward()\n"
+                             "inside = torch.autograd._profiler_enabled()", {"Double": _Double, "w": w, "torch": torch},
+                             engine="native")
+        assert report.exception is None, report.exception
+        assert report.trace.engine == "native" and report.ok
+        assert torch.equal(w.grad, torch.full((3,), 2.0))
+    assert not torch.autograd._profiler_enabled()
+
+
+def test_sparse_tensors_are_recorded_without_their_storage():
+    emb = nn.Embedding(10, 3, sparse=True)
+    ns = {"emb": emb, "ids": torch.tensor([[1, 2], [3, 9]]), "opt": torch.optim.SparseAdam(list(emb.parameters()))}
+    report = bd.diagnose("opt.zero_grad()\nemb(ids).sum().backward()\nopt.step()", ns, engine="native")
+    assert report.exception is None and report.ok
+    assert emb.weight.grad.is_sparse

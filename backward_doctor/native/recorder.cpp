@@ -19,6 +19,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 #include <Python.h>
 #include <frameobject.h>
 
@@ -69,6 +70,7 @@ struct State {
   std::string cell_file;
   bool frames_on = true;
   int optimizer_depth = 0;
+  int paused = 0;  // > 0 while torch.compile compiles: its ops on fake tensors are not the step's
   int64_t stack_id = 0;
   int saved_log_level = 0;
   std::shared_ptr<c10::MemoryReportingInfoBase> reporter;
@@ -155,10 +157,15 @@ void uncount(int64_t key) {
   S->live.erase(it);
 }
 
+// A dense tensor's storage: sparse, nested and other non-strided tensors throw when asked for theirs.
+inline bool plain_storage(const at::Tensor& t) {
+  return t.layout() == c10::kStrided && !t.is_nested() && t.has_storage();
+}
+
 // Counts t's storage under cat (made by op producer, -1: before the step) unless it is counted
 // already; returns its key (0: no storage).
 int64_t note_storage(const at::Tensor& t, int cat, int64_t producer) {
-  if (!t.has_storage()) return 0;
+  if (!plain_storage(t)) return 0;  // not counted
   const auto& st = t.storage();
   int64_t key = reinterpret_cast<int64_t>(st.unsafeGetStorageImpl());
   int64_t data = reinterpret_cast<int64_t>(st.data_ptr().get());
@@ -247,7 +254,7 @@ void add_frames(int64_t* rec) {
 }
 
 int nonfinite_scalar(const at::Tensor& t) {
-  if (t.dim() != 0 || !t.device().is_cpu() || !t.has_storage()) return 0;
+  if (t.dim() != 0 || !t.device().is_cpu() || !plain_storage(t)) return 0;
   double v;
   switch (t.scalar_type()) {
     case at::kFloat: v = *t.const_data_ptr<float>(); break;
@@ -297,6 +304,7 @@ void start_op(const at::RecordFunction& fn, Open& o) {
     return;
   }
   o.function = true;
+  if (S->paused > 0) return;  // not visible, and not composite: nothing under it is visible either
   OpInfo& info = info_for(fn);
   o.composite = info.composite || info.transparent;
   bool visible = true;
@@ -344,7 +352,7 @@ void start_op(const at::RecordFunction& fn, Open& o) {
       for (int i : info.mutated) {
         if (i < (int)inputs.size() && inputs[i].isTensor() && inputs[i].toTensor().defined()) {
           const auto& t = inputs[i].toTensor();
-          int64_t key = t.has_storage() ? reinterpret_cast<int64_t>(t.storage().unsafeGetStorageImpl()) : 0;
+          int64_t key = plain_storage(t) ? reinterpret_cast<int64_t>(t.storage().unsafeGetStorageImpl()) : 0;
           auto it = S->live.find(key);
           int64_t pos = 0;  // tensors recorded before argument i
           for (int j = 0; j < i; ++j) {
@@ -470,13 +478,23 @@ void end_op(const at::RecordFunction& fn, const Open& o) {
   for (int c = 0; c < kCategories; ++c) rec[13 + c] = S->totals[c];
 }
 
-struct Reporter : public c10::MemoryReportingInfoBase {
+// The allocator reports frees to whatever object holds the PROFILER_STATE debug-info slot, and
+// PyTorch reads that slot as a ProfilerStateBase (profilerEnabled(), getProfilerConfig(): custom
+// autograd Functions ask it on every apply). So the reporter must be one: a profiler state whose
+// config says "disabled", which PyTorch then treats as no profiler at all. (A plain
+// MemoryReportingInfoBase there was read as a profiler config from memory past its end: garbage
+// that raised std::bad_alloc inside the user's step.)
+struct Reporter : public torch::profiler::impl::ProfilerStateBase {
+  Reporter() : ProfilerStateBase(torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::Disabled)) {}
   void reportMemoryUsage(void* ptr, int64_t size, size_t, size_t, c10::Device) override {
     if (!S || size >= 0 || std::this_thread::get_id() != S->owner) return;
     auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
     if (it != S->by_data.end()) uncount(it->second);
   }
   bool memoryProfilingEnabled() const override { return S != nullptr; }
+  torch::profiler::impl::ActiveProfilerType profilerType() override {
+    return torch::profiler::impl::ActiveProfilerType::NONE;
+  }
 };
 
 }  // namespace
@@ -538,6 +556,10 @@ inline bool mine() { return S != nullptr && std::this_thread::get_id() == S->own
 void set_optimizer_depth(int64_t depth) { if (mine()) S->optimizer_depth = (int)depth; }
 
 void set_stack(int64_t stack_id) { if (mine()) S->stack_id = stack_id; }
+
+void pause_recording() { if (mine()) S->paused++; }
+
+void resume_recording() { if (mine() && S->paused > 0) S->paused--; }
 
 int64_t op_count() { return S ? S->count : 0; }
 
@@ -649,6 +671,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reclassify", &reclassify);
   m.def("totals", &totals);
   m.def("set_stack", &set_stack);
+  m.def("pause", &pause_recording);
+  m.def("resume", &resume_recording);
   m.def("op_count", &op_count);
   m.def("codes_of", &codes_of);
 }

@@ -15,14 +15,14 @@ from .failures import generic_exception, index_out_of_range, mismatch
 from .hang import hang
 from .memory import oom
 from .nonfinite import nonfinite
-from .silent import amp_skipped, broadcast, detached, graph_leak, stale_grad
+from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param, stale_grad
 
 Rule = Callable[[Trace], list[Finding]]
 
 #: Rules that explain the cell's exception; the first that answers wins.
 EXCEPTION_RULES: list[Rule] = [hang, oom, inplace, backward_twice, no_grad_path, index_out_of_range, mismatch]
 #: Rules that look at the whole run, whether or not it raised.
-RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, amp_skipped]
+RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, amp_skipped, nonleaf_param]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, detached, broadcast]
 

@@ -253,3 +253,34 @@ def amp_skipped(trace: Trace) -> list[Finding]:
            "scale is too high.")
     return [at("amp_skipped", where, msg, severity="info", title="Mixed-precision step skipped",
                evidence={"skipped": len(skipped), "total": total})]
+
+
+def nonleaf_param(trace: Trace) -> list[Finding]:
+    """Parameters that are no longer leaves: an in-place update with grad on hung a graph on them."""
+    bad = [p for p in trace.params if p.grad_fn]
+    if not bad:
+        return []
+    keys = {p.key for p in bad}
+    attach = None
+    for ev in trace.inplace:  # this step's in-place write that took a gradient-carrying input
+        rec = trace.op(ev.index)
+        if ev.key in keys and rec is not None and rec.grad_enabled and any(m.requires_grad for m in rec.inputs):
+            attach = ev
+            break
+    names = [p.name for p in bad]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    nodes = sorted({p.grad_fn for p in bad})
+    if attach is not None:
+        where = attach.where
+        how = (f"the in-place `{attach.op}` at line {where.line} (`{_code(trace, where.line, where.file)}`) ran "
+               "with gradients on and took a tensor that requires grad")
+    else:
+        where = Where()
+        how = "an in-place update before this step ran with gradients on"
+    msg = (f"{len(names)} parameter tensor(s) ({shown}) are no longer leaves of the autograd graph: {how}, "
+           f"so they now hang from `{'`, `'.join(nodes)}`. Such a parameter gets no `.grad` (an optimizer holding it "
+           "does not update it), and every further update adds to a graph that keeps memory alive. Do updates "
+           "like an EMA teacher or weight averaging under `torch.no_grad()` (`with torch.no_grad(): "
+           "t.mul_(d).add_(s, alpha=1 - d)`); `p.detach_()` on each one turns them back into plain leaves.")
+    return [at("nonleaf_param", where, msg, op=attach.op if attach else None, title="Parameters turned into non-leaves",
+               evidence={"parameters": names, "grad_fn": nodes, "in_this_step": attach is not None})]

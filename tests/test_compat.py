@@ -1,0 +1,110 @@
+"""Compatibility tier: correct steps on third-party code stay correct, silent and bit-identical.
+
+For every workload in ``compat_workloads.py`` and each engine, the step runs twice from the same
+seed: once plainly, once under ``backward_doctor.diagnose``. The doctor must report nothing, raise
+nothing, and leave parameters, gradients, optimizer state, buffers, the namespace's tensors and the
+RNG state bit-identical to the plain run (a compiled model is compared with a compiled plain run).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import backward_doctor as bd
+from backward_doctor._native_capture import native_available
+
+from tests.compat_workloads import WORKLOADS
+
+ENGINES = ["native", "python"]
+CELL = "<compat-cell>"
+
+
+def _engine_or_skip(engine: str) -> None:
+    if engine == "native" and not native_available(build=True):
+        from backward_doctor import native
+
+        pytest.skip(f"native recorder unavailable: {native.status()['reason']}")
+
+
+def _bits(t: torch.Tensor) -> tuple:
+    """A tensor's exact content (NaN-safe, any dtype, sparse too) for equality."""
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.coalesce().to_dense() if t.is_sparse else t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    flat = t.contiguous().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.numel() and flat.dtype != torch.bool else flat
+    return (str(t.dtype), tuple(t.shape), raw.clone())
+
+
+def _optimizers(value, seen) -> list[torch.optim.Optimizer]:
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, dict):
+        return [o for v in value.values() for o in _optimizers(v, seen)]
+    return []
+
+
+def state_of(ns: dict) -> dict[str, tuple]:
+    """Everything a training step may change, as exact bits: parameters and their gradients, buffers,
+    optimizer state, the namespace's tensors, the RNG state."""
+    out: dict[str, tuple] = {}
+    for name, value in ns.items():
+        if name.startswith("__"):
+            continue
+        if isinstance(value, nn.Module):
+            for pname, p in value.named_parameters():
+                out[f"{name}.{pname}"] = _bits(p)
+                out[f"{name}.{pname}.grad"] = _bits(p.grad) if p.grad is not None else None
+            for bname, b in value.named_buffers():
+                out[f"{name}.{bname}"] = _bits(b)
+        elif isinstance(value, torch.Tensor):
+            out[name] = _bits(value)
+        for i, opt in enumerate(_optimizers(value, None)):
+            for j, st in enumerate(opt.state.values()):
+                for k, v in st.items():
+                    out[f"{name}[{i}].state[{j}].{k}"] = _bits(v) if isinstance(v, torch.Tensor) else v
+    out["rng"] = _bits(torch.get_rng_state())
+    return out
+
+
+def assert_same_state(plain: dict, doctored: dict) -> None:
+    assert plain.keys() == doctored.keys()
+    different = []
+    for key, a in plain.items():
+        b = doctored[key]
+        if a is None or b is None or not isinstance(a, tuple):
+            if a != b:
+                different.append(key)
+        elif a[:2] != b[:2] or not torch.equal(a[2], b[2]):
+            different.append(key)
+    assert not different, f"not bit-identical to the plain run: {different[:8]}"
+
+
+def run_plain(name: str) -> dict:
+    ns, src = WORKLOADS[name]()
+    torch.manual_seed(1)
+    exec(compile(src, CELL, "exec"), ns)
+    return state_of(ns)
+
+
+def run_doctored(name: str, engine: str) -> tuple[bd.Report, dict]:
+    ns, src = WORKLOADS[name]()
+    torch.manual_seed(1)
+    report = bd.diagnose(src, ns, engine=engine)
+    return report, state_of(ns)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_correct_step_is_silent_and_bit_identical(name: str, engine: str) -> None:
+    _engine_or_skip(engine)
+    plain = run_plain(name)
+    report, doctored = run_doctored(name, engine)
+    assert report.exception is None, report.exception
+    assert report.trace.engine == engine
+    assert report.findings == [], [f"{f.kind}: {f.message}" for f in report.findings]
+    assert report.ok
+    assert_same_state(plain, doctored)
