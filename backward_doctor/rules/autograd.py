@@ -38,9 +38,36 @@ def _node_op(node: str) -> str:
     return re.sub(r"Backward\d*$", "", node).lower()
 
 
+_VIEWS = {"view", "_unsafe_view", "_reshape_alias", "reshape", "expand", "t", "transpose", "permute", "as_strided",
+          "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "narrow",
+          "alias", "detach", "detach_", "diagonal", "unfold", "view_as_real", "view_as_complex", "real", "imag",
+          "expand_as", "view_as", "flatten", "unflatten", "movedim", "lift_fresh"}
+
+
+def _read_before_write(trace: Trace, events: list[InplaceEvent]) -> list[InplaceEvent]:
+    """The events that overwrote a storage some forward op had read since it was made: only such a
+    write can change what autograd saved (dropout's ``bernoulli_`` into a fresh buffer cannot). Storage
+    keys are addresses that a later storage may reuse, hence "since it was made" (its producer op)."""
+    keys = {e.key for e in events if e.key}
+    reads: dict[int, list[int]] = {}
+    for op in trace.ops:
+        base = op.op.split("::")[-1]
+        if op.phase != "forward" or base in _VIEWS or base.endswith("_"):
+            continue  # a view shares the storage (what reads the view counts); an in-place op is a writer
+        for k in op.in_keys:
+            if k in keys:
+                reads.setdefault(k, []).append(op.index)
+    made = lambda e: -1 if e.producer_index is None else e.producer_index  # noqa: E731
+    return [e for e in events if any(made(e) < i < e.index for i in reads.get(e.key, ()))]
+
+
 def _pick_inplace(trace: Trace, shape: list[int] | None, node: str | None,
                   expected: int | None) -> InplaceEvent | None:
     events = [e for e in trace.inplace if shape is None or e.shape == shape]
+    if not events and shape is not None:
+        # Autograd saved a view of the written tensor (``x.view(-1, d)`` for a matmul): same elements.
+        events = [e for e in trace.inplace if _numel(e.shape) == _numel(shape)]
+    events = _read_before_write(trace, events) or events
     if node:
         base = _node_op(node)
         named = [e for e in events if e.producer_op and e.producer_op.split("::")[-1].rstrip("_") == base]
@@ -49,6 +76,13 @@ def _pick_inplace(trace: Trace, shape: list[int] | None, node: str | None,
         exact = [e for e in events if e.version == expected + 1]
         events = exact or events
     return events[0] if events else None
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def inplace(trace: Trace) -> list[Finding]:
