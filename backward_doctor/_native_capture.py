@@ -101,8 +101,8 @@ class NativeCapture(NativeRecords, Capture):
         if detail:
             raise ValueError("NativeCapture is the first tier only (detail=False); use Capture(detail=True)")
         super().__init__(*args, detail=False, **kwargs)
-        if self.memory_limit is not None or self.check_indices:
-            raise ValueError("NativeCapture: memory_limit and check_indices need the Python tier (Capture)")
+        if self.check_indices:
+            raise ValueError("NativeCapture: check_indices needs the Python tier (Capture)")
         self._ext = native.load()
         if self._ext is None:
             raise RuntimeError(f"the native recorder is not available: {native.status()['reason']}")
@@ -123,7 +123,8 @@ class NativeCapture(NativeRecords, Capture):
     def start(self) -> None:
         self._prepare()
         self._t0 = time.perf_counter()
-        self._ext.start(self._frames.cell_file, True, self._max_ops)
+        limit = -1 if self.memory_limit is None else int(self.memory_limit)
+        self._ext.start(self._frames.cell_file, True, self._max_ops, limit)
         try:
             self._ledger.attach(self._ext)
             self._yield_to_profiler()

@@ -111,6 +111,11 @@ class NativeRecords:
             self._failed = (out["failed_index"], out["failed_overload"], list(out["failed_args"]),
                             names[out["failed_name"]] if out["failed_name"] >= 0 else None,
                             PHASES[out["failed_phase"]])
+        if "oom" in out:  # the simulated device ran out (an allocation failed inside this op)
+            oom = out["oom"]
+            self._oom = {"index": oom["index"], "requested": oom["requested"], "live": oom["live"],
+                         "by_category": dict(zip(CATEGORIES, oom["totals"])),
+                         "by_producer": dict(oom["by_producer"]), "simulated": True}
         self._inplace_events(inplace, tens, sizes, tw, idx_where)
         self._ledger.adopt(out["totals"], out["by_producer"])
 

@@ -58,10 +58,10 @@ def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None, bu
     """The engine the first tier runs on: ``"native"`` or ``"python"``.
 
     ``auto`` takes the native recorder when it is built (building it the first time,
-    ~40 s, cached after), torch has no CUDA (its CUDA path has not run on a GPU yet),
-    no memory limit is simulated (that raises from inside an op: the Python tier's
-    job) and a rollback snapshot exists (NaN/Inf is replayed from it on the Python
-    tier). ``native`` insists (ValueError, saying why, if it cannot be had); ``python``
+    ~40 s, cached after), torch has no CUDA (its CUDA path has not run on a GPU yet)
+    and a rollback snapshot exists (NaN/Inf is replayed from it on the Python tier).
+    A simulated ``memory_limit`` runs on either: the native recorder fails the allocation
+    that would overflow the device, inside the op, as a real device does. ``native`` insists (ValueError, saying why, if it cannot be had); ``python``
     never uses it. ``build=False``: do not wait for a build (the magic starts one in the
     background when the extension is loaded).
 
@@ -74,9 +74,7 @@ def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None, bu
     from ._native_capture import native_available
 
     why = None
-    if memory_limit is not None:
-        why = "a simulated memory limit needs the Python tier"
-    elif not replayable:
+    if not replayable:
         why = "no rollback snapshot to replay NaN/Inf from"
     elif not native_available(build=build or engine == "native"):
         status = native.status()

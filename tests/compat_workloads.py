@@ -413,3 +413,39 @@ def torch_compile():
     ns, src = _plain(model, torch.optim.SGD(model.parameters(), lr=0.1))
     ns["model"] = torch.compile(model)
     return ns, src
+
+
+@workload
+def flop_counter_mode():
+    # A user's own dispatch mode inside the step (PyTorch's FlopCounterMode and its ModuleTracker).
+    torch.manual_seed(0)
+    model = _mlp()
+    ns, _ = _plain(model)
+    src = ("from torch.utils.flop_counter import FlopCounterMode\nopt.zero_grad()\n"
+           "with FlopCounterMode(display=False) as fc:\n    loss = F.cross_entropy(model(x), y)\n    loss.backward()\n"
+           "opt.step()\nflops = fc.get_total_flops()\n")
+    return ns, src
+
+
+class JaggedPool(nn.Module):
+    """Variable-length sequences as a nested (jagged) tensor, mean-pooled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, seqs):
+        nt = torch.nested.nested_tensor(seqs, layout=torch.jagged)
+        h = torch.relu(self.proj(nt))
+        pooled = torch.stack([t.mean(0) for t in h.unbind()])
+        return self.head(pooled)
+
+
+@workload
+def nested_jagged():
+    torch.manual_seed(0)
+    model = JaggedPool()
+    ns = {"F": F, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+          "seqs": [torch.randn(n, 6) for n in (3, 5, 2, 4)], "y": torch.randint(0, 5, (4,))}
+    return ns, "opt.zero_grad()\nloss = F.cross_entropy(model(seqs), y)\nloss.backward()\nopt.step()\n"

@@ -145,7 +145,7 @@ def test_engine_choice_and_bad_arguments(monkeypatch):
     src = "loss = F.cross_entropy(model(x), y)\nloss.backward()\n"
     assert bd.diagnose(src, ns).trace.engine == "native"
     assert bd.diagnose(src, ns, engine="python").trace.engine == "python"
-    assert bd.diagnose(src, ns, memory_limit="1GB").trace.engine == "python"  # a simulated OOM is Python's
+    assert bd.diagnose(src, ns, memory_limit="1GB").trace.engine == "native"  # the allocator fails past the limit
     assert bd.diagnose(src, ns, rollback=False).trace.engine == "python"  # no snapshot to replay NaN from
     monkeypatch.setenv("BACKWARD_DOCTOR_NATIVE", "0")
     assert bd.diagnose(src, ns).trace.engine == "python"
@@ -265,3 +265,28 @@ def test_sparse_tensors_are_recorded_without_their_storage():
     report = bd.diagnose("opt.zero_grad()\nemb(ids).sum().backward()\nopt.step()", ns, engine="native")
     assert report.exception is None and report.ok
     assert emb.weight.grad.is_sparse
+
+
+def test_a_simulated_device_fails_the_allocation_inside_the_op_as_a_plain_run_allocates():
+    """The native recorder simulates a device by failing the allocation that would overflow it, so the
+    step runs the kernels a plain run runs (a Python dispatch mode makes ``linear`` take its out-of-place
+    bias add on non-contiguous input: ``aten::add`` instead of ``aten::add_``)."""
+    def make():
+        torch.manual_seed(0)
+        return {"lin": nn.Linear(64, 64), "x": torch.randn(8, 64, 32, requires_grad=True)}
+
+    src = "h = lin(x.transpose(1, 2))\nloss = h.sum()\nloss.backward()"
+    ok = bd.diagnose(src, make(), engine="native", memory_limit="10MB")
+    assert ok.ok and ok.trace.engine == "native"
+    assert "aten::add_" in [o.op for o in ok.trace.ops]  # what a plain run does
+    report = bd.diagnose(src, make(), engine="native", memory_limit="200KB")
+    assert report.exception.startswith("OutOfMemoryError: Simulated device out of memory")
+    f = report.findings[0]
+    assert f.kind == "oom" and f.line in (1, 3)
+    oom = report.trace.exception.oom
+    assert oom["simulated"] and oom["live"] > 200_000 >= oom["live"] - oom["requested"]
+    import gc
+    gc.collect()
+    # the memory of the failed allocation went back: the next plain step still works
+    ns = make()
+    exec(src, ns)

@@ -18,6 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 #include <Python.h>
@@ -26,6 +27,8 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <unordered_map>
@@ -71,6 +74,15 @@ struct State {
   bool frames_on = true;
   int optimizer_depth = 0;
   int paused = 0;  // > 0 while torch.compile compiles: its ops on fake tensors are not the step's
+  // A simulated device of `limit` bytes (-1: none): an allocation that would take the live bytes
+  // (storages counted so far, as the timeline counts them) past it fails, inside the op that asks for
+  // it, as a real device's would. (Temporaries an op frees before it ends are not added up, as the
+  // timeline does not see them either: the limit and the peak the report shows mean the same thing.)
+  int64_t limit = -1;
+  bool oom = false;  // the simulated device ran out: index, requested, live, category totals below
+  int64_t oom_index = -1, oom_requested = 0, oom_live = 0;
+  std::array<int64_t, 5> oom_totals{};
+  std::unordered_map<int64_t, int64_t> oom_by_producer;
   int64_t stack_id = 0;
   int saved_log_level = 0;
   std::shared_ptr<c10::MemoryReportingInfoBase> reporter;
@@ -484,12 +496,54 @@ void end_op(const at::RecordFunction& fn, const Open& o) {
 // config says "disabled", which PyTorch then treats as no profiler at all. (A plain
 // MemoryReportingInfoBase there was read as a profiler config from memory past its end: garbage
 // that raised std::bad_alloc inside the user's step.)
+// Bytes for people, as units.format_bytes writes them ("1.5 KiB").
+std::string human(int64_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  double v = (double)std::llabs(n);
+  int u = 0;
+  while (v >= 1024 && u < 3) { v /= 1024; ++u; }
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%s%.0f %s" : "%s%.1f %s", n < 0 ? "-" : "", v, units[u]);
+  return buf;
+}
+
 struct Reporter : public torch::profiler::impl::ProfilerStateBase {
   Reporter() : ProfilerStateBase(torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::Disabled)) {}
   void reportMemoryUsage(void* ptr, int64_t size, size_t, size_t, c10::Device) override {
-    if (!S || size >= 0 || std::this_thread::get_id() != S->owner) return;
-    auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
-    if (it != S->by_data.end()) uncount(it->second);
+    if (!S || size == 0 || std::this_thread::get_id() != S->owner) return;
+    if (size < 0) {
+      auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
+      if (it != S->by_data.end()) uncount(it->second);
+      return;
+    }
+    if (S->limit >= 0 && S->paused == 0 && !S->oom && S->total + size > S->limit) simulated_oom(ptr, size);
+  }
+
+  // The simulated device is full: remember the moment (for the report), give the memory back (the
+  // caller never sees it) and fail this allocation as a real device would.
+  [[noreturn]] static void simulated_oom(void* ptr, int64_t size) {
+    const Open* running = nullptr;
+    for (auto it = S->open.rbegin(); it != S->open.rend(); ++it)
+      if (it->visible) { running = &*it; break; }
+    S->oom = true;
+    S->oom_index = running ? running->index : S->count;
+    S->oom_requested = size;
+    // As the Python tier counts it: live bytes with the allocation that did not fit, under the category
+    // the op's output would have had.
+    S->oom_live = S->total + size;
+    std::copy(S->totals, S->totals + kCategories, S->oom_totals.begin());
+    bool rg = false;
+    if (running && running->phase == 0 && at::GradMode::is_enabled())
+      for (const auto& v : S->cur_inputs) rg = rg || (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad());
+    S->oom_totals[category(running ? running->phase : 0, rg)] += size;
+    for (const auto& kv : S->live) S->oom_by_producer[kv.second.producer] += kv.second.nbytes;
+    S->oom_by_producer[S->oom_index] += size;
+    std::string op = running && running->name_id >= 0 ? S->names[running->name_id] : std::string("an op");
+    int64_t free_bytes = std::max<int64_t>(0, S->limit - S->total);
+    c10::free_cpu(ptr);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "Simulated device out of memory (backward_doctor memory_limit=",
+                     human(S->limit), "). Tried to allocate ", human(size), " in ", op, "; ", human(S->total),
+                     " already live, ", human(free_bytes), " free.");
   }
   bool memoryProfilingEnabled() const override { return S != nullptr; }
   torch::profiler::impl::ActiveProfilerType profilerType() override {
@@ -499,10 +553,11 @@ struct Reporter : public torch::profiler::impl::ProfilerStateBase {
 
 }  // namespace
 
-void start(const std::string& cell_file, bool frames, int64_t max_ops) {
+void start(const std::string& cell_file, bool frames, int64_t max_ops, int64_t limit) {
   TORCH_CHECK(S == nullptr, "backward_doctor: the native recorder is already running");
   S = new State();
   S->max_ops = max_ops;
+  S->limit = limit;
   S->start_ns = S->last_end_ns = now_ns();
   S->owner = std::this_thread::get_id();
   S->cell_file = cell_file;
@@ -627,6 +682,15 @@ py::dict stop() {
   for (const auto& kv : s->live) by_producer[kv.second.producer] += kv.second.nbytes;
   out["by_producer"] = by_producer;
   out["failed_name"] = s->failed_name;
+  if (s->oom) {
+    py::dict oom;
+    oom["index"] = s->oom_index;
+    oom["requested"] = s->oom_requested;
+    oom["live"] = s->oom_live;
+    oom["totals"] = std::vector<int64_t>(s->oom_totals.begin(), s->oom_totals.end());
+    oom["by_producer"] = s->oom_by_producer;
+    out["oom"] = oom;
+  }
   out["failed_phase"] = s->failed_phase;
   if (s->has_best) s->light_tl.insert(s->light_tl.end(), s->light_best.begin(), s->light_best.end());
   out["light_timeline"] = s->light_tl;
