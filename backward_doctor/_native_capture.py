@@ -95,12 +95,11 @@ class _NativeLedger(MemoryLedger):
 
 
 class NativeCapture(NativeRecords, Capture):
-    """:class:`Capture` with the per-op records taken in C++ (``detail=False`` only)."""
+    """:class:`Capture` with the per-op records taken in C++; ``detail=True`` screens every op's outputs
+    for NaN/Inf there too (the replay that finds where it was born)."""
 
     def __init__(self, *args: Any, detail: bool = False, **kwargs: Any) -> None:
-        if detail:
-            raise ValueError("NativeCapture is the first tier only (detail=False); use Capture(detail=True)")
-        super().__init__(*args, detail=False, **kwargs)
+        super().__init__(*args, detail=detail, **kwargs)
         if self.check_indices:
             raise ValueError("NativeCapture: check_indices needs the Python tier (Capture)")
         self._ext = native.load()
@@ -124,7 +123,7 @@ class NativeCapture(NativeRecords, Capture):
         self._prepare()
         self._t0 = time.perf_counter()
         limit = -1 if self.memory_limit is None else int(self.memory_limit)
-        self._ext.start(self._frames.cell_file, True, self._max_ops, limit)
+        self._ext.start(self._frames.cell_file, True, self._max_ops, limit, self.detail)
         try:
             self._ledger.attach(self._ext)
             self._yield_to_profiler()

@@ -16,7 +16,8 @@ import torch
 
 from ._record import _CLEARING, _MAX_SCALARS, PHASES
 from .memory import storage_key
-from .trace import CATEGORIES, InplaceEvent, Where
+from .stats import dtype_name
+from .trace import CATEGORIES, InplaceEvent, NonFiniteEvent, TensorMeta, Where
 
 _DTYPES: dict[int, torch.dtype] = {}
 _DEVICE_TYPES: dict[int, str] = {}
@@ -51,6 +52,7 @@ class NativeRecords:
         metas: dict[tuple, tuple] = {}
         last_phase = "forward"
         idx_where: dict[int, Where] = {}
+        idx_fwd: dict[int, tuple[str, int | None]] = {}  # op index -> (phase, forward op index)
         stack_of = self._stacks
         for r in range(len(recs) // width):
             rec = recs[r * width:(r + 1) * width]
@@ -76,6 +78,7 @@ class NativeRecords:
                 self._roots.append(fwd)
             last_phase = phase
             idx_where[index] = where
+            idx_fwd[index] = (phase, fwd)
             ins, outs = [], []
             for j in range(rec[8] + rec[9]):
                 t = tens[(rec[7] + j) * tw:(rec[7] + j + 1) * tw]
@@ -117,7 +120,37 @@ class NativeRecords:
                          "by_category": dict(zip(CATEGORIES, oom["totals"])),
                          "by_producer": dict(oom["by_producer"]), "simulated": True}
         self._inplace_events(inplace, tens, sizes, tw, idx_where)
+        if "detail" in out:
+            self._nonfinite_events(out["detail"], names, idx_where, idx_fwd)
         self._ledger.adopt(out["totals"], out["by_producer"])
+
+    def _nonfinite_events(self, d: dict[str, Any], names: list[str], idx_where: dict, idx_fwd: dict) -> None:
+        """Detail: the recorder's NaN/Inf events (as ``_record.OpRecorder._screen`` makes them)."""
+        self._nf_origin.update(d["nf_origin"])
+        self._nf_by_index.update(d["nf_by_index"])
+        ev, metas, sizes, stats = d["events"], d["metas"], d["sizes"], d["stats"]
+        events = self.trace.nonfinite
+
+        def meta(m: int) -> TensorMeta:
+            dtype, dev_type, dev_index, rg, ndim, off, st = metas[m * 7:(m + 1) * 7]
+            dev = _DEVICE_TYPES.get(dev_type, "cpu")
+            t = TensorMeta(list(sizes[off:off + ndim]), dtype_name(_DTYPES.get(dtype, torch.float32)),
+                           dev if dev_index < 0 else f"{dev}:{dev_index}", bool(rg))
+            if st >= 0:
+                numel, nan, pinf, ninf, has_finite, lo, hi, mean = stats[st:st + 8]
+                t.stats = {"numel": int(numel), "nan": int(nan), "posinf": int(pinf), "neginf": int(ninf)}
+                if has_finite:
+                    t.stats.update(min=lo, max=hi, mean=mean)
+            return t
+
+        for e in range(len(ev) // 6):
+            index, origin, kind, var_key, first, n = ev[e * 6:(e + 1) * 6]
+            phase, fwd = idx_fwd.get(index, ("forward", None))
+            events.append(NonFiniteEvent(
+                index=index, op=self._op_name(index) or "?", phase=phase, where=idx_where.get(index, Where()),
+                origin=origin, is_origin=origin == index, kind=("op", "input", "weights")[kind],
+                variable=self._ns_names.get(var_key) if var_key else None, output=meta(first),
+                inputs=[meta(first + j) for j in range(1, n)], fwd_op=self._op_name(fwd), fwd_index=fwd))
 
     def _light(self, out: dict[str, Any], names: list[str]) -> None:
         """Ops past ``max_ops``: counted per name, a bounded timeline and the peak (not one by one)."""

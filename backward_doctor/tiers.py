@@ -59,7 +59,7 @@ def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None, bu
 
     ``auto`` takes the native recorder when it is built (building it the first time,
     ~40 s, cached after), torch has no CUDA (its CUDA path has not run on a GPU yet)
-    and a rollback snapshot exists (NaN/Inf is replayed from it on the Python tier).
+    and a rollback snapshot exists (NaN/Inf is replayed from it, every op checked).
     A simulated ``memory_limit`` runs on either: the native recorder fails the allocation
     that would overflow the device, inside the op, as a real device does. ``native`` insists (ValueError, saying why, if it cannot be had); ``python``
     never uses it. ``build=False``: do not wait for a build (the magic starts one in the
@@ -101,18 +101,21 @@ def wants_replay(trace: Trace, snapshot: Any) -> bool:
 
 def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snapshot: Any, *,
                      timeout: float | None, memory_limit: int | None) -> Trace:
-    """Restore ``snapshot`` and run the step again with every op checked (on the Python tier).
+    """Restore ``snapshot`` and run the step again with every op checked, on the engine of the first
+    run (the native recorder screens outputs in C++; the Python tier in its dispatch mode).
 
     The replay is silent (its prints are swallowed: the user saw them once). What
     only the first run could judge, comparisons with earlier runs of the cell, is
     carried over from ``first``.
     """
+    from ._native_capture import native_available
     from .runner import run_source
 
+    engine = "native" if first.engine == "native" and native_available() else "python"
     snapshot.restore(namespace)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         detailed = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit,
-                              filename=first.cell_file, detail=True)
+                              filename=first.cell_file, detail=True, engine=engine)
     detailed.stale_steps = first.stale_steps
     detailed.graph_holders = first.graph_holders
     detailed.history = first.history

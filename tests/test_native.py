@@ -153,13 +153,39 @@ def test_engine_choice_and_bad_arguments(monkeypatch):
         bd.diagnose(src, ns, engine="native")
 
 
-def test_nonfinite_loss_is_replayed_in_detail_on_the_python_tier():
+def test_nonfinite_loss_is_replayed_in_detail_on_the_native_recorder():
     ns = _mlp()
     ns["model"][2].weight.data[0, 0] = float("nan")
     report = bd.diagnose("loss = F.cross_entropy(model(x), y)\nloss.backward()\n", ns)
-    assert report.trace.engine == "python" and report.trace.needs_detail is None
+    assert report.trace.engine == "native" and report.trace.needs_detail is None
     assert any("replayed" in n for n in report.trace.notes)
-    assert report.findings and report.findings[0].kind == "nonfinite"
+    f = report.findings[0]
+    assert (f.kind, f.evidence["op"], f.module) == ("nonfinite", "aten::addmm", "model.2")
+    assert f.title == "Weights are already NaN/Inf"
+
+
+@pytest.mark.parametrize("src", [
+    "x2 = x.clone()\nx2[1, 3] = float('nan')\nloss = F.cross_entropy(model(x2), y)\nloss.backward()\n",
+    "h = model(x)\nloss = (h.log() * 0).sum()\nloss.backward()\n",
+    "h = model(x).sum(1)\nloss = torch.sqrt(h - h).sum()\nloss.backward()\n",
+])
+def test_detail_screening_finds_the_same_origins_as_the_python_tier(src):
+    """The detailed replay screens every op's output in C++ (a plain run's kernels) and finds what the
+    Python tier's screen finds: the event list, origins, statistics."""
+    traces = {}
+    for engine in ("native", "python"):
+        ns = {**_mlp(), "torch": torch}
+        with (NativeCapture if engine == "native" else Capture)(ns, cell_file=CELL, detail=True) as cap:
+            try:
+                exec(compile(src, CELL, "exec"), ns)
+            except Exception as exc:  # noqa: BLE001 - the step's error is evidence
+                cap.record_exception(exc)
+        traces[engine] = cap.finish()
+    # (a Python mode makes autograd accumulate out of place: add where a plain run does add_)
+    events = {e: [(ev.op.rstrip("_"), ev.phase, ev.is_origin, ev.kind, ev.reached, ev.output.stats, ev.where.line)
+                  for ev in t.nonfinite] for e, t in traces.items()}
+    assert events["native"] and events["native"] == events["python"]
+    assert traces["native"].nonfinite_reached == traces["python"].nonfinite_reached
 
 
 def test_a_long_step_is_kept_bounded():

@@ -24,12 +24,14 @@
 #include <Python.h>
 #include <frameobject.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -44,6 +46,7 @@ struct OpInfo {
   bool composite = false;  // CompositeImplicitAutograd: decomposes above the Python key
   bool transparent = false;  // not an operator (user ranges, ...): not an op, does not hide ops
   std::vector<int> mutated;  // positional arguments it writes into
+  bool view = false;         // returns a view of an input (shows values its base already had)
   int64_t name_id = -1;
 };
 
@@ -58,6 +61,8 @@ struct Open {  // a RecordFunction still running on this thread
   bool light = false;          // past max_ops: counted, not recorded
   int64_t index = -1, name_id = -1, phase = 0;  // visible ops
   const char* name = nullptr;  // autograd node: its name (lives as long as the RecordFunction)
+  bool view = false;           // visible op that returns a view
+  std::vector<int> mutated;    // visible op: the positions it writes into
   bool engine = false;         // the engine's range around a node
 };
 
@@ -79,6 +84,16 @@ struct State {
   // it, as a real device's would. (Temporaries an op frees before it ends are not added up, as the
   // timeline does not see them either: the limit and the peak the report shows mean the same thing.)
   int64_t limit = -1;
+  // Detail (the replay that finds where NaN/Inf was born): every output screened. Per storage key,
+  // the op that first made its NaN/Inf; per op, the origin of its NaN/Inf; events as ints, their
+  // tensors' metadata and statistics (first kDetailBudget origins only) in the ev_* buffers.
+  bool detail = false;
+  std::unordered_map<int64_t, int64_t> nf_origin, nf_by_index;
+  std::vector<int64_t> events;    // index, origin, kind (0 op, 1 input, 2 weights), variable key, meta offset, metas
+  std::vector<int64_t> ev_metas;  // dtype, device type, device index, requires_grad, ndim, size offset, stats offset
+  std::vector<int64_t> ev_sizes;
+  std::vector<double> ev_stats;   // numel, nan, +inf, -inf, has finite, min, max, mean
+  int detail_budget = 8;
   bool oom = false;  // the simulated device ran out: index, requested, live, category totals below
   int64_t oom_index = -1, oom_requested = 0, oom_live = 0;
   std::array<int64_t, 5> oom_totals{};
@@ -146,6 +161,8 @@ OpInfo& info_for(const at::RecordFunction& fn) {
         const auto* alias = args[i].alias_info();
         if (alias && alias->isWrite() && !args[i].kwarg_only()) info.mutated.push_back((int)i);
       }
+      if (info.mutated.empty())
+        for (const auto& r : schema.returns()) info.view = info.view || r.alias_info() != nullptr;
     }
   }
   info.name_id = (int64_t)S->names.size();
@@ -163,6 +180,7 @@ void count_storage(int64_t key, int64_t nbytes, int cat, int64_t producer, int64
 void uncount(int64_t key) {
   auto it = S->live.find(key);
   if (it == S->live.end()) return;
+  S->nf_origin.erase(key);  // (a later storage may take the same address)
   S->totals[it->second.cat] -= it->second.nbytes;
   S->total -= it->second.nbytes;
   if (it->second.data) S->by_data.erase(it->second.data);
@@ -328,6 +346,8 @@ void start_op(const at::RecordFunction& fn, Open& o) {
   }
   if (!visible || o.composite || info.transparent) return;
   o.visible = true;
+  o.view = info.view;
+  if (S->detail) o.mutated = info.mutated;
   int64_t index = o.index = S->count++;
   o.name_id = info.name_id;
   int64_t phase = o.phase = S->depth_bwd > 0 ? 1 : (S->optimizer_depth > 0 ? 2 : 0);
@@ -411,13 +431,144 @@ void note_failure(const at::RecordFunction& fn, const Open& o) {
   S->cur_inputs.clear();
 }
 
+// ----------------------------------------------------------------- detail: where NaN/Inf is born
+constexpr int kMaxEvents = 200, kMetaWidth = 7, kStatsWidth = 8, kEventWidth = 6;
+
+// The doctor's own ops (screens, statistics): not recorded, not counted against a simulated device,
+// outside autograd and outside any Python dispatch mode the user has on.
+struct Quiet {
+  at::RecordFunctionGuard no_callbacks{false};
+  at::NoGradGuard no_grad;
+  c10::impl::ExcludeDispatchKeyGuard no_python{
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot})};
+  Quiet() { S->paused++; }
+  ~Quiet() { S->paused--; }
+};
+
+inline bool has_data(const at::Tensor& t) {
+  // (a tensor subclass, a fake or functional wrapper, may carry no readable data)
+  return t.defined() && t.numel() > 0 && !t.device().is_meta() && plain_storage(t) &&
+         !t.key_set().has(c10::DispatchKey::Python);
+}
+
+// One reduction screens a tensor (NaN/Inf anywhere makes the sum non-finite); only then the exact
+// element-wise check (a sum can also overflow), as stats.screen_nonfinite does.
+bool nonfinite(const at::Tensor& t) {
+  if (!t.is_floating_point() || !has_data(t)) return false;
+  Quiet q;
+  bool low = t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+  double sum = (low ? t.sum(at::kFloat) : t.sum()).item<double>();
+  if (std::isfinite(sum)) return false;
+  return !at::isfinite(t).all().item<bool>();
+}
+
+// min/max/mean over finite values and NaN/+Inf/-Inf counts (stats.tensor_stats); -1 when unreadable.
+int64_t add_stats(const at::Tensor& t) {
+  if (!has_data(t)) return -1;
+  Quiet q;
+  at::Tensor x = t.detach();
+  if (x.is_complex()) x = x.abs();
+  if (x.scalar_type() == at::kBool) x = x.to(at::kByte);
+  double numel = (double)x.numel(), nan = 0, pinf = 0, ninf = 0;
+  at::Tensor finite = x;
+  if (x.is_floating_point()) {
+    at::Tensor mask = at::isfinite(x);
+    double n_finite = (double)mask.sum().item<int64_t>();
+    if (n_finite != numel) {
+      nan = (double)at::isnan(x).sum().item<int64_t>();
+      pinf = (double)x.eq(std::numeric_limits<double>::infinity()).sum().item<int64_t>();
+      ninf = numel - n_finite - nan - pinf;
+      finite = x.masked_select(mask);
+    }
+  }
+  int64_t at_ = (int64_t)S->ev_stats.size();
+  double lo = 0, hi = 0, mean = 0, any = finite.numel() > 0;
+  if (any) {
+    auto mm = at::aminmax(finite);
+    lo = std::get<0>(mm).item<double>();
+    hi = std::get<1>(mm).item<double>();
+    mean = finite.to(at::kDouble).mean().item<double>();
+  }
+  S->ev_stats.insert(S->ev_stats.end(), {numel, nan, pinf, ninf, any, lo, hi, mean});
+  return at_;
+}
+
+void add_meta(const at::Tensor& t, bool with_stats) {
+  auto sz = t.sizes();
+  int64_t stats = with_stats ? add_stats(t) : -1;
+  S->ev_metas.insert(S->ev_metas.end(), {(int64_t)t.scalar_type(), (int64_t)t.device().type(),
+                                         (int64_t)t.device().index(), (int64_t)t.requires_grad(),
+                                         (int64_t)sz.size(), (int64_t)S->ev_sizes.size(), stats});
+  S->ev_sizes.insert(S->ev_sizes.end(), sz.begin(), sz.end());
+}
+
+inline int64_t key_of(const at::Tensor& t) {
+  return plain_storage(t) ? reinterpret_cast<int64_t>(t.storage().unsafeGetStorageImpl()) : 0;
+}
+
+// The first output of op `o` that holds NaN/Inf becomes an event: made here (an origin), carried
+// from an input that had it, or (an origin whose inputs were already bad) bad data or weights.
+void screen(const at::RecordFunction& fn, const Open& o) {
+  std::vector<at::Tensor> ins;
+  for_tensors(c10::ArrayRef<const c10::IValue>(S->cur_inputs.data(), S->cur_inputs.size()), [&](const at::Tensor& t) {
+    if (!t.unsafeGetTensorImpl()->is_wrapped_number()) ins.push_back(t);
+  });
+  std::vector<at::Tensor> outs;
+  const auto& fo = fn.outputs();
+  for_tensors(c10::ArrayRef<const c10::IValue>(fo.data(), fo.size()), [&](const at::Tensor& t) { outs.push_back(t); });
+  for (const auto& out : outs) {
+    if (!nonfinite(out)) continue;
+    int64_t origin = -1;
+    for (const auto& t : ins) {
+      auto it = S->nf_origin.find(key_of(t));
+      if (it != S->nf_origin.end()) { origin = it->second; break; }
+    }
+    int64_t kind = 0, variable = 0;
+    if (origin < 0) {
+      std::vector<int64_t> written;  // what the op writes into is not "bad input"
+      for (int i : o.mutated)
+        if (i < (int)S->cur_inputs.size() && S->cur_inputs[i].isTensor()) written.push_back(key_of(S->cur_inputs[i].toTensor()));
+      for (const auto& t : ins) {
+        int64_t k = key_of(t);
+        if (std::find(written.begin(), written.end(), k) != written.end() || !nonfinite(t)) continue;
+        auto it = S->live.find(k);
+        kind = it != S->live.end() && it->second.cat == 0 ? 2 : 1;  // NaN weights are an earlier step's doing
+        variable = k;
+        break;
+      }
+      origin = o.index;
+    }
+    int64_t k = key_of(out);
+    if (k) S->nf_origin[k] = origin;
+    S->nf_by_index.emplace(o.index, origin);
+    if (origin != o.index && (int64_t)S->events.size() >= kMaxEvents * kEventWidth) return;
+    bool stats = origin == o.index && S->detail_budget > 0;  // statistics for the first origins only
+    S->detail_budget -= stats;
+    S->events.insert(S->events.end(), {o.index, origin, kind, variable,
+                                       (int64_t)S->ev_metas.size() / kMetaWidth, (int64_t)(1 + ins.size())});
+    add_meta(out, stats);
+    for (const auto& t : ins) add_meta(t, stats);
+    return;
+  }
+}
+
 // What an op's new outputs count as (see _record.py): forward with grad on and an input that
 // requires grad: activations; optimizer step: optimizer state; else other.
 int category(int64_t phase, bool activations) {
   return phase == 2 ? kOptimizerCat : (phase == 0 && activations ? kActivations : kOther);
 }
 
+// Detail: screen the op's outputs while its inputs are still at hand (before note_failure drops them).
+inline void maybe_screen(const at::RecordFunction& fn, const Open& o) {
+  if (!S->detail || o.view || std::uncaught_exceptions() > o.uncaught) return;
+  try {
+    screen(fn, o);
+  } catch (...) {  // evidence, never a reason to fail the user's step
+  }
+}
+
 void end_light(const at::RecordFunction& fn, const Open& o) {
+  maybe_screen(fn, o);
   bool rg = false;
   if (o.phase == 0 && at::GradMode::is_enabled())
     for (const auto& v : S->cur_inputs) rg = rg || (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad());
@@ -453,9 +604,11 @@ void end_light(const at::RecordFunction& fn, const Open& o) {
 void end_op(const at::RecordFunction& fn, const Open& o) {
   S->last_end_ns = now_ns();
   if (o.light) return end_light(fn, o);
+  int64_t t_end = now_ns();
+  maybe_screen(fn, o);
   int64_t* rec = &S->recs[o.rec];
   note_failure(fn, o);
-  rec[17] = now_ns() - o.t0;
+  rec[17] = t_end - o.t0;
   rec[5] = (int64_t)at::sequence_number::peek();
   int phase = (int)rec[2];
   bool rg = false;
@@ -553,11 +706,12 @@ struct Reporter : public torch::profiler::impl::ProfilerStateBase {
 
 }  // namespace
 
-void start(const std::string& cell_file, bool frames, int64_t max_ops, int64_t limit) {
+void start(const std::string& cell_file, bool frames, int64_t max_ops, int64_t limit, bool detail) {
   TORCH_CHECK(S == nullptr, "backward_doctor: the native recorder is already running");
   S = new State();
   S->max_ops = max_ops;
   S->limit = limit;
+  S->detail = detail;
   S->start_ns = S->last_end_ns = now_ns();
   S->owner = std::this_thread::get_id();
   S->cell_file = cell_file;
@@ -682,6 +836,16 @@ py::dict stop() {
   for (const auto& kv : s->live) by_producer[kv.second.producer] += kv.second.nbytes;
   out["by_producer"] = by_producer;
   out["failed_name"] = s->failed_name;
+  if (s->detail) {
+    py::dict d;
+    d["events"] = s->events;
+    d["metas"] = s->ev_metas;
+    d["sizes"] = s->ev_sizes;
+    d["stats"] = s->ev_stats;
+    d["nf_origin"] = s->nf_origin;
+    d["nf_by_index"] = s->nf_by_index;
+    out["detail"] = d;
+  }
   if (s->oom) {
     py::dict oom;
     oom["index"] = s->oom_index;
