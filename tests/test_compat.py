@@ -30,7 +30,9 @@ def _engine_or_skip(engine: str) -> None:
 def _bits(t: torch.Tensor) -> tuple:
     """A tensor's exact content (NaN-safe, any dtype, sparse too) for equality."""
     t = t.detach()
-    if t.layout != torch.strided:
+    if t.is_nested:
+        t = t.to_padded_tensor(0.0)
+    elif t.layout != torch.strided:
         t = t.coalesce().to_dense() if t.is_sparse else t.to_dense()
     if t.is_complex():
         t = torch.view_as_real(t)
