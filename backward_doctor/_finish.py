@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .memory import storage_key
+from .memory import shape_of, storage_key
 from .namespace import module_paths
 from .namespace import tensors as ns_tensors
 from .stats import screen_nonfinite
@@ -50,7 +50,7 @@ def record_exception(cap: "Capture", exc: BaseException) -> None:
                 modules.append(id(owner))
             elif isinstance(owner, torch.Tensor) and in_torch and code.co_name == "backward" and info.loss is None:
                 key = storage_key(owner)
-                info.loss = {"shape": list(owner.shape), "requires_grad": bool(owner.requires_grad),
+                info.loss = {"shape": list(shape_of(owner)), "requires_grad": bool(owner.requires_grad),
                              "grad_fn": type(owner.grad_fn).__name__ if owner.grad_fn is not None else None,
                              "key": key or 0, "writer": cap._writer.get(key) if key else None}
         del frame

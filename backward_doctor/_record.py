@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import checks
-from .memory import storage_key
+from .memory import shape_of, storage_key
 from .stats import meta, screen_nonfinite
 from .trace import FailedOp, InplaceEvent, NonFiniteEvent, Where
 from .units import format_bytes
@@ -136,8 +136,22 @@ class OpRecorder:
             # The counter moved since the previous op: this op's autograd node took seq - 1.
             self._seq_map[seq - 1] = index
             self._last_seq = seq
-        self._after(info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op)
+        self._after_safely(info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op)
         return out
+
+    def _after_safely(self, *args: Any) -> None:
+        """Record the op's results; what cannot be recorded is skipped and said, never raised into the
+        user's step (only the simulated device's OutOfMemoryError is meant for the step)."""
+        __tracebackhide__ = True
+        try:
+            self._after(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a tensor kind the recorder cannot describe
+            self._unrecorded += 1
+            if self._unrecorded == 1:
+                self.trace.notes.append(f"some ops could not be recorded (the first: {args[0][0]}: "
+                                        f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}); they ran as usual")
 
     def _dispatch_unattributed(self, func: Any, args: tuple, kwargs: dict, info: tuple, index: int) -> Any:
         """A backward op past the node budget: recorded, without its forward op."""
@@ -157,7 +171,7 @@ class OpRecorder:
             self._record_failure(index, info[0], "backward", ins, where, exc, func, args, kwargs, None)
             raise
         self._t_last = now = _now()
-        self._after(info, args, index, "backward", False, ins, in_keys, out, where, None, now - t_op)
+        self._after_safely(info, args, index, "backward", False, ins, in_keys, out, where, None, now - t_op)
         return out
 
     def _after(self, info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op) -> None:
@@ -214,8 +228,11 @@ class OpRecorder:
     def _keep(self, index, name, phase, fwd_index, grad_enabled, where, ins, outs, in_keys, out_keys, total,
               us) -> None:
         """Append the op's record as ints (interning name, tensor metadata and position)."""
-        metas = [(t.shape, t.dtype, t.device, t.requires_grad) for t in ins]
-        metas += [(t.shape, t.dtype, t.device, t.requires_grad) for t in outs]
+        try:
+            metas = [(t.shape, t.dtype, t.device, t.requires_grad) for t in ins]
+            metas += [(t.shape, t.dtype, t.device, t.requires_grad) for t in outs]
+        except RuntimeError:  # a strided nested tensor has no single shape
+            metas = [(shape_of(t), t.dtype, t.device, t.requires_grad) for t in list(ins) + list(outs)]
         self._append(index, name, phase, fwd_index, grad_enabled, where, metas, list(in_keys) + list(out_keys),
                      len(ins), total, us)
 
@@ -298,7 +315,7 @@ class OpRecorder:
                 producer = self._ledger.producer(key)
                 # The version counter is bumped above this dispatch level, after we return: +1.
                 self.trace.inplace.append(InplaceEvent(
-                    index=index, op=name, key=key, version=int(t._version) + 1, shape=list(t.shape),
+                    index=index, op=name, key=key, version=int(t._version) + 1, shape=list(shape_of(t)),
                     requires_grad=bool(t.requires_grad), where=where, producer_index=producer,
                     producer_op=self._op_name(producer)))
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import namespace as ns_mod
-from .memory import storage_key, storage_nbytes
+from .memory import shape_of, storage_key, storage_nbytes
 from .stores import store_line_in_file
 from .trace import ParamInfo
 
@@ -39,7 +39,7 @@ def param_infos(cap: "Capture") -> list[ParamInfo]:
             stepped.update(id(p) for g in opt.param_groups for p in g["params"])
     out = []
     for p in cap.parameters():
-        out.append(ParamInfo(name=names.get(id(p), f"<parameter {tuple(p.shape)}>"), key=storage_key(p) or 0,
+        out.append(ParamInfo(name=names.get(id(p), f"<parameter {tuple(shape_of(p))}>"), key=storage_key(p) or 0,
                              requires_grad=bool(p.requires_grad), got_grad=id(p) in cap._got_grad,
                              stepped=id(p) in stepped, numel=p.numel(),
                              grad_fn=None if p.is_leaf else type(p.grad_fn).__name__))
@@ -155,7 +155,7 @@ def graph_holders(cap: "Capture") -> list[dict[str, Any]]:
         seq = fn._sequence_nr()
         own_index = cap._seq_map.get(seq) if seq >= start else None
         runs = sorted(_runs_in_graph(fn, start, earlier))
-        holder = {"path": path, "shape": list(t.shape), "bytes": storage_nbytes(t),
+        holder = {"path": path, "shape": list(shape_of(t)), "bytes": storage_nbytes(t),
                   "grad_fn": type(fn).__name__, "contained": store["contained"], "earlier_runs": runs,
                   "own_run": cap._run_id if seq >= start else None, "own_index": own_index,
                   "module": store.get("module"), "store_file": None, "store_line": None, "store": "cell"}

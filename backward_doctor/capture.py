@@ -34,7 +34,7 @@ from ._compile_watch import CompileWatch
 from ._mode import _DoctorMode
 from .frames import UserFrames
 from ._record import _NODE_BUDGET, OpRecorder
-from .memory import MemoryLedger, Timeline, storage_key
+from .memory import MemoryLedger, Timeline, shape_of, storage_key
 from .trace import Trace, Where
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class Capture(OpRecorder):
         self._max_ops, self._tail = max_ops, collections.deque(maxlen=tail_ops)
         self._tail_count = 0  # records that went to the ring buffer (some since overwritten)
         self._count = 0
+        self._unrecorded = 0  # ops whose results could not be recorded (they ran as usual)
         self._op_totals: dict[str, list[float]] = {}
         self._peak, self._peak_index, self._peak_by_category = 0, None, {}
         self._seq_map: dict[int, int] = {}  # autograd sequence number -> forward op index
@@ -213,7 +214,7 @@ class Capture(OpRecorder):
                 self._ns_names.setdefault(key, name)
             led.track(t, "other")
             if t.grad_fn is not None:
-                self.trace.carriers.append({"variable": name, "shape": list(t.shape),
+                self.trace.carriers.append({"variable": name, "shape": list(shape_of(t)),
                                             "grad_fn": type(t.grad_fn).__name__, "key": key or 0})
 
     def _forget_zeroed_grads(self) -> None:

@@ -36,6 +36,18 @@ def storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
+def shape_of(t: torch.Tensor) -> torch.Size:
+    """``t.shape``, or an empty size for tensors that have none (a strided nested tensor's is per item).
+
+    >>> list(shape_of(torch.zeros(2, 3)))
+    [2, 3]
+    """
+    try:
+        return t.shape
+    except RuntimeError:
+        return torch.Size([])
+
+
 def storage_nbytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s storage (0 for sparse/nested tensors, which have no plain one)."""
     try:

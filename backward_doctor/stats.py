@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .memory import shape_of
 from .trace import TensorMeta
 
 _NO_DATA_DEVICES = ("meta",)
@@ -38,7 +39,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def meta(t: torch.Tensor, with_stats: bool = False) -> TensorMeta:
     """Shape/dtype/device (and optionally statistics) of ``t``."""
-    m = TensorMeta(list(t.shape), dtype_name(t.dtype), str(t.device), t.requires_grad)
+    m = TensorMeta(list(shape_of(t)), dtype_name(t.dtype), str(t.device), t.requires_grad)
     if with_stats:
         m.stats = tensor_stats(t)
     return m
