@@ -38,18 +38,32 @@ _MAX_EVENTS = 200
 _MAX_SCALARS = 64  # non-finite scalar outputs the first tier remembers
 _CLEARING = ("aten::zero_", "aten::_foreach_zero_")  # what zero_grad(set_to_none=False) does
 
-#: op overload -> (name, positions it writes into, is a view, has an index check)
-_FUNCS: dict[Any, tuple[str, tuple[int, ...], bool, bool]] = {}
+#: op overload -> (name, positions it writes into, is a view, has an index check, tensor lists whose
+#: versions the dispatch mode must bump itself)
+_FUNCS: dict[Any, tuple[str, tuple[int, ...], bool, bool, tuple[int, ...]]] = {}
 
 
-def _func_info(func: Any) -> tuple[str, tuple[int, ...], bool, bool]:
+def _func_info(func: Any) -> tuple[str, tuple[int, ...], bool, bool, tuple[int, ...]]:
     schema = func._schema
     mutated = tuple(i for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only)
     is_view = not mutated and any(r.alias_info is not None for r in schema.returns)
-    info = (schema.name, mutated, is_view, checks.has_index_check(func))
+    # Under a Python dispatch mode an in-place foreach op (a foreach optimizer's `_foreach_add_` on the
+    # weights) leaves the tensors' version counters where they were, where a plain run bumps them
+    # (pytorch/pytorch#191154): autograd would then miss a step that changed weights a graph saved,
+    # and compute wrong gradients instead of raising. We bump them as PyTorch does without the mode.
+    bump = tuple(i for i in mutated if str(schema.arguments[i].type) == "List[Tensor]") \
+        if schema.name.startswith("aten::_foreach_") else ()
+    info = (schema.name, mutated, is_view, checks.has_index_check(func), bump)
     _FUNCS[func] = info
     return info
+
+
+def _bump_versions(args: tuple, positions: tuple[int, ...]) -> None:
+    """What the ADInplaceOrView kernel does for an in-place foreach op outside a dispatch mode."""
+    for i in positions:
+        if i < len(args) and isinstance(args[i], (list, tuple)):
+            torch._C._increment_version([t for t in args[i] if isinstance(t, torch.Tensor)])
 
 
 def _tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
@@ -130,6 +144,8 @@ class OpRecorder:
         except BaseException as exc:
             self._record_failure(index, name, phase, ins, where, exc, func, args, kwargs, fwd_index)
             raise
+        if info[4]:
+            _bump_versions(args, info[4])
         self._t_last = now = _now()
         t_op = now - t_op
         if phase == "forward" and seq != self._last_seq:
@@ -170,6 +186,8 @@ class OpRecorder:
         except BaseException as exc:
             self._record_failure(index, info[0], "backward", ins, where, exc, func, args, kwargs, None)
             raise
+        if info[4]:
+            _bump_versions(args, info[4])
         self._t_last = now = _now()
         self._after_safely(info, args, index, "backward", False, ins, in_keys, out, where, None, now - t_op)
         return out

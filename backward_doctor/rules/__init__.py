@@ -15,16 +15,19 @@ from .failures import generic_exception, index_out_of_range, mismatch
 from .hang import hang
 from .memory import oom
 from .nonfinite import nonfinite
+from .params import left_frozen, orphan_params
+from .saved_writes import unseen_write
 from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param, stale_grad
 
 Rule = Callable[[Trace], list[Finding]]
 
 #: Rules that explain the cell's exception; the first that answers wins.
-EXCEPTION_RULES: list[Rule] = [hang, oom, inplace, backward_twice, no_grad_path, index_out_of_range, mismatch]
+EXCEPTION_RULES: list[Rule] = [hang, oom, inplace, backward_twice, left_frozen, no_grad_path, index_out_of_range,
+                               mismatch]
 #: Rules that look at the whole run, whether or not it raised.
 RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, amp_skipped, nonleaf_param]
 #: Rules for a run that completed without an exception.
-SILENT_RULES: list[Rule] = [no_grad_path, detached, broadcast]
+SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast]
 
 
 def analyze(trace: Trace) -> list[Finding]:

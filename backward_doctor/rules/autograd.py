@@ -14,8 +14,11 @@ import re
 
 from ..findings import Finding, at, source_line
 from ..trace import InplaceEvent, OpRecord, Trace, Where
+from .flow import differentiable, numel
+from .saved_writes import optimizer_finding, optimizer_write
 
-_VERSION = re.compile(r"\[torch\.\w+ \[([\d, ]*)\]\], which is output (\d+) of (\w+), "
+# A saved leaf (a conv weight) has no "which is output N of Node" part.
+_VERSION = re.compile(r"\[torch\.\w+ \[([\d, ]*)\]\](?:, which is output (\d+) of (\w+),)? "
                       r"is at version (\d+); expected version (\d+)")
 _LEAF = "a leaf Variable that requires grad is being used in an in-place operation"
 
@@ -61,28 +64,51 @@ def _read_before_write(trace: Trace, events: list[InplaceEvent]) -> list[Inplace
     return [e for e in events if any(made(e) < i < e.index for i in reads.get(e.key, ()))]
 
 
+#: Ops that allocate a buffer: nothing can have saved it before an in-place op fills it (dropout's mask).
+_FACTORIES = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
+              "full_like", "new_empty", "new_zeros", "new_ones", "new_full", "rand_like", "randn_like", "arange"}
+
+
+def _fresh(e: InplaceEvent) -> bool:
+    return bool(e.producer_op) and e.producer_op.split("::")[-1] in _FACTORIES
+
+
 def _pick_inplace(trace: Trace, shape: list[int] | None, node: str | None,
                   expected: int | None) -> InplaceEvent | None:
     events = [e for e in trace.inplace if shape is None or e.shape == shape]
     if not events and shape is not None:
         # Autograd saved a view of the written tensor (``x.view(-1, d)`` for a matmul): same elements.
-        events = [e for e in trace.inplace if _numel(e.shape) == _numel(shape)]
-    events = _read_before_write(trace, events) or events
+        events = [e for e in trace.inplace if numel(e.shape) == numel(shape)]
+    events = _read_before_write(trace, events) or [e for e in events if not _fresh(e)] or events
     if node:
         base = _node_op(node)
-        named = [e for e in events if e.producer_op and e.producer_op.split("::")[-1].rstrip("_") == base]
+        named = [e for e in events if e.producer_op and e.producer_op.split("::")[-1].strip("_") == base]
         events = named or events
     if expected is not None:
         exact = [e for e in events if e.version == expected + 1]
         events = exact or events
+    if len(events) > 1:
+        # The same write in every block (``h += x`` in each residual block, an in-place op in each
+        # attention layer): backward visits the newest nodes first, so the one that raised is the
+        # latest write whose tensor's node had not run yet when backward stopped.
+        ran = _ran_in_failing_backward(trace)
+        events = [e for e in events if e.producer_index not in ran] or events
+        return events[-1]
     return events[0] if events else None
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _ran_in_failing_backward(trace: Trace) -> set[int]:
+    """Forward ops whose backward nodes ran in the last (failing) backward call."""
+    ran: set[int] = set()
+    previous = "forward"
+    for op in trace.ops:
+        if op.phase == "backward":
+            if previous != "backward":
+                ran = set()  # a new backward() call
+            if op.fwd_index is not None:
+                ran.add(op.fwd_index)
+        previous = op.phase
+    return ran
 
 
 def inplace(trace: Trace) -> list[Finding]:
@@ -106,6 +132,11 @@ def inplace(trace: Trace) -> list[Finding]:
     ev_ = _pick_inplace(trace, shape, node, expected)
     evidence = {"shape": shape, "saved_by": node, "expected_version": expected,
                 "backward_line": exc.where.line}
+    stepped = optimizer_write(trace, shape)
+    # An optimizer step between the forward and this backward that rewrote a weight the graph read is
+    # the cause whenever the saved tensor is that weight (or PyTorch does not say which tensor it was).
+    if stepped is not None and (stepped["exact"] or shape is None or ev_ is None):
+        return [optimizer_finding(trace, stepped, evidence)]
     if ev_ is None:
         msg = ("A tensor that autograd saved for the backward pass was changed in place before "
                f"`backward()` ran ({exc.message.splitlines()[0]}). Use the out-of-place form of the op.")
@@ -182,6 +213,7 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
             for k in op.out_keys:
                 writer[k] = op.index
     queue, visited = [start], set()
+    nondiff = None
     while queue:
         idx = queue.pop(0)
         if idx is None or idx in visited:
@@ -198,13 +230,17 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
         if not op.inputs or op.op in ("aten::lift_fresh", "aten::scalar_tensor"):
             # Checked first: torch.tensor(...)'s input is made outside any op and may reuse a freed key.
             return op, "new_tensor"
+        if any(rg) and op.outputs and not any(differentiable(m.dtype) for m in op.outputs):
+            # argmax / a comparison / .long(): integers have no gradient. Only the answer when nothing
+            # else cut the graph: labels made by an argmax are fine where a detach is the real cut.
+            nondiff = nondiff or op
         for k, r in zip(op.in_keys, rg):
             if k in seen_rg and not r:
                 wrote = trace.op(_last_writer_before(trace, k, op.index))
                 detach = _user_detach(trace, k, op.index, wrote)
                 return (detach, "detach") if detach is not None else (_data_site(trace, k, op), "data")
         queue.extend(producers.get(idx, []))
-    return None
+    return (nondiff, "nondiff") if nondiff is not None else None
 
 
 def _data_site(trace: Trace, key: int, consumer: OpRecord) -> OpRecord:
@@ -240,6 +276,8 @@ _WHY = {
     "data": "uses `.data`, which reads the values without the graph",
     "new_tensor": "creates a new tensor from Python numbers or NumPy (`torch.tensor(...)`, "
                   "`torch.from_numpy(...)`), which starts with no history",
+    "nondiff": "returns integers or booleans (`argmax`, `argmin`, a comparison, `.long()`), which have no "
+               "gradient; turning them back into floats (`.float()`) does not bring the graph back",
 }
 
 
@@ -305,7 +343,10 @@ def no_grad_path(trace: Trace) -> list[Finding]:
            "item": "keep the value as a tensor; call `.item()` only for logging, after backward",
            "data": "use the tensor itself instead of `.data`",
            "new_tensor": "compute the loss with torch ops on the model output; do not rebuild it from "
-                         "`.item()`, `.tolist()` or `.numpy()` values"}[how]
+                         "`.item()`, `.tolist()` or `.numpy()` values",
+           "nondiff": "compute the loss on the scores themselves (`F.cross_entropy(logits, y)` for class labels), "
+                      "or use a differentiable stand-in such as a soft argmax "
+                      "(`(logits.softmax(-1) * torch.arange(n_classes)).sum(-1)`); keep `argmax` for metrics"}[how]
     item = next((o for o in reversed(trace.ops) if o.index < op.index and o.op == "aten::_local_scalar_dense"
                  and o.inputs and o.inputs[0].requires_grad), None) if how == "new_tensor" else None
     before = (f" The value came from `.item()` at line {item.where.line} "

@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import re
 
-from ..findings import Finding, at, forward_where, same_exception
+from ..findings import Finding, at, forward_where, same_exception, source_line
 from ..trace import FailedOp, Trace, Where
 
 _DEVICE = re.compile(r"same device|expected device|is not on the expected device|device type|"
                      r"Expected all tensors to be on|found at least two devices", re.I)
 _DTYPE = re.compile(r"same dtype|expected scalar type|Found dtype|dtype .* but expected|"
                     r"expected both vectors to have same dtype|must have the same dtype|expected target dtype|"
-                    r"dtype to be \w+", re.I)
+                    r"dtype to be \w+|dtypes match|same scalar type|self\.dtype to be equal to src\.dtype|"
+                    r"only bool and floating types of", re.I)
 _SHAPE = re.compile(r"shapes cannot be multiplied|size mismatch|must match the size|The size of tensor|"
                     r"Expected input batch_size|is invalid for input of size|Expected .*D.* input|"
                     r"mat1 and mat2 shapes|doesn't match the broadcast shape|expected input with shape|"
                     r"Expected size for|size of dimension|shape mismatch", re.I)
+#: nn.MultiheadAttention's (and nn.Transformer's) own checks of its masks and inputs: most are
+#: AssertionErrors raised in Python before any op runs, so only the message says it is a shape.
+_ATTENTION = re.compile(r"key_padded_mask\.shape|key_padding_mask|attn_mask|was expecting embedding dimension|"
+                        r"not divisible by num_heads|does not match value shape|do not match value's|"
+                        r"query should be unbatched 2D or batched 3D", re.I)
+#: Ops that write a source tensor into a destination (``out[idx] = v``): the destination keeps its dtype.
+_WRITES = ("index_put", "_index_put_impl", "index_copy", "masked_scatter", "scatter", "scatter_add", "index_add")
 _INDEX = re.compile(r"index out of range|out of bounds|index .* is out of|device-side assert", re.I)
 
 
@@ -64,11 +72,17 @@ def mismatch(trace: Trace) -> list[Finding]:
     if _DTYPE.search(text):
         dtypes = sorted({m.dtype for m in failed.inputs}) if failed else []
         ev["dtypes"] = dtypes
+        if _ATTENTION.search(text):
+            return [_attention(where, text, "dtype_mismatch", ev)]
+        if (op or "").split("::")[-1].rstrip("_") in _WRITES or "Index put" in text:
+            return [_write_dtype(trace, where, failed, op, ev)]
         msg = (f"{what} got tensors of different dtypes ({', '.join(dtypes) or 'see error'}): {args}. "
                "PyTorch does not mix float64 data with float32 weights. NumPy arrays become float64 "
                "tensors: convert the data with `x = x.float()` (or `torch.as_tensor(a, dtype=torch.float32)`) "
                "rather than turning the model into float64.")
         return [at("dtype_mismatch", where, msg, op=op, title="Mixed dtypes in one op", evidence=ev)]
+    if _ATTENTION.search(text):
+        return [_attention(where, text, "shape_mismatch", ev)]
     if _SHAPE.search(text) and not _INDEX.search(text):
         msg = (f"{what} cannot combine these shapes: {args or text}. "
                f"PyTorch said: {text.splitlines()[0]}. Check that the layer's input size matches the "
@@ -76,6 +90,36 @@ def mismatch(trace: Trace) -> list[Finding]:
                "flatten conv features before a Linear), and that prediction and target have the same batch size.")
         return [at("shape_mismatch", where, msg, op=op, title="Shapes do not fit", evidence=ev)]
     return []
+
+
+def _attention(where: Where, text: str, kind: str, ev: dict) -> Finding:
+    """nn.MultiheadAttention refused a mask (or q/k/v) before computing anything."""
+    first = text.splitlines()[0].rstrip(".")
+    ev["attention_check"] = first
+    what = "dtype" if kind == "dtype_mismatch" else "shape"
+    module = f"`{where.module}`" if where.module else "the attention module"
+    msg = (f"{module} refused its inputs: {first}. The {what} of a mask (or of query/key/value) does not fit "
+           "the attention call. `key_padding_mask` must be bool [batch, key length] (True = ignore that key); "
+           "`attn_mask` must be [query length, key length] or [batch * num_heads, query length, key length] "
+           "(bool, or float added to the scores); with `batch_first=True` the query is [batch, length, embed_dim], "
+           "otherwise [length, batch, embed_dim]. Build the mask from the same batch and sequence length as the "
+           "keys (after padding/truncation), e.g. `key_padding_mask = tokens == pad_id`.")
+    return at(kind, where, msg, title=f"Attention mask {what} does not fit", evidence=ev)
+
+
+def _write_dtype(trace: Trace, where: Where, failed: FailedOp | None, op: str | None, ev: dict) -> Finding:
+    """``out[idx] = values``: an indexed write keeps the destination's dtype and refuses another one."""
+    dest = failed.inputs[0].dtype if failed and failed.inputs else "the destination's dtype"
+    floats = [m.dtype for m in (failed.inputs[1:] if failed else []) if not m.dtype.startswith(("int", "bool", "uint"))]
+    src = floats[-1] if floats else "another dtype"
+    code = source_line(trace, where.line, where.file)
+    ev.update(destination=dest, source=src, code=code)
+    msg = (f"`{code or op or 'an indexed write'}` writes {src} values into a {dest} tensor "
+           f"(`{op or 'index_put_'}`). An indexed write (`out[idx] = values`, `index_put_`, `index_copy_`, "
+           "`scatter_`) keeps the destination's dtype and does not convert the values. Tensors made from NumPy "
+           "float arrays (`torch.from_numpy`, `torch.tensor(array)`) are float64: cast the values, "
+           "`out[idx] = values.to(out.dtype)`, or create them as float32.")
+    return at("dtype_mismatch", where, msg, op=op, title="Indexed write of another dtype", evidence=ev)
 
 
 def index_out_of_range(trace: Trace) -> list[Finding]:

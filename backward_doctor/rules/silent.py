@@ -19,6 +19,8 @@ from ..stores import store_line
 from ..trace import OpRecord, Trace, Where
 from ..units import format_bytes
 from .autograd import _data_site, _user_detach
+from .flow import differentiable, joins_graph, loss_roots
+from .params import orphans
 
 _LOSS_OPS = {"aten::mse_loss", "aten::l1_loss", "aten::smooth_l1_loss", "aten::huber_loss",
              "aten::binary_cross_entropy", "aten::binary_cross_entropy_with_logits", "aten::soft_margin_loss"}
@@ -94,13 +96,10 @@ def stale_grad(trace: Trace) -> list[Finding]:
     return out
 
 
-def _differentiable(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat", "complex"))
-
-
 def _cut_from(trace: Trace, keys: set[int]) -> tuple[OpRecord, str] | None:
     """Follow the data flowing out of ``keys`` forward to where it stops requiring grad."""
     derived = set(keys)
+    nondiff = None
     for op in trace.ops:
         if op.phase != "forward":
             continue
@@ -119,8 +118,15 @@ def _cut_from(trace: Trace, keys: set[int]) -> tuple[OpRecord, str] | None:
                     return detach, "detach"
                 return (detach or _data_site(trace, k, op)), "data"
         if op.grad_enabled and op.op not in ("aten::detach", "aten::alias"):
-            # Integer/bool results (argmax, comparisons) have no gradient by nature: not a cut.
-            derived.update(k for k, m in zip(op.out_keys, op.outputs) if k and _differentiable(m.dtype))
+            # Integer/bool results (argmax, comparisons) have no gradient by nature: not followed further.
+            derived.update(k for k, m in zip(op.out_keys, op.outputs) if k and differentiable(m.dtype))
+            if nondiff is None and op.outputs and any(m.requires_grad for _, m in hits) \
+                    and not any(differentiable(m.dtype) for m in op.outputs):
+                nondiff = op
+    # Such a result used as a metric is fine; one that flows on into the loss (``argmax().float()`` in an
+    # MSE) is where these parameters were cut off, when nothing else cut them.
+    if nondiff is not None and joins_graph(trace, nondiff):
+        return nondiff, "nondiff"
     return None
 
 
@@ -129,7 +135,9 @@ def detached(trace: Trace) -> list[Finding]:
     if not any(p.got_grad for p in trace.params):
         return []  # no backward reached any parameter: not this rule's case
     used = {k for op in trace.ops if op.phase == "forward" for k in op.in_keys}
-    starved = [p for p in trace.params if p.requires_grad and p.stepped and not p.got_grad and p.key in used]
+    replaced = {id(p) for p in orphans(trace)[0]}  # orphan_params explains those: no module uses them
+    starved = [p for p in trace.params if p.requires_grad and p.stepped and not p.got_grad and p.key in used
+               and id(p) not in replaced]
     if not starved:
         return []
     found = _cut_from(trace, {p.key for p in starved})
@@ -142,7 +150,8 @@ def detached(trace: Trace) -> list[Finding]:
     module = ".".join(common if len(names) > 1 else common[:-1]) or None
     code = _code(trace, op.where.line, op.where.file)
     how_text = {"no_grad": "runs it under `torch.no_grad()`", "item": "turns its output into a Python number",
-                "detach": "detaches its output (`.detach()` / `.numpy()`)", "data": "uses `.data`"}[how]
+                "detach": "detaches its output (`.detach()` / `.numpy()`)", "data": "uses `.data`",
+                "nondiff": "turns its output into integers (`argmax`, a comparison), which have no gradient"}[how]
     count = sum(p.numel for p in starved)
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     msg = (f"{len(names)} trainable parameter tensor(s) ({count:,} values: {shown}) took part in the forward pass "
@@ -192,12 +201,7 @@ def _original_shape(trace: Trace, i: int, k: int) -> list[int] | None:
 
 def broadcast(trace: Trace) -> list[Finding]:
     """A loss whose prediction and target broadcast to a bigger shape than either."""
-    roots: set[int] = set()  # the forward op behind each backward() call's first node: the loss
-    previous = "forward"
-    for op in trace.ops:
-        if op.phase == "backward" and previous != "backward" and op.fwd_index is not None:
-            roots.add(op.fwd_index)
-        previous = op.phase
+    roots = loss_roots(trace)  # the forward op behind each backward() call's first node: the loss
     for i, op in enumerate(trace.ops):
         if op.phase != "forward" or len(op.inputs) != 2 or not op.outputs:
             continue
