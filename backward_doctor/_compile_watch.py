@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 
@@ -25,6 +26,11 @@ def _handler() -> Any:
     except Exception:  # a torch without dynamo's callbacks: nothing to watch
         return None
     return callback_handler
+
+
+# torch.compile'd modules warn that global module hooks fire an extra time for them: the doctor's
+# hooks, which the user did not register and which handle the extra call. Muted during the step only.
+_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
 class CompileWatch:
@@ -42,6 +48,8 @@ class CompileWatch:
         handler = _handler()
         if handler is None or self._installed:
             return
+        warnings.filterwarnings("ignore", message=_HOOK_WARNING, category=UserWarning)
+        self._filter = warnings.filters[0]
         self._thread = threading.get_ident()
         handler.register_start_callback(self._start)
         handler.register_end_callback(self._end)
@@ -52,6 +60,11 @@ class CompileWatch:
         if not self._installed:
             return
         self._installed = False
+        try:  # exactly our entry: filters the cell itself added stay
+            warnings.filters.remove(self._filter)
+            warnings._filters_mutated()
+        except (ValueError, AttributeError):
+            pass
         handler = _handler()
         for callbacks, fn in ((handler.start_callbacks, self._start), (handler.end_callbacks, self._end)):
             while fn in callbacks:

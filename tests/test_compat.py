@@ -110,3 +110,40 @@ def test_correct_step_is_silent_and_bit_identical(name: str, engine: str) -> Non
     assert report.findings == [], [f"{f.kind}: {f.message}" for f in report.findings]
     assert report.ok
     assert_same_state(plain, doctored)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_compiled_code_stays_compiled(engine: str) -> None:
+    """The doctor compiles nothing differently: the same frames and graphs as a plain compiled step (its
+    global hooks would be traced into the graph, and a Python mode would make dynamo fall back to eager),
+    and the report says the step ran compiled code."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    _engine_or_skip(engine)
+    seen = []
+    for doctored in (False, True):
+        dynamo.reset()
+        counters.clear()
+        ns, src = WORKLOADS["torch_compile"]()
+        report = bd.diagnose(src, ns, engine=engine) if doctored else exec(compile(src, CELL, "exec"), ns)
+        seen.append((dict(counters["frames"]), dict(counters["stats"]).get("unique_graphs"),
+                     sum(counters["graph_break"].values())))
+    assert seen[0] == seen[1] and seen[0][2] == 0, seen
+    assert any(n.startswith("torch.compile: compiled code ran compiled") for n in report.trace.notes)
+    assert any("compiled 1 time(s)" in n for n in report.trace.notes)
+
+
+def test_compiled_module_shows_no_warning_about_the_doctors_hooks() -> None:
+    import warnings
+
+    ns, src = WORKLOADS["torch_compile"]()
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inner = list(warnings.filters)
+        report = bd.diagnose(src, ns)
+        assert list(warnings.filters) == inner  # the doctor's filter entry went with it
+    assert report.ok
+    assert not [w for w in caught if "global hooks" in str(w.message)]
+    assert list(warnings.filters) == before

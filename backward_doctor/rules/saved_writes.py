@@ -137,10 +137,18 @@ def _late_reads(trace: Trace, writes: list[tuple[int, int, int]]) -> list[tuple[
     return out
 
 
+_METADATA_ONLY = {"detach_", "set_", "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
+                  "transpose_", "swapaxes_", "swapdims_", "_coalesced_", "requires_grad_", "_fix_weakref"}
+
+
 def unseen_write(trace: Trace) -> list[Finding]:
     """A write autograd cannot see (through ``.data``, or an optimizer step that does not bump version
     counters) between a forward pass and the backward that reads what it overwrote."""
-    events = [e for e in trace.inplace if e.key and not e.requires_grad]
+    # Writes of data (not `detach_` & co., which change metadata) into a parameter's storage: a write into
+    # any other storage may only share an address some freed tensor had (keys are addresses).
+    params = {p.key for p in trace.params if p.key}
+    events = [e for e in trace.inplace if e.key in params and not e.requires_grad
+              and e.op.split("::")[-1] not in _METADATA_ONLY and 0 not in e.shape]
     hits = _late_reads(trace, [(e.index, e.key, -1 if e.producer_index is None else e.producer_index)
                                for e in events])
     if not hits:
