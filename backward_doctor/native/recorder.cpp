@@ -34,6 +34,7 @@
 #include <limits>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -47,8 +48,24 @@ struct OpInfo {
   bool transparent = false;  // not an operator (user ranges, ...): not an op, does not hide ops
   std::vector<int> mutated;  // positional arguments it writes into
   bool view = false;         // returns a view of an input (shows values its base already had)
+  bool keeps_finite = false; // finite inputs give finite outputs (no arithmetic that can overflow)
   int64_t name_id = -1;
 };
+
+// Ops whose outputs are finite when their inputs are: they move, select or zero values, and never
+// compute new ones that could overflow. Detail screening skips them unless an input already holds
+// NaN/Inf (then the output is screened, to carry the origin on). Not here: casts (float32 -> float16
+// overflows), masked_fill/where/fill (their scalar may be -inf), anything that sums.
+const std::unordered_set<std::string> kKeepsFinite = {
+    "aten::relu", "aten::relu_", "aten::threshold", "aten::threshold_", "aten::threshold_backward",
+    "aten::native_dropout", "aten::native_dropout_backward", "aten::clone", "aten::cat", "aten::stack",
+    "aten::index", "aten::index_select", "aten::gather", "aten::embedding", "aten::max_pool2d_with_indices",
+    "aten::max_pool1d_with_indices", "aten::max_pool3d_with_indices", "aten::abs", "aten::neg", "aten::sign",
+    "aten::clamp", "aten::clamp_min", "aten::clamp_max", "aten::constant_pad_nd", "aten::roll", "aten::flip",
+    "aten::repeat", "aten::tril", "aten::triu", "aten::zeros_like", "aten::ones_like", "aten::zero_",
+    "aten::bernoulli_", "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+    "aten::new_empty_strided", "aten::zeros", "aten::ones", "aten::arange", "aten::sort", "aten::topk",
+    "aten::max", "aten::min", "aten::amax", "aten::amin", "aten::argmax", "aten::argmin"};
 
 struct Open {  // a RecordFunction still running on this thread
   bool function = false;   // FUNCTION scope (else an autograd node)
@@ -62,6 +79,7 @@ struct Open {  // a RecordFunction still running on this thread
   int64_t index = -1, name_id = -1, phase = 0;  // visible ops
   const char* name = nullptr;  // autograd node: its name (lives as long as the RecordFunction)
   bool view = false;           // visible op that returns a view
+  bool keeps_finite = false;   // visible op that cannot turn finite inputs into NaN/Inf
   std::vector<int> mutated;    // visible op: the positions it writes into
   bool engine = false;         // the engine's range around a node
 };
@@ -163,6 +181,7 @@ OpInfo& info_for(const at::RecordFunction& fn) {
       }
       if (info.mutated.empty())
         for (const auto& r : schema.returns()) info.view = info.view || r.alias_info() != nullptr;
+      info.keeps_finite = kKeepsFinite.count(fn.name()) > 0;
     }
   }
   info.name_id = (int64_t)S->names.size();
@@ -347,6 +366,7 @@ void start_op(const at::RecordFunction& fn, Open& o) {
   if (!visible || o.composite || info.transparent) return;
   o.visible = true;
   o.view = info.view;
+  o.keeps_finite = info.keeps_finite;
   if (S->detail) o.mutated = info.mutated;
   int64_t index = o.index = S->count++;
   o.name_id = info.name_id;
@@ -513,6 +533,11 @@ void screen(const at::RecordFunction& fn, const Open& o) {
   for_tensors(c10::ArrayRef<const c10::IValue>(S->cur_inputs.data(), S->cur_inputs.size()), [&](const at::Tensor& t) {
     if (!t.unsafeGetTensorImpl()->is_wrapped_number()) ins.push_back(t);
   });
+  if (o.keeps_finite) {  // finite in, finite out: nothing to screen unless NaN/Inf came in
+    bool carried = false;
+    for (const auto& t : ins) carried = carried || S->nf_origin.count(key_of(t)) > 0;
+    if (!carried) return;
+  }
   std::vector<at::Tensor> outs;
   const auto& fo = fn.outputs();
   for_tensors(c10::ArrayRef<const c10::IValue>(fo.data(), fo.size()), [&](const at::Tensor& t) { outs.push_back(t); });
