@@ -11,7 +11,7 @@ from typing import Any
 
 from .history import history_for
 from .report import Report
-from .tiers import check_engine, choose_engine, replay_in_detail, snapshot_for, wants_replay
+from .tiers import check_engine, choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
 from .rules import analyze
 from .trace import Trace
 from .units import parse_size
@@ -73,8 +73,9 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
 
     ``engine`` records the ops: ``"auto"`` (the native C++ recorder where it can
     be used, else the Python dispatch mode), ``"native"`` or ``"python"``; see
-    ``backward_doctor.tiers.choose_engine``. A run that shows NaN/Inf is replayed
-    from the rollback snapshot on the Python tier, every op checked, to find its origin.
+    ``backward_doctor.tiers.choose_engine``. On the CPU the cell runs once, every op's
+    output checked for NaN/Inf; on CUDA a run that shows NaN/Inf is replayed from the
+    rollback snapshot (``rollback=True``), every op checked, to find its origin.
 
     >>> import backward_doctor as bd
     >>> bd.diagnose("x = 1").ok
@@ -93,10 +94,11 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
         from .fixes.run import run_fix
 
         return run_fix(source, ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
-    snapshot = snapshot_for(source, ns) if rollback else None
-    chosen = choose_engine(engine, replayable=snapshot is not None, memory_limit=limit)
+    chosen = choose_engine(engine, memory_limit=limit)
+    detail = screens_every_op()  # one run, every op screened: no replay, no snapshot (see tiers)
+    snapshot = snapshot_for(source, ns) if rollback and not detail else None
     trace = run_source(source, ns, timeout=timeout, memory_limit=limit, history=history_for(source, ns),
-                       detail=False, engine=chosen)
+                       detail=detail, engine=chosen)
     if wants_replay(trace, snapshot):
         trace = replay_in_detail(trace, source, ns, snapshot, timeout=timeout, memory_limit=limit)
     return build_report(trace, fix)

@@ -17,7 +17,7 @@ from IPython.display import display
 
 from .api import build_report, check_fix, check_timeout
 from .history import history_for
-from .tiers import ENGINES, check_engine, choose_engine, replay_in_detail, snapshot_for, wants_replay
+from .tiers import ENGINES, check_engine, choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
 from .runner import make_capture, run_under_capture
 from .units import parse_size
 
@@ -66,13 +66,14 @@ class BackwardDoctorMagics(Magics):
             return None
         # The same name run_cell will give the cell's code object, so frames map to its lines.
         filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
-        snapshot = None if args.no_rollback else snapshot_for(cell, shell.user_ns)
         try:
-            engine = choose_engine(args.engine, replayable=snapshot is not None, memory_limit=limit, build=False)
+            engine = choose_engine(args.engine, memory_limit=limit, build=False)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        detail = screens_every_op()  # one run, every op screened: no replay, no snapshot (see tiers)
+        snapshot = None if args.no_rollback or detail else snapshot_for(cell, shell.user_ns)
         capture = make_capture(engine, shell.user_ns, cell_file=filename, source=cell, memory_limit=limit,
-                               history=history_for(cell, shell.user_ns), detail=False)
+                               history=history_for(cell, shell.user_ns), detail=detail)
 
         # The result of the cell that holds this magic: the inner run_cell's error is
         # copied onto it so Jupyter marks the cell failed (and "Run All" stops), as usual.

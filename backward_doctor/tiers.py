@@ -1,9 +1,12 @@
-"""Two tiers: a cheap capture on every run, a detailed replay only when it is needed.
+"""How a step is seen: once, every op screened; a replay only where that cannot be afforded.
 
-The first tier (``Capture(detail=False)``) records ops, memory and the loss's
-finiteness; when it sees NaN/Inf it cannot yet say which op made it. Then the
-step is replayed from the training state saved before it (the rollback
-snapshot), with every op's output screened: the same step, seen in detail.
+On the CPU the one run screens every op's output for NaN/Inf as it goes
+(``detail=True``; the native recorder in C++, skipping ops that keep finite values
+finite), so the op that made a NaN is known without running the cell's code a second
+time. On CUDA a per-op screen would synchronise the device after every op: there the
+first run screens only scalar outputs (the loss) and, when NaN/Inf shows, the step is
+replayed from the training state saved before it (the rollback snapshot), with every
+op screened; the report then says that the cell's code ran twice.
 
 >>> import torch
 >>> ns = {"w": torch.nn.Parameter(torch.ones(2))}
@@ -54,18 +57,18 @@ def check_engine(engine: Any) -> str:
     return engine
 
 
-def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None, build: bool = True) -> str:
-    """The engine the first tier runs on: ``"native"`` or ``"python"``.
+def choose_engine(engine: str, *, memory_limit: int | None = None, build: bool = True) -> str:
+    """The engine the run records on: ``"native"`` or ``"python"``.
 
     ``auto`` takes the native recorder when it is built (building it the first time,
-    ~40 s, cached after), torch has no CUDA (its CUDA path has not run on a GPU yet)
-    and a rollback snapshot exists (NaN/Inf is replayed from it, every op checked).
+    ~40 s, cached after) and torch has no CUDA (its CUDA path has not run on a GPU yet).
     A simulated ``memory_limit`` runs on either: the native recorder fails the allocation
-    that would overflow the device, inside the op, as a real device does. ``native`` insists (ValueError, saying why, if it cannot be had); ``python``
-    never uses it. ``build=False``: do not wait for a build (the magic starts one in the
-    background when the extension is loaded).
+    that would overflow the device, inside the op, as a real device does. ``native``
+    insists (ValueError, saying why, if it cannot be had); ``python`` never uses it.
+    ``build=False``: do not wait for a build (the magic starts one in the background when
+    the extension is loaded).
 
-    >>> choose_engine("python", replayable=True, memory_limit=None)
+    >>> choose_engine("python")
     'python'
     """
     if engine == "python":
@@ -74,9 +77,7 @@ def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None, bu
     from ._native_capture import native_available
 
     why = None
-    if not replayable:
-        why = "no rollback snapshot to replay NaN/Inf from"
-    elif not native_available(build=build or engine == "native"):
+    if not native_available(build=build or engine == "native"):
         status = native.status()
         why = status["reason"] or ("the native recorder is still being built" if status["building"]
                                    else "the native recorder is not available here")
@@ -85,6 +86,18 @@ def choose_engine(engine: str, *, replayable: bool, memory_limit: int | None, bu
     if engine == "native":
         raise ValueError(f"engine='native' cannot be used: {why}")
     return "python"
+
+
+def screens_every_op() -> bool:
+    """True where the one run screens every op for NaN/Inf (the CPU); False on CUDA, where a screen per op
+    would synchronise the device after every op and the first run screens only scalars (see module doc).
+
+    >>> isinstance(screens_every_op(), bool)
+    True
+    """
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def wants_replay(trace: Trace, snapshot: Any) -> bool:
@@ -120,6 +133,8 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
     detailed.graph_holders = first.graph_holders
     detailed.history = first.history
     detailed.run_id = first.run_id
-    detailed.notes.append("NaN/Inf appeared in this step: it was replayed from the state saved before it, "
-                          "with every op's output checked, to find the op that made it")
+    detailed.notes.append("NaN/Inf appeared in this step: it was replayed from the state saved before it, with "
+                          "every op's output checked, to find the op that made it. The cell's code ran twice: what "
+                          "it did outside the model, the optimizer and the names it assigns (the next batch of an "
+                          "iterator, appends to a list, files, printed output, which was hidden) happened twice")
     return detailed

@@ -1,15 +1,20 @@
-"""Two tiers: the cheap first capture, and the detailed replay from the rolled-back state."""
+"""The cell runs once, every op screened (CPU); the detailed replay only where a per-op screen cannot be
+afforded (CUDA), and then the report says the cell ran twice."""
 from __future__ import annotations
 
 import contextlib
 import io
 
+import pytest
 import torch
 
 import backward_doctor as bd
+from backward_doctor import tiers
+from backward_doctor._native_capture import native_available
 
 CELL = """
 print("step")
+b = next(batches); seen.append(b)
 h = model(x)
 loss = torch.log(h - h.detach() + (h > 1e9).float()).mean()   # log(0) = -inf
 loss.backward()
@@ -21,18 +26,26 @@ def _ns():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     return {"torch": torch, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
-            "x": torch.randn(8, 4)}
+            "x": torch.randn(8, 4), "batches": iter(range(100)), "seen": []}
 
 
-def test_nan_triggers_a_silent_detailed_replay_from_the_saved_state():
+@pytest.fixture(params=["native", "python"])
+def engine(request):
+    if request.param == "native" and not native_available(build=True):
+        pytest.skip("native recorder unavailable")
+    return request.param
+
+
+def test_nan_origin_found_in_the_one_run(engine):
     ns = _ns()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        report = bd.diagnose(CELL, ns)
-    assert out.getvalue() == "step\n"                      # the replay's print is swallowed
+        report = bd.diagnose(CELL, ns, engine=engine)
+    assert out.getvalue() == "step\n"
+    assert ns["seen"] == [0] and next(ns["batches"]) == 1   # the cell's code ran exactly once
     f = report.findings[0]
-    assert (f.kind, f.line, f.op) == ("nonfinite", 4, "aten::log")
-    assert any("replayed" in n for n in report.trace.notes)
+    assert (f.kind, f.line, f.op) == ("nonfinite", 5, "aten::log")
+    assert report.trace.engine == engine and not any("replayed" in n for n in report.trace.notes)
     plain = _ns()
     with contextlib.redirect_stdout(io.StringIO()):
         exec(CELL, plain)
@@ -40,17 +53,42 @@ def test_nan_triggers_a_silent_detailed_replay_from_the_saved_state():
         assert torch.equal(p.isnan(), q.isnan()) and torch.equal(p.nan_to_num(), q.nan_to_num())
 
 
-def test_without_rollback_the_first_tier_still_says_nan_happened():
+def test_without_rollback_the_origin_is_still_found(engine):
+    with contextlib.redirect_stdout(io.StringIO()):
+        report = bd.diagnose(CELL, _ns(), rollback=False, engine=engine)
+    f = report.findings[0]
+    assert (f.kind, f.line, f.op) == ("nonfinite", 5, "aten::log")
+
+
+def test_where_every_op_cannot_be_screened_the_replay_says_the_cell_ran_twice(monkeypatch, engine):
+    """On CUDA (simulated here) the first run screens scalars only and the step is replayed in detail."""
+    monkeypatch.setattr(tiers, "screens_every_op", lambda: False)
+    monkeypatch.setattr(bd.api, "screens_every_op", lambda: False)
+    ns = _ns()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        report = bd.diagnose(CELL, ns, engine=engine)
+    assert out.getvalue() == "step\n"                      # the replay's print is swallowed
+    f = report.findings[0]
+    assert (f.kind, f.line, f.op) == ("nonfinite", 5, "aten::log")
+    note = next(n for n in report.trace.notes if "replayed" in n)
+    assert "ran twice" in note
+    assert ns["seen"] == [0, 1]                            # ... and the report said so
+
+
+def test_without_rollback_where_nothing_can_be_replayed_the_first_tier_still_says_nan_happened(monkeypatch):
+    monkeypatch.setattr(bd.api, "screens_every_op", lambda: False)
     with contextlib.redirect_stdout(io.StringIO()):
         report = bd.diagnose(CELL, _ns(), rollback=False)
     f = report.findings[0]
-    assert f.kind == "nonfinite" and f.evidence["located"] is False and f.line == 4
+    assert f.kind == "nonfinite" and f.evidence["located"] is False and f.line == 5
     assert "rollback" in f.message
     assert not any("replayed" in n for n in report.trace.notes)
 
 
-def test_a_clean_step_is_not_replayed():
+def test_a_clean_step_is_seen_once(engine):
+    ns = _ns()
     with contextlib.redirect_stdout(io.StringIO()):
-        report = bd.diagnose(CELL.replace("torch.log(", "torch.exp("), _ns())
+        report = bd.diagnose(CELL.replace("torch.log(", "torch.exp("), ns, engine=engine)
     assert report.ok and not any("replayed" in n for n in report.trace.notes)
-    assert report.trace.needs_detail is None
+    assert report.trace.needs_detail is None and ns["seen"] == [0]
