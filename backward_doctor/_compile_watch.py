@@ -49,7 +49,7 @@ class CompileWatch:
         if handler is None or self._installed:
             return
         warnings.filterwarnings("ignore", message=_HOOK_WARNING, category=UserWarning)
-        self._filter = warnings.filters[0]
+        self._filter, self._filters = warnings.filters[0], warnings.filters
         self._thread = threading.get_ident()
         handler.register_start_callback(self._start)
         handler.register_end_callback(self._end)
@@ -60,10 +60,14 @@ class CompileWatch:
         if not self._installed:
             return
         self._installed = False
-        try:  # exactly our entry: filters the cell itself added stay
-            warnings.filters.remove(self._filter)
+        # Exactly our entry, from the list it went into and from the one in place now (a
+        # `warnings.catch_warnings()` swaps the list for a copy while it runs): the cell's own filters stay.
+        for filters in {id(f): f for f in (self._filters, warnings.filters)}.values():
+            while self._filter in filters:
+                filters.remove(self._filter)
+        try:
             warnings._filters_mutated()
-        except (ValueError, AttributeError):
+        except AttributeError:
             pass
         handler = _handler()
         for callbacks, fn in ((handler.start_callbacks, self._start), (handler.end_callbacks, self._end)):

@@ -78,6 +78,10 @@ class _NativeLedger(MemoryLedger):
         self.ext.register_storage(key, st.nbytes(), _CAT[category], st.data_ptr())
         self.ext.reclassify(key, _CAT[category])
 
+    def detach(self) -> None:
+        """Stop mirroring into the recorder (it has stopped)."""
+        self.ext = None
+
     def attach(self, ext: Any) -> None:
         """Hand everything tracked so far to the (now running) recorder."""
         self.ext = ext
@@ -113,23 +117,24 @@ class NativeCapture(NativeRecords, Capture):
         self._stacks: list[tuple[int, ...]] = [()]
         self._post_counts: list[int] = []  # op count at the end of each optimizer step
         self._native_out: dict[str, Any] | None = None
-        self._profiler_functions: tuple | None = None  # torch's, while ours stand in for them
         self._failed: tuple | None = None  # failing op: index, overload, arguments, name and phase if not kept
         #: bytes the C++ recorder held at the end of the step (its buffers; not on the Python heap)
         self.buffer_bytes = 0
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> None:
+    def _install(self) -> None:
         self._prepare()
         self._t0 = time.perf_counter()
         limit = -1 if self.memory_limit is None else int(self.memory_limit)
         self._ext.start(self._frames.cell_file, True, self._max_ops, limit, self.detail)
-        try:
-            self._ledger.attach(self._ext)
-            self._yield_to_profiler()
-        except BaseException:  # never leave the recorder running behind a failed start
-            self.stop()
-            raise
+        self._undo.push("native recorder", self._stop_recorder)
+        self._undo.push("recorder's ledger", self._ledger.detach)
+        self._ledger.attach(self._ext)
+        self._yield_to_profiler()
+
+    def _stop_recorder(self) -> None:
+        if self._ext.running():
+            self._native_out = self._ext.stop()
 
     def _yield_to_profiler(self) -> None:
         """A ``torch.profiler`` the user starts during the step needs the allocator's reporting slot
@@ -153,27 +158,11 @@ class NativeCapture(NativeRecords, Capture):
             finally:
                 ext.resume_memory()
 
+        def put_back() -> None:
+            prof._enable_profiler, prof._disable_profiler = enable, disable
+
+        self._undo.push("torch's profiler functions", put_back)
         prof._enable_profiler, prof._disable_profiler = _enable_profiler, _disable_profiler
-        self._profiler_functions = (enable, disable)
-
-    def stop(self) -> None:
-        try:
-            if self._profiler_functions is not None:
-                import torch.autograd.profiler as prof
-
-                prof._enable_profiler, prof._disable_profiler = self._profiler_functions
-                self._profiler_functions = None
-            if self._ext.running():
-                self._native_out = self._ext.stop()
-        finally:
-            self._ledger.ext = None
-            self._compile_watch.remove()
-            self._remove_global_hooks()
-            for h in self._handles:
-                h.remove()
-            self._handles = []
-            self.trace.duration_s = time.perf_counter() - self._t0
-            self.trace.compiles = self._compile_watch.events
 
     def _converted(self) -> None:
         # The recorder's buffers become records after the step (finish), not in the step's time.

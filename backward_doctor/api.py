@@ -6,9 +6,10 @@
 """
 from __future__ import annotations
 
-import threading
+import math
 from typing import Any
 
+from ._globals import one_run_at_a_time
 from .history import history_for
 from .report import Report
 from .tiers import check_engine, choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
@@ -18,8 +19,8 @@ from .units import parse_size
 
 #: Fixes backward_doctor applies with ``fix=`` (see ``backward_doctor.fixes``).
 KNOWN_FIXES = ("accumulate", "amp", "sync", "checkpoint")
-_last: list[Report] = []
-_lock = threading.Lock()
+_last: list[Report | None] = [None]
+_MAX_TIMEOUT = 1e6
 
 
 def check_fix(fix: str | None) -> None:
@@ -40,10 +41,19 @@ def check_cell(source: Any, namespace: Any) -> None:
 
 
 def check_timeout(timeout: Any) -> float | None:
+    """``timeout`` as seconds (None: no limit); ``ValueError`` for anything but a finite positive number.
+
+    >>> check_timeout(2)
+    2.0
+    """
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive finite number of seconds (or None for no limit), "
+                         f"not {timeout!r}")
+    if timeout > _MAX_TIMEOUT:  # threading's waits overflow past this
+        raise ValueError(f"timeout must be at most {_MAX_TIMEOUT:.0f} s (about 11 days), not {timeout!r}; "
+                         "None means no limit")
     return float(timeout)
 
 
@@ -51,8 +61,7 @@ def build_report(trace: Trace, fix: str | None = None) -> Report:
     """Run the rules over ``trace`` and remember the result as the last report."""
     exc = trace.exception.summary() if trace.exception else None
     report = Report(findings=analyze(trace), exception=exc, trace=trace, fix=fix)
-    with _lock:
-        _last[:] = [report]
+    _last[0] = report  # (one item assignment: atomic, no lock a Ctrl-C could leave held)
     return report
 
 
@@ -64,7 +73,9 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     The namespace is mutated exactly as ``exec`` would; the cell's exception is
     recorded in the report, never raised. ``timeout`` (s) turns a stuck run into a
     ``hang`` finding; ``memory_limit`` (bytes or ``"300MB"``) simulates a device
-    of that size. Bad arguments raise ``ValueError`` before anything runs.
+    of that size. Bad arguments raise ``ValueError`` before anything runs, and so
+    does nothing run when another thread is diagnosing a step (``RuntimeError``: the
+    doctor's hooks are process-wide, one diagnosis at a time).
 
     ``fix`` (``"accumulate"``, ``"accumulate:4"``, ``"amp"``, ``"checkpoint"``, ``"sync"``)
     runs the cell, restores the training state (``rollback=True``), runs the
@@ -88,12 +99,22 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     limit = parse_size(memory_limit)
     check_fix(fix)
     check_engine(engine)
+    if not isinstance(rollback, bool):
+        raise ValueError(f"rollback must be True or False, not {rollback!r}")
     ns = {} if namespace is None else namespace
     ns.setdefault("__builtins__", __builtins__)
-    if fix is not None:
-        from .fixes.run import run_fix
+    with one_run_at_a_time():
+        if fix is not None:
+            from .fixes.run import run_fix
 
-        return run_fix(source, ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
+            return run_fix(source, ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
+        return _diagnose(source, ns, timeout, limit, rollback, engine)
+
+
+def _diagnose(source: str, ns: dict[str, Any], timeout: float | None, limit: int | None, rollback: bool,
+              engine: str) -> Report:
+    from .runner import run_source
+
     chosen = choose_engine(engine, memory_limit=limit)
     detail = screens_every_op()  # one run, every op screened: no replay, no snapshot (see tiers)
     snapshot = snapshot_for(source, ns) if rollback and not detail else None
@@ -101,10 +122,9 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
                        detail=detail, engine=chosen)
     if wants_replay(trace, snapshot):
         trace = replay_in_detail(trace, source, ns, snapshot, timeout=timeout, memory_limit=limit)
-    return build_report(trace, fix)
+    return build_report(trace)
 
 
 def last_report() -> Report | None:
     """The latest report made in this process (by ``diagnose``, the magic or the CLI)."""
-    with _lock:
-        return _last[0] if _last else None
+    return _last[0]

@@ -31,6 +31,7 @@ from torch.nn.modules import module as _nn_module
 
 from . import namespace as ns_mod
 from ._compile_watch import CompileWatch
+from ._globals import UndoStack, complete, interrupts_deferred
 from ._mode import _DoctorMode
 from .frames import UserFrames
 from ._record import _NODE_BUDGET, OpRecorder
@@ -97,7 +98,8 @@ class Capture(OpRecorder):
         self._seq_map: dict[int, int] = {}  # autograd sequence number -> forward op index
         self._node_budget, self._budget_noted = _NODE_BUDGET, False
         self._seq_start = self._last_seq = _sequence_nr()
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # hooks on parameters
+        self._undo = UndoStack()       # what start() installed, to undo in stop()
         self._global_handles: list[Any] = []  # module and optimizer hooks (off while torch.compile compiles)
         self._compile_watch = CompileWatch(self._compile_started, self._compile_ended)
         self._mode: _DoctorMode | None = None
@@ -129,32 +131,68 @@ class Capture(OpRecorder):
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> "Capture":
-        self.start()
-        return self
+        # A Ctrl-C can land after start() completed and before `with` protects its body (then
+        # __exit__ would never run): whatever comes out of here, nothing stays installed.
+        try:
+            self.start()
+            return self
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc: Any) -> bool:
         self.stop()
         return False
 
     def start(self) -> None:
+        """Install the dispatch mode and the hooks. A Ctrl-C meanwhile is held back; if one came, all
+        that was installed is undone before it is delivered: a capture is never half installed."""
         import torch._dynamo  # noqa: F401  (the first dispatch mode imports it: keep that out of step time)
 
+        with interrupts_deferred() as deferral:
+            self._install_or_undo(deferral)
+
+    def _install_or_undo(self, deferral: Any) -> None:
+        # (A `try` of its own: as the first statement of a `with` body it would leave an instruction
+        # between the two that neither protects.)
+        try:
+            self._install()
+        except BaseException:
+            self._undo.undo_all()
+            raise
+        if deferral.pending:
+            self._undo.undo_all()
+
+    def _install(self) -> None:
         self._prepare()
         if self._cuda:
             from . import cuda as _cuda
             _cuda.start(self)
+            self._undo.push("CUDA memory history", lambda: _cuda.stop(self))
         self._t0 = time.perf_counter()
-        self._mode = _DoctorMode(self)
-        self._mode.__enter__()
+        mode = _DoctorMode(self)
+        mode.__enter__()
+        self._undo.push("dispatch mode", lambda: mode.__exit__(None, None, None))
+        self._mode = mode
 
     def _prepare(self) -> None:
-        """What exists before the step (namespace, parameters, optimizer state), and the global hooks."""
+        """What exists before the step (namespace, parameters, optimizer state), and the global hooks.
+        Each undo step goes on the stack before what it undoes is installed (every one of them is safe
+        to run when nothing, or only part, was installed)."""
+        self._undo.push("parameter hooks", self._remove_parameter_hooks)
         self._scan_namespace()
         if self.history is not None:
             self._forget_zeroed_grads()
         self.trace.memory.baseline_bytes = self._ledger.total
+        self._undo.push("module and optimizer hooks", self._remove_global_hooks)
         self._add_global_hooks()
+        self._undo.push("compile callbacks", self._compile_watch.remove)
         self._compile_watch.install()
+
+    def _remove_parameter_hooks(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
 
     def _add_global_hooks(self) -> None:
         self._global_handles = [
@@ -179,22 +217,16 @@ class Capture(OpRecorder):
         self._add_global_hooks()
 
     def stop(self) -> None:
-        """Pop the mode and remove every hook; safe to call twice."""
-        mode, self._mode = self._mode, None
-        try:
-            if mode is not None:
-                mode.__exit__(None, None, None)
-        finally:
-            self._compile_watch.remove()
-            self._remove_global_hooks()
-            for h in self._handles:
-                h.remove()
-            self._handles = []
+        """Undo everything ``start`` installed, newest first; safe to call twice. A Ctrl-C meanwhile is
+        held back and delivered once all is undone."""
+        complete(self._teardown)
+
+    def _teardown(self, _: Any = None) -> None:
+        self._undo.undo_all()
+        self._mode = None
+        if self._t0:
             self.trace.duration_s = time.perf_counter() - self._t0
-            self.trace.compiles = self._compile_watch.events
-            if self._cuda:
-                from . import cuda as _cuda
-                _cuda.stop(self)
+        self.trace.compiles = self._compile_watch.events
 
     # ---------------------------------------------------------------- namespace
     def _scan_namespace(self) -> None:

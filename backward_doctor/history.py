@@ -19,6 +19,8 @@ from typing import Any
 
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._globals import interrupts_deferred
+
 _MAX_RUNS = 20
 _MAX_CELLS = 64
 
@@ -66,7 +68,7 @@ def cell_key(source: str, namespace: dict[str, Any]) -> str:
 def history_for(source: str, namespace: dict[str, Any]) -> CellHistory:
     """The history of this cell, created on first use (least recently used cells forgotten)."""
     key = cell_key(source, namespace)
-    with _lock:
+    with interrupts_deferred(), _lock:  # a Ctrl-C must not leave the lock held
         hist = _cells.get(key)
         if hist is None:
             hist = _cells[key] = CellHistory(key=key)
@@ -79,5 +81,5 @@ def history_for(source: str, namespace: dict[str, Any]) -> CellHistory:
 
 def forget_all() -> None:
     """Drop every cell's history (tests, or a user starting over)."""
-    with _lock:
+    with interrupts_deferred(), _lock:  # a Ctrl-C must not leave the lock held
         _cells.clear()

@@ -7,14 +7,16 @@ is displayed after it (HTML in Jupyter, text in a terminal).
 """
 from __future__ import annotations
 
+import contextlib
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.display import display
 
+from ._globals import one_run_at_a_time
 from .api import build_report, check_fix, check_timeout
 from .history import history_for
 from .tiers import ENGINES, check_engine, choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
@@ -60,6 +62,10 @@ class BackwardDoctorMagics(Magics):
             check_engine(args.engine)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        with _exclusive():
+            self._run(args, cell, timeout, limit)
+
+    def _run(self, args: Any, cell: str, timeout: float | None, limit: int | None) -> None:
         shell = self.shell
         if args.fix is not None:
             _run_with_fix(shell, cell, args.fix, timeout, limit, not args.no_rollback, args.quiet)
@@ -101,6 +107,20 @@ class BackwardDoctorMagics(Magics):
             return None
         _show(shell, report, cell, limit, timeout)
         return None
+
+
+@contextlib.contextmanager
+def _exclusive() -> Iterator[None]:
+    """One diagnosis at a time (a fix a panel runs in its thread counts): else a UsageError, nothing run."""
+    guard = one_run_at_a_time()
+    try:
+        guard.__enter__()
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        yield
+    finally:
+        guard.__exit__(None, None, None)
 
 
 def _show(shell: Any, report: Any, cell: str, limit: int | None, timeout: float | None) -> None:

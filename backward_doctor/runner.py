@@ -10,6 +10,7 @@ True
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import linecache
@@ -17,6 +18,7 @@ import signal
 import threading
 from typing import Any, Callable
 
+from ._globals import complete, interrupts_allowed, interrupts_deferred
 from .capture import Capture
 from .frames import UserFrames
 from .history import CellHistory
@@ -43,13 +45,24 @@ class Watchdog:
     def __enter__(self) -> "Watchdog":
         if self.timeout is None:
             return self
+        try:  # (as Capture.__enter__: a Ctrl-C delivered on the way out must not leave it armed)
+            self._arm()
+            return self
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def _arm(self) -> None:
         self._target = threading.get_ident()
-        if threading.current_thread() is threading.main_thread():
-            # Our interrupt must become a KeyboardInterrupt even where SIGINT is ignored.
-            self._old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-        self._thread = threading.Thread(target=self._watch, name="backward_doctor-watchdog", daemon=True)
-        self._thread.start()
-        return self
+        with interrupts_deferred() as deferral:
+            if deferral.active:
+                # Our interrupt must become a KeyboardInterrupt even where SIGINT is ignored: that handler
+                # is what the section leaves in place.
+                self._old_handler, deferral.outer = deferral.outer, signal.default_int_handler
+            self._thread = threading.Thread(target=self._watch, name="backward_doctor-watchdog", daemon=True)
+            self._thread.start()
+            if deferral.pending:  # a Ctrl-C while arming: disarm, then it is delivered as the user's handler would
+                self._close(deferral)
 
     def _watch(self) -> None:
         if self._done.wait(self.timeout):
@@ -79,16 +92,23 @@ class Watchdog:
                                                        ctypes.py_object(KeyboardInterrupt))
 
     def disarm(self) -> None:
-        with self._lock:
+        with interrupts_deferred(), self._lock:  # a Ctrl-C must not leave the lock held
             self._done.set()
 
     def __exit__(self, *exc: Any) -> bool:
+        complete(self._close)
+        return False
+
+    def _close(self, deferral: Any) -> None:
+        """Stop the watch thread and put the SIGINT handler back, unless the cell installed its own."""
         self.disarm()
         if self._thread is not None:
             self._thread.join()
-        if self._old_handler is not None:
-            signal.signal(signal.SIGINT, self._old_handler)
-        return False
+            self._thread = None
+        if self._old_handler is not None and deferral.active:
+            if deferral.outer is signal.default_int_handler:  # still ours
+                deferral.outer = self._old_handler
+            self._old_handler = None
 
 
 def make_capture(engine: str, namespace: dict[str, Any], **kwargs: Any) -> Capture:
@@ -100,25 +120,63 @@ def make_capture(engine: str, namespace: dict[str, Any], **kwargs: Any) -> Captu
     return Capture(namespace, **kwargs)
 
 
+_registered: collections.deque = collections.deque()
+_KEEP_SOURCES = 64  # the latest cells' sources stay in linecache (tracebacks); older ones are dropped
+
+
+def _register_source(filename: str, source: str) -> None:
+    """Put the cell's source in linecache (tracebacks show its lines), keeping only the latest few."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    if filename not in _registered:
+        _registered.append(filename)
+    while len(_registered) > _KEEP_SOURCES:
+        linecache.cache.pop(_registered.popleft(), None)
+
+
 def cell_filename() -> str:
     return f"<backward_doctor-cell-{next(_cells)}>"
+
+
+def _run_disarmed_after(run: Callable[[], BaseException | None], watchdog: Watchdog) -> BaseException | None:
+    """The cell's run; its exception returned as data; the watchdog disarmed as soon as it ends. (Its own
+    function: a `try` as the first statement of a `with` body leaves an unprotected instruction.)"""
+    try:
+        with interrupts_allowed():  # the user's code: Ctrl-C interrupts it as usual
+            return run()
+    except BaseException as e:  # noqa: BLE001 - the cell's error is data here
+        return e
+    finally:
+        watchdog.disarm()
+
+
+_running: list[Capture] = []  # the capture of the run in progress (a nested diagnosis adds one)
+
+
+def current_capture() -> Capture | None:
+    """The capture of the run in progress, if any (the CLI reports from it when a script calls os._exit)."""
+    return _running[-1] if _running else None
 
 
 def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
                       timeout: float | None) -> Trace:
     """Call ``run()`` (which returns the cell's exception or None) under capture and watchdog."""
+    with interrupts_deferred():  # set-up and tear-down hold Ctrl-C; the cell itself does not
+        _running.append(capture)
+        try:
+            return _run_under_capture(run, capture, timeout)
+        finally:
+            _running.remove(capture)
+
+
+def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
+                       timeout: float | None) -> Trace:
     watchdog = Watchdog(timeout, capture._frames)
     exc: BaseException | None = None
     try:
         # Capture first: its start-up (a one-time torch import) is not the cell's time.
         with capture:
             with watchdog:
-                try:
-                    exc = run()
-                except BaseException as e:  # noqa: BLE001 - the cell's error is data here
-                    exc = e
-                finally:
-                    watchdog.disarm()
+                exc = _run_disarmed_after(run, watchdog)
     except KeyboardInterrupt as e:  # the interrupt landed after the cell ended
         exc = exc or e
     trace = capture.trace
@@ -144,7 +202,7 @@ def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None 
     """
     filename = filename or cell_filename()
     # Register the source so tracebacks and reports can show the cell's lines.
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    _register_source(filename, source)
     capture = make_capture(engine, namespace, cell_file=filename, source=source, memory_limit=memory_limit,
                            history=history, detail=detail)
 

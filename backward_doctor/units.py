@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -32,8 +33,8 @@ def parse_size(value: int | float | str | None) -> int | None:
     if isinstance(value, bool):
         raise ValueError(f"memory size must be bytes or a string like '300MB', not {value!r}")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"memory size must be positive, got {value!r}")
+        if not 1 <= value < math.inf:  # (also false for NaN)
+            raise ValueError(f"memory size must be a positive finite number of bytes (at least 1), not {value!r}")
         return int(value)
     if isinstance(value, str):
         match = _SIZE_RE.match(value)
@@ -41,6 +42,7 @@ def parse_size(value: int | float | str | None) -> int | None:
             size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
             if size > 0:
                 return size
+            raise ValueError(f"memory size {value!r} is less than one byte")
     raise ValueError(
         f"cannot read memory size {value!r}: use bytes (int) or a string like "
         "'300MB', '1.5GB', '512MiB', '2GiB'"

@@ -10,6 +10,7 @@ import difflib
 import warnings as _warnings
 from typing import Any, Callable
 
+from .._globals import exclusive
 from ..report import Report
 from ..trace import Trace
 from ..units import format_bytes, parse_size
@@ -49,6 +50,7 @@ def _cancelled(trace: Trace | None) -> bool:
     return trace is not None and trace.exception is not None and trace.exception.type == "FixCancelled"
 
 
+@exclusive
 def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original: Report | dict | None = None,
             timeout: float | None = None, memory_limit: int | str | None = None, rollback: bool = True,
             progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
@@ -220,8 +222,7 @@ def _as_last(report: Report) -> Report:
     """Make ``report`` what ``backward_doctor.last_report()`` returns."""
     from .. import api
 
-    with api._lock:
-        api._last[:] = [report]
+    api._last[0] = report
     return report
 
 
