@@ -20,9 +20,9 @@ $(VENV)/.installed: pyproject.toml
 
 # Runs notebooks/00_tour.ipynb headlessly in a Jupyter kernel and writes out/tour.html (one
 # self-contained page: the panels' static views, plots embedded, nothing fetched); prints its path.
-# The seed scenarios as text reports: `$(PY) -m backward_doctor.demo --text`.
+# The seed scenarios as text reports: `$(PY) -m backward_doctor.frontends.demo --text`.
 demo: setup
-	$(PY) -m backward_doctor.demo
+	$(PY) -m backward_doctor.frontends.demo
 
 # JupyterLab on notebooks/, opening the tour. LAB_ARGS=--no-browser on a machine without one.
 LAB_ARGS ?=

@@ -11,10 +11,10 @@ Importing this package imports neither IPython nor matplotlib.
 from __future__ import annotations
 
 from .api import diagnose, last_report
-from .capture import Capture
-from .findings import Finding
-from .report import Report
-from .trace import Trace
+from .capture.context import Capture
+from .analysis.findings import Finding
+from .report.report import Report
+from .trace.records import Trace
 
 __all__ = ["diagnose", "last_report", "Capture", "Finding", "Report", "Trace", "load_ipython_extension"]
 __version__ = "0.1.0"
@@ -22,12 +22,12 @@ __version__ = "0.1.0"
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's API
     """Called by ``%load_ext backward_doctor``: registers ``%%backward_doctor``."""
-    from .magic import load_ipython_extension as _load
+    from .frontends.magic import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:  # noqa: ANN001
-    from .magic import unload_ipython_extension as _unload
+    from .frontends.magic import unload_ipython_extension as _unload
 
     _unload(ipython)

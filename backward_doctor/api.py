@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._globals import one_run_at_a_time
-from .history import history_for
-from .report import Report
-from .tiers import check_engine, choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
-from .rules import analyze
-from .trace import Trace
-from .units import parse_size
+from .capture.process import one_run_at_a_time
+from .capture.history import history_for
+from .report.report import Report
+from .run.engine import check_engine, choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
+from .analysis.rules import analyze
+from .trace.records import Trace
+from .util.units import parse_size
 
 #: Fixes backward_doctor applies with ``fix=`` (see ``backward_doctor.fixes``).
 KNOWN_FIXES = ("accumulate", "amp", "sync", "checkpoint")
@@ -84,7 +84,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
 
     ``engine`` records the ops: ``"auto"`` (the native C++ recorder where it can
     be used, else the Python dispatch mode), ``"native"`` or ``"python"``; see
-    ``backward_doctor.tiers.choose_engine``. On the CPU the cell runs once, every op's
+    ``backward_doctor.run.engine.choose_engine``. On the CPU the cell runs once, every op's
     output checked for NaN/Inf; on CUDA a run that shows NaN/Inf is replayed from the
     rollback snapshot (``rollback=True``), every op checked, to find its origin.
 
@@ -92,7 +92,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     >>> bd.diagnose("x = 1").ok
     True
     """
-    from .runner import run_source
+    from .capture.runner import run_source
 
     check_cell(source, namespace)
     timeout = check_timeout(timeout)
@@ -105,7 +105,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     ns.setdefault("__builtins__", __builtins__)
     with one_run_at_a_time():
         if fix is not None:
-            from .fixes.run import run_fix
+            from .fixes.apply import run_fix
 
             return run_fix(source, ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
         return _diagnose(source, ns, timeout, limit, rollback, engine)
@@ -113,7 +113,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
 
 def _diagnose(source: str, ns: dict[str, Any], timeout: float | None, limit: int | None, rollback: bool,
               engine: str) -> Report:
-    from .runner import run_source
+    from .capture.runner import run_source
 
     chosen = choose_engine(engine, memory_limit=limit)
     detail = screens_every_op()  # one run, every op screened: no replay, no snapshot (see tiers)

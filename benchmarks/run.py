@@ -36,11 +36,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from backward_doctor._native_capture import NativeCapture, native_available  # noqa: E402
+from backward_doctor.capture.native_capture import NativeCapture, native_available  # noqa: E402
 from backward_doctor.capture import Capture  # noqa: E402
 from backward_doctor import native  # noqa: E402
 from backward_doctor.report import Report  # noqa: E402
-from backward_doctor.rules import analyze  # noqa: E402
+from backward_doctor.analysis.rules import analyze  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 

@@ -29,8 +29,9 @@ _PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Set-up and tear-down: the modules that install and remove what the doctor puts into the process (the
 # rules and renderers only read the trace once it is inert: an interrupt there leaves nothing behind).
 _SETUP = tuple(os.path.join(_PKG, m) for m in (
-    "api.py", "tiers.py", "runner.py", "capture.py", "_native_capture.py", "_compile_watch.py", "memory.py",
-    "namespace.py", "history.py", "_globals.py", "_mode.py", "native" + os.sep + "__init__.py"))
+    "api.py", "run/engine.py", "run/step.py", "capture/runner.py", "capture/context.py", "capture/native_capture.py",
+    "capture/compile_watch.py", "capture/memory.py",
+    "capture/namespace.py", "capture/history.py", "capture/process.py", "capture/mode.py", "native/__init__.py"))
 CELL = "opt.zero_grad()\nloss = (model(x) ** 2).mean()\nloss.backward()\nopt.step()\n"
 
 
@@ -59,7 +60,7 @@ def baseline() -> dict[str, Any]:
         "native recorder running": _native_running(),
         "watchdog threads": sum(t.name == "backward_doctor-watchdog" and t.is_alive() for t in threading.enumerate()),
         "locks held": _held_locks(),
-        "diagnosis marked running": getattr(sys.modules.get("backward_doctor._globals"), "_owner", None),
+        "diagnosis marked running": getattr(sys.modules.get("backward_doctor.capture.process"), "_owner", None),
     }
 
 
@@ -259,7 +260,7 @@ def _cleanup() -> None:
     for name in _held_locks():
         mod, attr = name.rsplit(".", 1)
         getattr(sys.modules[mod], attr).release()
-    g = sys.modules.get("backward_doctor._globals")
+    g = sys.modules.get("backward_doctor.capture.process")
     if g is not None:
         g._owner, g._depth = None, 0
 

@@ -109,7 +109,7 @@ def test_binder_environment_installs_imports_and_runs_the_tour(tmp_path):
 
     # The tour, top to bottom, in a kernel of the Binder environment (what a Binder user runs first).
     page = tmp_path / "tour.html"
-    tour = subprocess.run([str(py), "-m", "backward_doctor.demo", "--out", str(page)], cwd=tmp_path, env=env,
+    tour = subprocess.run([str(py), "-m", "backward_doctor.frontends.demo", "--out", str(page)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert tour.returncode == 0, tour.stdout[-3000:] + tour.stderr[-3000:]
     assert page.is_file() and "backward_doctor report" in page.read_text()

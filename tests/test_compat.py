@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import backward_doctor as bd
-from backward_doctor._native_capture import native_available
+from backward_doctor.capture.native_capture import native_available
 
 from tests.compat_workloads import WORKLOADS
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import backward_doctor as bd
-from backward_doctor._native_capture import native_available
+from backward_doctor.capture.native_capture import native_available
 
 from tests.compat_workloads import WORKLOADS, _lm_batch
 

@@ -1,6 +1,6 @@
 """``make demo``: the tour executed headlessly and written as one self-contained HTML page.
 
-The slow test runs ``python -m backward_doctor.demo`` as the Makefile does and checks the page:
+The slow test runs ``python -m backward_doctor.frontends.demo`` as the Makefile does and checks the page:
 every panel's static view is there (the failing step's diagnosis, the fixed run's before/after and
 code to keep), plots are embedded, and nothing in it would be fetched from the network.
 """
@@ -63,7 +63,7 @@ def test_missing_notebook_is_a_usage_error(tmp_path, capsys):
 def test_make_demo_writes_the_tour_as_one_self_contained_page(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(ROOT)
-    run = subprocess.run([sys.executable, "-m", "backward_doctor.demo"], cwd=tmp_path, env=env,
+    run = subprocess.run([sys.executable, "-m", "backward_doctor.frontends.demo"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     page_path = Path(run.stdout.strip().splitlines()[-1])          # it prints the page's path last

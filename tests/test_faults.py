@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import backward_doctor as bd
-from backward_doctor._native_capture import native_available
+from backward_doctor.capture.native_capture import native_available
 
 from tests import fault_injection as fi
 

@@ -471,7 +471,7 @@ def test_plain_accumulate_stops_when_smaller_micro_batches_do_not_help():
 def test_snapshot_restores_scheduler_scaler_rng_and_names():
     import random
 
-    from backward_doctor.fixes.snapshot import Snapshot
+    from backward_doctor.run.snapshot import Snapshot
 
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

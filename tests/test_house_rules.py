@@ -172,6 +172,6 @@ def test_timeout_still_ends_a_run_that_swallows_the_first_interrupt():
 
 
 def _native_ok() -> bool:
-    from backward_doctor._native_capture import native_available
+    from backward_doctor.capture.native_capture import native_available
 
     return native_available()

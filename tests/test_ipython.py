@@ -109,7 +109,7 @@ def test_memory_of_a_failed_oom_step_is_released(shell):
 
 
 def test_engine_flag_picks_what_records_the_ops(shell):
-    from backward_doctor._native_capture import native_available
+    from backward_doctor.capture.native_capture import native_available
 
     _run(shell, "import torch\nlin = torch.nn.Linear(4, 2)\nx = torch.randn(5, 4)")
     step = "\nloss = lin(x).pow(2).mean()\nloss.backward()"

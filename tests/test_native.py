@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import backward_doctor as bd
 from backward_doctor import native
-from backward_doctor._native_capture import NativeCapture, native_available
+from backward_doctor.capture.native_capture import NativeCapture, native_available
 from backward_doctor.capture import Capture
 
 pytestmark = pytest.mark.skipif(not native_available(build=True),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import backward_doctor as bd
-from backward_doctor._native_capture import native_available
+from backward_doctor.capture.native_capture import native_available
 
 from tests.test_compat import _bits
 

@@ -23,9 +23,9 @@ import backward_doctor as bd
 
 W = pytest.importorskip("ipywidgets")
 from backward_doctor import panel as panel_mod  # noqa: E402
-from backward_doctor.panel import Panel  # noqa: E402
+from backward_doctor.frontends.panel import Panel  # noqa: E402
 
-from backward_doctor.demo import SETUP  # noqa: E402  (the demo's model, optimizer and batch)
+from backward_doctor.frontends.demo import SETUP  # noqa: E402  (the demo's model, optimizer and batch)
 
 CELLS = {
     "ok": ("loss = F.cross_entropy(model(x), y)\nloss.backward()\nopt.step(); opt.zero_grad()", {}),
@@ -356,8 +356,8 @@ def test_100k_op_step_plots_fast_html_small_widget_state_small(big_report):
 
 
 def test_importing_the_package_does_not_import_widgets_or_matplotlib():
-    code = ("import sys, backward_doctor, backward_doctor.sections, backward_doctor.graph, "
-            "backward_doctor.render_html\n"
+    code = ("import sys, backward_doctor, backward_doctor.render.sections, backward_doctor.render.graph, "
+            "backward_doctor.render.html\n"
             "bad = [m for m in ('ipywidgets', 'matplotlib', 'IPython') if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import backward_doctor as bd
-from backward_doctor.graph import build_graph
+from backward_doctor.render.graph import build_graph
 
 TRANSFORMER = """
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -77,7 +77,7 @@ def test_twelve_layer_transformer_shows_its_blocks(gpt_report):
 
 def test_panel_opens_and_closes_modules(gpt_report):
     pytest.importorskip("ipywidgets")
-    from backward_doctor.panel import Panel
+    from backward_doctor.frontends.panel import Panel
 
     p = Panel(gpt_report, STEP, {})
     p.tabs.selected_index = 2

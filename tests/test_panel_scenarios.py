@@ -20,7 +20,7 @@ if _ROOT not in sys.path:
 from tests import scenarios as S  # noqa: E402
 
 pytest.importorskip("ipywidgets")
-from backward_doctor.panel import Panel  # noqa: E402
+from backward_doctor.frontends.panel import Panel  # noqa: E402
 
 GROUPS = [S.NONFINITE, S.INPLACE, S.DEVICE, S.DTYPE, S.SHAPE, S.INDEX, S.BACKWARD_TWICE, S.NO_GRAD, S.OOM,
           S.HANG, S.CORRECT]

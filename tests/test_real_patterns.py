@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import backward_doctor as bd
-from backward_doctor._native_capture import native_available
+from backward_doctor.capture.native_capture import native_available
 
 ENGINES = ["native", "python"]
 HERE = os.path.abspath(__file__)

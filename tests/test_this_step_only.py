@@ -14,7 +14,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import backward_doctor as bd
-from backward_doctor._native_capture import native_available
+from backward_doctor.capture.native_capture import native_available
 
 ENGINES = ["native", "python"]
 

@@ -10,7 +10,7 @@ import torch
 
 import backward_doctor as bd
 from backward_doctor import tiers
-from backward_doctor._native_capture import native_available
+from backward_doctor.capture.native_capture import native_available
 
 CELL = """
 print("step")

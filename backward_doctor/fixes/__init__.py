@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .result import FixResult
+from ..report.fix_result import FixResult
 from .spec import KNOWN_FIXES, FixSpec, parse_fix
 
 __all__ = ["FixResult", "FixSpec", "KNOWN_FIXES", "parse_fix", "run_fix"]
@@ -25,9 +25,9 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
             progress: Callable[[float, str], None] | None = None, cancel: Callable[[], bool] | None = None):
     """Apply ``fix`` to the cell and run it; returns the fixed run's ``Report`` with ``fix_result``.
 
-    Full description: :func:`backward_doctor.fixes.run.run_fix` (imported lazily: it pulls in the capture).
+    Full description: :func:`backward_doctor.fixes.apply.run_fix` (imported lazily: it pulls in the capture).
     """
-    from .run import run_fix as _run_fix
+    from .apply import run_fix as _run_fix
 
     return _run_fix(source, namespace, fix, original=original, timeout=timeout, memory_limit=memory_limit,
                     rollback=rollback, progress=progress, cancel=cancel)

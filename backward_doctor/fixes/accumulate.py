@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from .. import namespace as ns_mod
-from .cell import Cell, NotApplicable, check_compiles, fresh_name, indent
+from ..capture import namespace as ns_mod
+from ..util.cell import Cell, NotApplicable, check_compiles, fresh_name, indent
 
 
 @dataclass

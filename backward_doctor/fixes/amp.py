@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from .. import namespace as ns_mod
+from ..capture import namespace as ns_mod
 from .accumulate import Rewrite
-from .cell import Cell, NotApplicable, check_compiles, fresh_name, indent
+from ..util.cell import Cell, NotApplicable, check_compiles, fresh_name, indent
 
 
 def model_device(cell: Cell, namespace: dict[str, Any]) -> torch.device:

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from .. import namespace as ns_mod
-from ..trace import Trace
+from ..capture import namespace as ns_mod
+from ..trace.records import Trace
 from .accumulate import Rewrite
-from .plan import checkpoint_plan, inclusive, path_key, saved_by_module
+from ..analysis.fix_plan import checkpoint_plan, inclusive, path_key, saved_by_module
 from .amp import forward_region
-from .cell import Cell, NotApplicable, check_compiles, fresh_name, indent
+from ..util.cell import Cell, NotApplicable, check_compiles, fresh_name, indent
 
 def module_expr(namespace: dict[str, Any], path: str) -> tuple[str, torch.nn.Module] | None:
     """A readable expression for the module at ``path`` (``model.blocks[2]``) and the module itself."""
@@ -127,7 +127,7 @@ def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
     warnings = []
     if with_backward:
         warnings.append("forward and backward are one statement here, so the modules stay patched during backward")
-    from ..units import format_bytes
+    from ..util.units import format_bytes
     msg = (f"Checkpoint {len(chosen)} module{'s' if len(chosen) > 1 else ''} ({names}): they hold "
            f"{format_bytes(sum(incl.get(p, 0) for p in chosen))} of the {format_bytes(total)} of activations saved for "
            f"backward; with checkpointing about {format_bytes(kept)} stay saved at the peak.")

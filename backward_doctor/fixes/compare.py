@@ -12,8 +12,8 @@ import torch
 import torch.optim.optimizer as _optim
 from torch.nn.modules import module as _nn_module
 
-from .. import namespace as ns_mod
-from ..trace import Trace
+from ..capture import namespace as ns_mod
+from ..trace.records import Trace
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from .accumulate import Rewrite, _owned_ids
 from .amp import forward_region, model_device
-from .cell import Cell, NotApplicable, check_compiles
+from ..util.cell import Cell, NotApplicable, check_compiles
 
 
 def _bad_index_tensors(cell: Cell, namespace: dict[str, Any], check: dict[str, Any], upto: int) -> list[tuple[str, int]]:

@@ -1,0 +1,94 @@
+"""The :class:`Finding` record and helpers the rules share.
+
+>>> f = Finding(kind="inplace", message="...", line=3)
+>>> Finding.from_dict(f.to_dict()) == f
+True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..util.serde import from_dict, to_dict
+from ..trace.records import OpRecord, Trace, Where
+
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass
+class Finding:
+    """One diagnosis: what happened, where (the root cause), and what to do.
+
+    ``line``/``file``: the root-cause line (``file`` None means a line of the cell);
+    ``op``: aten op name (``aten::add_``); ``module``: dotted path from the user's
+    variable (``model.body.2``); ``fixes``: names of one-click fixes that apply.
+    """
+
+    kind: str
+    message: str
+    line: int | None = None
+    file: str | None = None
+    op: str | None = None
+    module: str | None = None
+    fixes: list[str] = field(default_factory=list)
+    severity: str = "error"
+    title: str = ""
+    cell_line: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def location(self) -> str:
+        """``cell line 4`` / ``models.py:12``, plus the module when known."""
+        if self.line is None:
+            loc = "unknown line"
+        elif self.file is None:
+            loc = f"cell line {self.line}"
+        else:
+            import os
+
+            loc = f"{os.path.basename(self.file)}:{self.line}"
+        return f"{loc} ({self.module})" if self.module else loc
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Finding":
+        return from_dict(cls, data)
+
+
+def forward_where(trace: Trace, rec: OpRecord | None) -> Where:
+    """Where the user wrote the code behind ``rec``: for a backward op, its forward op."""
+    if rec is None:
+        return Where()
+    if rec.phase == "backward":
+        fwd = trace.op(rec.fwd_index)
+        if fwd is not None:
+            return fwd.where
+    return rec.where
+
+
+def at(kind: str, where: Where, message: str, **kw: Any) -> Finding:
+    """A finding located at ``where``."""
+    return Finding(kind=kind, message=message, line=where.line, file=where.file,
+                   cell_line=where.cell_line, module=where.module, **kw)
+
+
+def source_line(trace: Trace, line: int | None, file: str | None = None) -> str:
+    """The text of a cell line (or of a file line), stripped; '' when unknown."""
+    if line is None:
+        return ""
+    if file is None:
+        lines = trace.source.splitlines()
+        return lines[line - 1].strip() if 0 < line <= len(lines) else ""
+    import linecache
+
+    return linecache.getline(file, line).strip()
+
+
+def same_exception(trace: Trace) -> bool:
+    """True when the recorded failed op is what raised the cell's exception."""
+    exc, failed = trace.exception, trace.failed_op
+    if exc is None or failed is None:
+        return False
+    first = exc.summary().split("\n")[0][:200]
+    return failed.error[:200] == first or failed.error.split(": ", 1)[-1][:120] in exc.message

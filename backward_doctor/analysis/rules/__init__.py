@@ -1,0 +1,48 @@
+"""Rules: pure functions ``fn(trace) -> list[Finding]``, most specific first.
+
+>>> from backward_doctor.trace import Trace
+>>> analyze(Trace())
+[]
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..findings import Finding
+from ...trace.records import Trace
+from .autograd import backward_twice, inplace, no_grad_path
+from .failures import generic_exception, index_out_of_range, mismatch
+from .hang import hang
+from .memory import oom
+from .nonfinite import nonfinite
+from .params import left_frozen, orphan_params
+from .saved_writes import unseen_write
+from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param, stale_grad
+
+Rule = Callable[[Trace], list[Finding]]
+
+#: Rules that explain the cell's exception; the first that answers wins.
+EXCEPTION_RULES: list[Rule] = [hang, oom, inplace, backward_twice, left_frozen, no_grad_path, index_out_of_range,
+                               mismatch]
+#: Rules that look at the whole run, whether or not it raised.
+RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, amp_skipped, nonleaf_param]
+#: Rules for a run that completed without an exception.
+SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast]
+
+
+def analyze(trace: Trace) -> list[Finding]:
+    """All findings for ``trace``, the root cause first."""
+    findings: list[Finding] = []
+    if trace.exception is not None or trace.timed_out:
+        for rule in EXCEPTION_RULES:
+            findings = rule(trace)
+            if findings:
+                break
+        else:
+            findings = generic_exception(trace)
+    else:
+        for rule in SILENT_RULES:
+            findings.extend(rule(trace))
+    for rule in RUN_RULES:
+        findings.extend(rule(trace))
+    return findings

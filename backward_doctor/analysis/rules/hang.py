@@ -1,0 +1,67 @@
+"""A step that never finished: where every thread was waiting.
+
+>>> from backward_doctor.trace import Trace
+>>> hang(Trace())
+[]
+"""
+from __future__ import annotations
+
+from ..findings import Finding, at
+from ...trace.records import Trace, Where
+
+
+def _main_where(trace: Trace) -> Where:
+    for stack in trace.threads:
+        if stack.is_main:
+            w = Where()
+            for fi in reversed(stack.frames):
+                if fi.user and w.line is None:
+                    w.line, w.file, w.function = fi.line, (None if fi.in_cell else fi.file), fi.function
+                if fi.in_cell:
+                    w.cell_line = fi.line
+                    break
+            if w.line is not None:
+                # The interrupt's traceback is this same stack: it knows the module on it.
+                if trace.exception is not None and trace.exception.where.line == w.line:
+                    w.module = trace.exception.where.module
+                return w
+    return trace.exception.where if trace.exception else Where()
+
+
+_IDLE_THREADS = ("Control", "Heartbeat", "IOPub", "IPythonHistorySavingThread", "backward_doctor-watchdog")
+
+
+def _idle(stack) -> bool:
+    """Jupyter's own service threads are always there, waiting: not part of the story."""
+    return stack.name.startswith(_IDLE_THREADS) or any("ipykernel" in f.file or "zmq" in f.file
+                                                        for f in stack.frames[-3:])
+
+
+def hang(trace: Trace) -> list[Finding]:
+    """Timeout or Ctrl-C: name the line the main thread was stuck on, with all stacks."""
+    exc = trace.exception
+    interrupted = exc is not None and exc.type == "KeyboardInterrupt"
+    if not (trace.timed_out or interrupted):
+        return []
+    where = _main_where(trace)
+    main = next((s for s in trace.threads if s.is_main), None)
+    inner = main.frames[-1] if main and main.frames else None
+    if inner is None:
+        waiting = "unknown code"
+    elif inner.in_cell or inner.function == "<module>":
+        # Stuck in C code called from this very line (a lock, a queue, a sleep): name the call.
+        waiting = f"the call on line {inner.line} (`{inner.code}`)"
+    else:
+        waiting = f"`{inner.function}` ({inner.file.rsplit('/', 1)[-1]}:{inner.line}: `{inner.code}`)"
+    how = (f"did not finish within the {trace.timeout_s:g} s timeout" if trace.timed_out
+           else "was interrupted by hand")
+    last = trace.ops[-1] if trace.ops else None
+    phase = f"; the last PyTorch op was `{last.op}` in {last.phase}" if last else "; no PyTorch op had run yet"
+    others = [s.name for s in trace.threads if not s.is_main and not _idle(s)]
+    msg = (f"The step {how}. The main thread was waiting in {waiting}, called from line {where.line}{phase}. "
+           "A hang is Python waiting on something that never comes: a lock or event another thread should "
+           "release, a queue or DataLoader worker that died, an endless loop, or (on CUDA) a synchronisation "
+           "on a kernel that never completes. Read the stacks below: the innermost frame of each thread says "
+           "what it waits for." + (f" Other threads: {', '.join(others)}." if others else ""))
+    return [at("hang", where, msg, title="The step hangs",
+               evidence={"waiting_in": waiting, "threads": len(trace.threads), "ops_run": trace.op_count})]

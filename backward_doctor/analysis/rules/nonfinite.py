@@ -1,0 +1,98 @@
+"""Where NaN/Inf was born, when it reached the loss, a gradient or a parameter.
+
+A non-finite value that never reaches those (the ``-inf`` of an attention mask
+that softmax turns into zeros) is intended, not a bug, and is not reported.
+
+>>> from backward_doctor.trace import Trace
+>>> nonfinite(Trace())
+[]
+"""
+from __future__ import annotations
+
+from ..findings import Finding, at, forward_where, source_line
+from ...capture.stats import format_stats
+from ...trace.records import NonFiniteEvent, Trace, Where
+
+_EXPLAIN = {
+    "log": ("`log` of zero or a negative number gives -inf/NaN",
+            "clamp the input (`torch.log(x.clamp_min(1e-8))`) or use a fused, stable op "
+            "(`F.log_softmax`, `F.cross_entropy`, `F.binary_cross_entropy_with_logits`)"),
+    "div": ("dividing by zero gives inf (and 0/0 gives NaN)",
+            "add an epsilon to the denominator (`x / (d + 1e-8)`) or mask the zero entries"),
+    "exp": ("`exp` overflows to inf for inputs above ~88 in float32",
+            "subtract the maximum first (`torch.softmax`, `torch.logsumexp`) or clamp the input"),
+    "sqrt": ("`sqrt` is fine at 0 but its gradient 1/(2*sqrt(x)) is infinite there",
+             "add an epsilon inside (`torch.sqrt(x + 1e-12)`) or use `torch.linalg.vector_norm`"),
+    "pow": ("a power of zero or of a negative number can produce inf/NaN",
+            "clamp the base or add an epsilon"),
+    "rsqrt": ("`rsqrt` of zero is inf", "add an epsilon (`torch.rsqrt(x + 1e-6)`)"),
+    "masked_fill": ("a `-inf` mask is fine until a whole row is masked: softmax over nothing but `-inf` "
+                    "is 0/0 = NaN",
+                    "make sure every row keeps at least one unmasked position (never mask the diagonal of a "
+                    "causal mask; for fully padded rows, zero the attention after the softmax)"),
+}
+
+
+def _explain(op: str | None) -> tuple[str, str]:
+    base = (op or "").split("::")[-1].rstrip("_")
+    for key, value in _EXPLAIN.items():
+        if base.startswith(key) or base == key:
+            return value
+    return ("this op produced NaN/Inf from finite inputs",
+            "check its inputs' range (see the statistics) and add clamping or an epsilon")
+
+
+def _without_origin(trace: Trace) -> list[Finding]:
+    """First tier only (no rollback, so no detailed replay): say that NaN/Inf happened and where it showed."""
+    if trace.needs_detail != "nonfinite":
+        return []
+    hint = trace.nonfinite_hint or {}
+    reached = [k for k, v in trace.nonfinite_reached.items() if v] or ["loss"]
+    where = Where(line=hint.get("line"), file=hint.get("file"), cell_line=hint.get("line"))
+    msg = (f"NaN/Inf reached the {', '.join(reached)}"
+           f"{' (first seen in a scalar at line ' + str(where.line) + ')' if where.line else ''}. "
+           "The cheap first pass does not check every op, and without a rollback snapshot the step could not "
+           "be replayed to find the op that made it: run the cell again with rollback on (the default) to get "
+           "the origin.")
+    return [at("nonfinite", where, msg, title="NaN/Inf in this step (origin not located)",
+               evidence={"reached": reached, "located": False})]
+
+
+def nonfinite(trace: Trace) -> list[Finding]:
+    """Report the first origin whose NaN/Inf reached the loss, a gradient or a parameter."""
+    origins: list[NonFiniteEvent] = [e for e in trace.nonfinite if e.is_origin and e.reached]
+    if not origins:
+        return _without_origin(trace)
+    ev = origins[0]
+    reached = [k for k, v in trace.nonfinite_reached.items() if v]
+    rec = trace.op(ev.index)
+    where = forward_where(trace, rec) if rec is not None else ev.where
+    evidence = {"output": format_stats(ev.output.stats if ev.output else None),
+                "inputs": [f"{m.short()} {format_stats(m.stats)}" for m in ev.inputs],
+                "phase": ev.phase, "reached": reached, "op": ev.op}
+    code = source_line(trace, where.line, where.file)
+    if ev.kind == "weights":
+        msg = (f"The model's weights already contained NaN/Inf when this step started "
+               f"({'; '.join(evidence['inputs'])}), so every output is NaN from line {where.line} (`{code}`) on. "
+               "An earlier step put them there: the data is not to blame. Reload a good checkpoint or "
+               "re-initialise, then find the first bad step by running it under the doctor.")
+        return [at("nonfinite", where, msg, op=ev.op, title="Weights are already NaN/Inf", evidence=evidence)]
+    if ev.kind == "input":
+        name = f"`{ev.variable}`" if ev.variable else "an input tensor"
+        msg = (f"{name} already contained NaN/Inf before the step touched it "
+               f"({'; '.join(evidence['inputs'])}). It first entered the computation at line {where.line} "
+               f"(`{code}`) and spread to the {', '.join(reached)}. The data is the problem, not the model: "
+               "check the data pipeline (`torch.isfinite(x).all()` on each batch) and clean or skip bad samples.")
+        return [at("nonfinite", where, msg, op=ev.op, title="Non-finite values in the input data",
+                   evidence={**evidence, "variable": ev.variable})]
+    fwd_op = ev.fwd_op if ev.phase == "backward" else ev.op
+    why, fix = _explain(fwd_op)
+    if ev.phase == "backward":
+        lead = (f"The forward pass was finite, but the backward of `{fwd_op}` at line {where.line} (`{code}`) "
+                f"produced NaN/Inf in `{ev.op}` ({evidence['output']})")
+    else:
+        lead = (f"`{ev.op}` at line {where.line} (`{code}`) turned finite inputs into NaN/Inf "
+                f"({evidence['output']})")
+    msg = (f"{lead}, and it reached the {', '.join(reached)}: {why}. Fix: {fix}. "
+           "Later NaNs (loss, gradients, weights) are consequences of this one.")
+    return [at("nonfinite", where, msg, op=fwd_op, title="NaN/Inf created here", evidence=evidence)]

@@ -1,0 +1,391 @@
+"""Capture one training step: every aten op, live memory, non-finite values, failures.
+
+:class:`Capture` is the public context manager; a private dispatch mode hands it
+each op (forward, backward and optimizer step alike). Everything is turned into
+strings and numbers as it happens (see ``trace.py``); tensors and modules are
+only ever weakly referenced, and every global touched (dispatch mode, module and
+optimizer hooks, per-parameter hooks) is restored on exit, exceptions included.
+
+>>> import torch
+>>> x = torch.randn(4, 3, requires_grad=True)
+>>> with Capture() as cap:
+...     (x * 2).sum().backward()
+>>> trace = cap.finish()   # builds the trace's records once, after the step
+>>> [op.phase for op in trace.ops]
+['forward', 'forward', 'forward', 'backward', 'backward', 'backward']
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import sys
+import time
+import weakref
+from array import array
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.optim.optimizer as _optim
+from torch.nn.modules import module as _nn_module
+
+from . import namespace as ns_mod
+from .compile_watch import CompileWatch
+from .process import UndoStack, complete, interrupts_deferred
+from .mode import _DoctorMode
+from .frames import UserFrames
+from .record import _NODE_BUDGET, OpRecorder
+from .memory import MemoryLedger, Timeline, shape_of, storage_key
+from ..trace.records import Trace, Where
+
+if TYPE_CHECKING:
+    from .history import CellHistory
+
+_run_ids = itertools.count(1)
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root
+_WRAPPER_FILES = (os.path.join("torch", "_dynamo", "eval_frame.py"), os.path.join("torch", "_compile.py"),
+                  os.path.join("torch", "utils", "_python_dispatch.py"))
+_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+class Capture(OpRecorder):
+    """Record the ops and memory of the code run inside ``with Capture(...)``.
+
+    ``namespace``: the user's globals, read to name variables and modules and to
+    count what existed before. ``memory_limit``: simulated device capacity in
+    bytes; the op that pushes live bytes past it raises ``torch.OutOfMemoryError``.
+    ``check_indices``: validate index ranges before index ops run (default: on
+    CUDA only, where a bad index would otherwise kill the context). ``cuda_history``:
+    on CUDA, record the allocator's history (``torch.cuda.memory._record_memory_history``)
+    during the run; it costs time per allocation (see benchmarks/).
+    """
+
+    def __init__(self, namespace: dict[str, Any] | None = None, *, cell_file: str = "<cell>",
+                 source: str = "", memory_limit: int | None = None, max_ops: int = 50_000,
+                 tail_ops: int = 10_000, check_indices: bool | None = None,
+                 history: "CellHistory | None" = None, detail: bool = True, cuda_history: bool = True) -> None:
+        self.namespace = namespace if namespace is not None else {}
+        self.memory_limit = memory_limit
+        self.check_indices = check_indices
+        #: True: screen every op's output for NaN/Inf (finds the origin). False: the cheap first
+        #: tier, which screens scalar outputs only and says when a detailed run is needed.
+        self.detail = detail
+        self.history = history
+        self.trace = Trace(source=source, cell_file=cell_file, torch_version=torch.__version__)
+        self.trace.memory.limit_bytes = memory_limit
+        self._run_id = next(_run_ids)
+        self.trace.run_id = self._run_id
+        self._frames = UserFrames(cell_file)
+        self._ledger = MemoryLedger()
+        self._ledger.on_free = self._on_free
+        self._timeline = Timeline()
+        # Per-op records as ints in flat arrays (see _record.py), turned into OpRecords by finish().
+        self._rec_ints, self._rec_io, self._rec_us = array("q"), array("q"), array("d")
+        self._n_kept = 0
+        self._names: list[str] = []
+        self._name_ids: dict[str, int] = {}
+        self._metas: list[tuple] = []      # (shape, dtype, device, requires_grad)
+        self._meta_ids: dict[tuple, int] = {}
+        self._wheres: list[Where] = []     # every Where a record points to (kept: ids stay valid)
+        self._where_ids: dict[int, int] = {}
+        self._where_intern: dict[tuple, Where] = {}  # one Where per (position, module stack)
+        self._max_ops, self._tail = max_ops, collections.deque(maxlen=tail_ops)
+        self._tail_count = 0  # records that went to the ring buffer (some since overwritten)
+        self._count = 0
+        self._unrecorded = 0  # ops whose results could not be recorded (they ran as usual)
+        self._op_totals: dict[str, list[float]] = {}
+        self._peak, self._peak_index, self._peak_by_category = 0, None, {}
+        self._seq_map: dict[int, int] = {}  # autograd sequence number -> forward op index
+        self._node_budget, self._budget_noted = _NODE_BUDGET, False
+        self._seq_start = self._last_seq = _sequence_nr()
+        self._handles: list[Any] = []  # hooks on parameters
+        self._undo = UndoStack()       # what start() installed, to undo in stop()
+        self._global_handles: list[Any] = []  # module and optimizer hooks (off while torch.compile compiles)
+        self._compile_watch = CompileWatch(self._compile_started, self._compile_ended)
+        self._mode: _DoctorMode | None = None
+        self._modules: dict[int, tuple[weakref.ref, str]] = {}
+        self._module_stack: list[int] = []
+        self._stack_key: tuple[int, ...] = ()
+        self._skip_codes: dict[Any, bool] = {}  # our frames and torch's wrappers around __torch_dispatch__
+        self._where_cache: dict[tuple, Where] = {}  # call site -> Where, within one backward()/step()
+        self._where_stacks: list[tuple[Where, tuple[int, ...]]] = []
+        self._params: dict[int, weakref.ref] = {}
+        self._got_grad: set[int] = set()  # ids of parameters autograd accumulated into
+        self._opt_depth = 0
+        self._writer: dict[int, int] = {}      # storage key -> last op that wrote it
+        self._nf_origin: dict[int, int] = {}   # storage key -> op index that first made its NaN/Inf
+        self._nf_by_index: dict[int, int] = {}
+        #: first tier: forward ops whose scalar output was NaN/Inf (op index -> where), the first few.
+        #: Only one that reached the loss or a variable of the cell calls for the detailed run: the
+        #: ``-inf`` scalars attention masks are built from are intended.
+        self._nf_scalars: dict[int, dict[str, Any]] = {}
+        self._detail_budget = 8  # non-finite origins that get full statistics
+        self._ns_names: dict[int, str] = {}    # storage key -> variable name (at start)
+        self._last_phase = "forward"
+        self._roots: list[int | None] = []  # forward op of each backward's root node
+        self._oom: dict[str, Any] | None = None
+        self._cuda = torch.cuda.is_available()
+        self._cuda_history_wanted = cuda_history
+        self._cuda_alloc = array("q")
+        self._t0 = self._t_last = 0.0  # start, and end of the latest op (what a failed step took)
+
+    # ---------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "Capture":
+        # A Ctrl-C can land after start() completed and before `with` protects its body (then
+        # __exit__ would never run): whatever comes out of here, nothing stays installed.
+        try:
+            self.start()
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.stop()
+        return False
+
+    def start(self) -> None:
+        """Install the dispatch mode and the hooks. A Ctrl-C meanwhile is held back; if one came, all
+        that was installed is undone before it is delivered: a capture is never half installed."""
+        import torch._dynamo  # noqa: F401  (the first dispatch mode imports it: keep that out of step time)
+
+        with interrupts_deferred() as deferral:
+            self._install_or_undo(deferral)
+
+    def _install_or_undo(self, deferral: Any) -> None:
+        # (A `try` of its own: as the first statement of a `with` body it would leave an instruction
+        # between the two that neither protects.)
+        try:
+            self._install()
+        except BaseException:
+            self._undo.undo_all()
+            raise
+        if deferral.pending:
+            self._undo.undo_all()
+
+    def _install(self) -> None:
+        self._prepare()
+        if self._cuda:
+            from . import cuda as _cuda
+            _cuda.start(self)
+            self._undo.push("CUDA memory history", lambda: _cuda.stop(self))
+        self._t0 = time.perf_counter()
+        mode = _DoctorMode(self)
+        mode.__enter__()
+        self._undo.push("dispatch mode", lambda: mode.__exit__(None, None, None))
+        self._mode = mode
+
+    def _prepare(self) -> None:
+        """What exists before the step (namespace, parameters, optimizer state), and the global hooks.
+        Each undo step goes on the stack before what it undoes is installed (every one of them is safe
+        to run when nothing, or only part, was installed)."""
+        self._undo.push("parameter hooks", self._remove_parameter_hooks)
+        self._scan_namespace()
+        if self.history is not None:
+            self._forget_zeroed_grads()
+        self.trace.memory.baseline_bytes = self._ledger.total
+        self._undo.push("module and optimizer hooks", self._remove_global_hooks)
+        self._add_global_hooks()
+        self._undo.push("compile callbacks", self._compile_watch.remove)
+        self._compile_watch.install()
+
+    def _remove_parameter_hooks(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+    def _add_global_hooks(self) -> None:
+        self._global_handles = [
+            _nn_module.register_module_forward_pre_hook(self._module_pre),
+            _nn_module.register_module_forward_hook(self._module_post, always_call=True),
+            _optim.register_optimizer_step_pre_hook(self._optim_pre),
+            _optim.register_optimizer_step_post_hook(self._optim_post),
+        ]
+
+    def _remove_global_hooks(self) -> None:
+        handles, self._global_handles = self._global_handles, []
+        for h in handles:
+            h.remove()
+
+    def _compile_started(self) -> None:
+        """torch.compile starts compiling (dynamo tracing a frame, or a backward compiled lazily): the
+        doctor steps aside, so that it compiles exactly what it would compile without the doctor.
+        Global module hooks would be traced into the graph (graph breaks: other kernels)."""
+        self._remove_global_hooks()
+
+    def _compile_ended(self) -> None:
+        self._add_global_hooks()
+
+    def stop(self) -> None:
+        """Undo everything ``start`` installed, newest first; safe to call twice. A Ctrl-C meanwhile is
+        held back and delivered once all is undone."""
+        complete(self._teardown)
+
+    def _teardown(self, _: Any = None) -> None:
+        self._undo.undo_all()
+        self._mode = None
+        if self._t0:
+            self.trace.duration_s = time.perf_counter() - self._t0
+        self.trace.compiles = self._compile_watch.events
+
+    # ---------------------------------------------------------------- namespace
+    def _scan_namespace(self) -> None:
+        led = self._ledger
+        for name, mod in ns_mod.modules(self.namespace):
+            self._register_module(mod)
+        for name, opt in ns_mod.optimizers(self.namespace):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    self._register_param(p)
+            for t in ns_mod.optimizer_state_tensors(opt):
+                led.track(t, "optimizer")
+            self.trace.optimizers.append(ns_mod.optimizer_summary(name, opt))  # for OOM predictions
+        for name, t in ns_mod.tensors(self.namespace):
+            key = storage_key(t)
+            if key is not None:
+                self._ns_names.setdefault(key, name)
+            led.track(t, "other")
+            if t.grad_fn is not None:
+                self.trace.carriers.append({"variable": name, "shape": list(shape_of(t)),
+                                            "grad_fn": type(t.grad_fn).__name__, "key": key or 0})
+
+    def _forget_zeroed_grads(self) -> None:
+        """Gradients zeroed since their step (e.g. by zero_grad in another cell) are not stale."""
+        marks = self.history.stepped_grads
+        with torch.no_grad():
+            for grad in list(marks.keys()):
+                if not bool(grad.any()):
+                    marks.pop(grad, None)
+
+    def _register_module(self, mod: torch.nn.Module) -> None:
+        for sub in mod.modules():
+            if id(sub) in self._modules:
+                continue
+            self._modules[id(sub)] = (weakref.ref(sub), type(sub).__name__)
+            for p in sub.parameters(recurse=False):
+                self._register_param(p)
+
+    def _register_param(self, p: torch.Tensor) -> None:
+        if id(p) in self._params:
+            return
+        self._params[id(p)] = weakref.ref(p)
+        self._ledger.track(p, "parameters")
+        if p.grad is not None:
+            self._ledger.track(p.grad, "gradients")
+        # A parameter that is no longer a leaf (an in-place update with grad on attached a graph to it)
+        # gets no gradient and takes no hook: the rules report it (``nonleaf_param``).
+        if p.requires_grad and p.is_leaf and hasattr(p, "register_post_accumulate_grad_hook"):
+            self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self._got_grad.add(id(param))
+        if param.grad is not None:
+            self._ledger.reclassify(param.grad, "gradients")
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The live parameters seen during the run (strong refs only for the caller's use)."""
+        return [p for p in (r() for r in self._params.values()) if p is not None]
+
+    # ---------------------------------------------------------------- hooks
+    def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if id(module) not in self._modules:
+            self._register_module(module)
+        self._module_stack.append(id(module))
+        self._stack_key = tuple(self._module_stack)
+
+    def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack = self._module_stack
+        if stack and stack[-1] == id(module):
+            stack.pop()
+        elif id(module) in stack:  # an exception skipped inner post-hooks
+            del stack[stack.index(id(module)):]
+        self._stack_key = tuple(stack)
+
+    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._opt_depth += 1
+        self._where_cache.clear()
+        for group in opt.param_groups:
+            for p in group["params"]:
+                self._register_param(p)
+        where = self._frames.where(sys._getframe(1))
+        step = {"index": self._count, "optimizer": type(opt).__name__, "id": id(opt),
+                "line": where.line, "file": where.file, "cell_line": where.cell_line}
+        self.trace.optimizer_steps.append(step)
+        closure = any(callable(a) for a in list(args) + list(kwargs.values()))
+        if self.history is not None and not closure:  # L-BFGS & co. zero grads inside the closure
+            self._check_stale(opt, step)
+
+    def _check_stale(self, opt: torch.optim.Optimizer, step: dict[str, Any]) -> None:
+        """A gradient an earlier step already consumed, never cleared since: accumulation by accident."""
+        marks = self.history.stepped_grads
+        # Only gradients this run's backward added to: a step cell fed by another cell's backward
+        # cannot see whether that cell zeroed them in between.
+        stale = [(p, marks[p.grad]) for g in opt.param_groups for p in g["params"]
+                 if p.grad is not None and id(p) in self._got_grad and p.grad in marks]
+        if stale:
+            self.trace.stale_steps.append({**step, "params": len(stale),
+                                           "since_run": min(m[0] for _, m in stale),
+                                           "previous_line": stale[0][1][1]})
+
+    def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._opt_depth = max(0, self._opt_depth - 1)
+        for t in ns_mod.optimizer_state_tensors(opt):
+            self._ledger.reclassify(t, "optimizer")
+        if self.history is not None:
+            line = self.trace.optimizer_steps[-1]["line"] if self.trace.optimizer_steps else None
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        self.history.stepped_grads[p.grad] = (self._run_id, line)
+
+    def _on_free(self, key: int) -> None:
+        self._writer.pop(key, None)
+        self._nf_origin.pop(key, None)
+
+    # ---------------------------------------------------------------- per op
+    def _caller(self) -> Any:
+        """The frame that called the op: above our dispatch and torch's wrappers of ``__torch_dispatch__``."""
+        f = sys._getframe(3)  # 0 _caller, 1 _where, 2 dispatch
+        skip = self._skip_codes
+        while f is not None:
+            s = skip.get(f.f_code)
+            if s is None:
+                name = f.f_code.co_filename
+                s = skip[f.f_code] = name.startswith(_PKG_DIR) or name.endswith(_WRAPPER_FILES)
+            if not s:
+                return f
+            f = f.f_back
+        return None
+
+    def _where(self, cached: bool = False) -> Where:
+        """Where the user was for this op. ``cached``: backward/optimizer ops, whose calling frame
+        stays alive through the whole backward()/step() call, reuse the walk of the same call site."""
+        f = self._caller()
+        if cached:
+            key = (id(f), f.f_code, f.f_lasti) if f is not None else None
+            w = self._where_cache.get(key)
+            if w is None:
+                w = self._where_cache[key] = self._frames.where(f)
+            return w
+        w = self._frames.where(f)
+        # One Where object per position and module stack: a forward op does not keep a new one.
+        key = (w.line, w.file, w.cell_line, w.lasti, w.compiled, self._stack_key)
+        got = self._where_intern.get(key)
+        if got is None:
+            got = self._where_intern[key] = w
+            if self._stack_key:
+                self._where_stacks.append((w, self._stack_key))
+        return got
+
+    # ---------------------------------------------------------------- results
+    def record_exception(self, exc: BaseException) -> None:
+        """Turn the cell's exception into text and evidence (keeps no frame or tensor)."""
+        from .finish import record_exception
+
+        record_exception(self, exc)
+
+    def finish(self) -> Trace:
+        """Resolve names, downsample the timeline, decide what NaN/Inf reached; returns the trace."""
+        from .finish import finish
+
+        return finish(self)

@@ -1,0 +1,58 @@
+"""CUDA extras, used only when a GPU is present: allocator figures, memory history, NVML.
+
+Everything here is feature-detected; on a CPU-only machine no function is called.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .context import Capture
+
+_HISTORY_ENTRIES = 100_000  # bounded: the allocator keeps at most this many events
+
+
+def _nvml() -> dict[str, Any] | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            return {"total": int(mem.total), "used": int(mem.used), "gpu_util": int(util.gpu),
+                    "processes": [{"pid": p.pid, "used": int(p.usedGpuMemory or 0)} for p in procs]}
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # NVML missing or not permitted: say so, do not fail
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def start(cap: "Capture") -> None:
+    torch.cuda.reset_peak_memory_stats()
+    cap._cuda_history = False
+    if cap._cuda_history_wanted:
+        try:
+            torch.cuda.memory._record_memory_history(max_entries=_HISTORY_ENTRIES, stacks="python")
+            cap._cuda_history = True
+        except Exception:
+            pass
+    cap.trace.memory.device_total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def stop(cap: "Capture") -> None:
+    if getattr(cap, "_cuda_history", False):
+        try:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        except Exception:
+            pass
+    cap.trace.device = f"cuda:{torch.cuda.current_device()}"
+    cap.trace.memory.cuda = {
+        "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+        "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
+        "allocated_per_op": cap._cuda_alloc.tolist()[-20_000:], "nvml": _nvml(),
+    }

@@ -1,0 +1,258 @@
+"""The native first tier: :class:`Capture`'s records taken by a C++ observer instead of a dispatch mode.
+
+Same hooks, same namespace scan, same ``finish()`` and rules: only the per-op
+recording moves to ``native/recorder.cpp``, and its buffers are turned into the
+Python tier's compact records once, when the step is over. The op that raised is
+known from C++ (it ends while an exception unwinds) and its arguments are kept
+while it runs, so the failing op's statistics and index values are taken as the
+Python tier takes them. What it does not do: a simulated memory limit and index
+checks before a kernel runs (both raise from inside an op: the Python tier's job),
+and CUDA (not yet run on a GPU).
+
+>>> import torch
+>>> from backward_doctor import native
+>>> x = torch.randn(4, 3, requires_grad=True)
+>>> if native.load() is not None:
+...     with NativeCapture() as cap:
+...         (x * 2).sum().backward()
+...     print([op.op for op in cap.finish().ops][:2])
+... else:
+...     print(['aten::mul', 'aten::sum'])
+['aten::mul', 'aten::sum']
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .. import native
+from .native_records import NativeRecords, _tables
+from .record import _tensors
+from .context import Capture
+from .memory import MemoryLedger
+from ..trace.records import CATEGORIES, FailedOp, Where
+
+_CAT = {c: i for i, c in enumerate(CATEGORIES)}
+
+
+class _NativeLedger(MemoryLedger):
+    """The Python ledger (weak references to what existed before the step), mirrored into the recorder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ext: Any = None
+        self._data: dict[int, int] = {}
+        self._final_by_producer: dict[int | None, int] | None = None  # the recorder's, after the step
+
+    def track(self, t: torch.Tensor, category: str, producer: int | None = None) -> bool:
+        new = super().track(t, category, producer)
+        if new:
+            st = t.untyped_storage()
+            key = st._cdata
+            self._data[key] = st.data_ptr()
+            if self.ext is not None:
+                self.ext.register_storage(key, self._live[key], _CAT[category], self._data[key])
+        return new
+
+    def _freed(self, key: int) -> None:
+        self._data.pop(key, None)
+        if self.ext is not None:
+            self.ext.release(key)
+        super()._freed(key)
+
+    def reclassify(self, t: torch.Tensor, category: str) -> None:
+        if self.ext is None:
+            super().reclassify(t, category)
+            return
+        try:
+            st = t.untyped_storage()
+        except Exception:  # sparse/nested tensors have no plain storage: not counted
+            return
+        key = st._cdata
+        if key in self._live:  # existed before the step: the Python side keeps its weak reference
+            super().reclassify(t, category)
+        # Made during the step (a gradient, optimizer state): the recorder counts it already (this
+        # registers it only if it does not), and learns its memory is freed from the allocator.
+        self.ext.register_storage(key, st.nbytes(), _CAT[category], st.data_ptr())
+        self.ext.reclassify(key, _CAT[category])
+
+    def detach(self) -> None:
+        """Stop mirroring into the recorder (it has stopped)."""
+        self.ext = None
+
+    def attach(self, ext: Any) -> None:
+        """Hand everything tracked so far to the (now running) recorder."""
+        self.ext = ext
+        for key, nbytes in self._live.items():
+            ext.register_storage(key, nbytes, self._cat[key], self._data.get(key, 0))
+
+    def adopt(self, totals: list[int], by_producer: dict[int, int]) -> None:
+        """The recorder's figures at the end of the step (it counted what the step made)."""
+        self.totals, self.total = list(totals), sum(totals)
+        self._final_by_producer = {(None if p < 0 else p): n for p, n in by_producer.items()}
+
+    def bytes_by_producer(self) -> dict[int | None, int]:
+        final = self._final_by_producer
+        return dict(final) if final is not None else super().bytes_by_producer()
+
+
+class NativeCapture(NativeRecords, Capture):
+    """:class:`Capture` with the per-op records taken in C++; ``detail=True`` screens every op's outputs
+    for NaN/Inf there too (the replay that finds where it was born)."""
+
+    def __init__(self, *args: Any, detail: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, detail=detail, **kwargs)
+        if self.check_indices:
+            raise ValueError("NativeCapture: check_indices needs the Python tier (Capture)")
+        self._ext = native.load()
+        if self._ext is None:
+            raise RuntimeError(f"the native recorder is not available: {native.status()['reason']}")
+        _tables(self._ext)
+        self.trace.engine = "native"
+        self._ledger = _NativeLedger()
+        self._ledger.on_free = self._on_free
+        self._stack_ids: dict[tuple[int, ...], int] = {(): 0}
+        self._stacks: list[tuple[int, ...]] = [()]
+        self._post_counts: list[int] = []  # op count at the end of each optimizer step
+        self._native_out: dict[str, Any] | None = None
+        self._failed: tuple | None = None  # failing op: index, overload, arguments, name and phase if not kept
+        #: bytes the C++ recorder held at the end of the step (its buffers; not on the Python heap)
+        self.buffer_bytes = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def _install(self) -> None:
+        self._prepare()
+        self._t0 = time.perf_counter()
+        limit = -1 if self.memory_limit is None else int(self.memory_limit)
+        self._ext.start(self._frames.cell_file, True, self._max_ops, limit, self.detail)
+        self._undo.push("native recorder", self._stop_recorder)
+        self._undo.push("recorder's ledger", self._ledger.detach)
+        self._ledger.attach(self._ext)
+        self._yield_to_profiler()
+
+    def _stop_recorder(self) -> None:
+        if self._ext.running():
+            self._native_out = self._ext.stop()
+
+    def _yield_to_profiler(self) -> None:
+        """A ``torch.profiler`` the user starts during the step needs the allocator's reporting slot
+        the recorder holds: hand it over while their profiler runs (torch's own functions are
+        wrapped for the step and put back in ``stop()``)."""
+        import torch.autograd.profiler as prof
+
+        enable, disable, ext = prof._enable_profiler, prof._disable_profiler, self._ext
+
+        def _enable_profiler(*args: Any, **kwargs: Any) -> Any:
+            ext.suspend_memory()
+            try:
+                return enable(*args, **kwargs)
+            except BaseException:
+                ext.resume_memory()
+                raise
+
+        def _disable_profiler(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return disable(*args, **kwargs)
+            finally:
+                ext.resume_memory()
+
+        def put_back() -> None:
+            prof._enable_profiler, prof._disable_profiler = enable, disable
+
+        self._undo.push("torch's profiler functions", put_back)
+        prof._enable_profiler, prof._disable_profiler = _enable_profiler, _disable_profiler
+
+    def _converted(self) -> None:
+        # The recorder's buffers become records after the step (finish), not in the step's time.
+        if self._native_out is not None:
+            out, self._native_out = self._native_out, None
+            self._convert(out)
+
+    def finish(self):
+        self._converted()
+        return super().finish()
+
+    # ---------------------------------------------------------------- hooks
+    def _compile_started(self) -> None:
+        super()._compile_started()
+        self._ext.pause()  # what torch.compile runs while it compiles is not the step's work
+
+    def _compile_ended(self) -> None:
+        self._ext.resume()
+        super()._compile_ended()
+
+    def _set_stack(self) -> None:
+        sid = self._stack_ids.get(self._stack_key)
+        self._ext.set_stack(sid if sid is not None else self._new_stack(self._stack_key))
+
+    def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
+        super()._module_pre(module, args)
+        self._set_stack()
+
+    def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        super()._module_post(module, args, output)
+        self._set_stack()
+
+    def _new_stack(self, key: tuple[int, ...]) -> int:
+        sid = self._stack_ids[key] = len(self._stacks)
+        self._stacks.append(key)
+        return sid
+
+    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._count = self._ext.op_count()
+        super()._optim_pre(opt, args, kwargs)
+        self._ext.set_optimizer_depth(self._opt_depth)
+
+    def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        super()._optim_post(opt, args, kwargs)
+        self._ext.set_optimizer_depth(self._opt_depth)
+        self._post_counts.append(self._ext.op_count())
+
+    # ---------------------------------------------------------------- after the step
+    def record_exception(self, exc: BaseException) -> None:
+        self._converted()
+        super().record_exception(exc)
+        if isinstance(exc, Exception) and self._failed is not None:
+            self._record_failed_op(exc)
+
+    def _record_failed_op(self, exc: BaseException) -> None:
+        """The innermost op that raised (the recorder saw it unwinding), with its inputs' statistics."""
+        from . import checks
+        from .stats import meta
+
+        index, overload, args, light_name, light_phase = self._failed
+        self._failed = None
+        rec = next((r for r in self.kept_records() if r[0] == index), None)
+        if rec is None:  # past max_ops: known by name and phase only
+            if light_name is None:
+                return
+            rec = (index, light_name, light_phase, None, True, self.trace.exception.where if self.trace.exception
+                   else Where())
+        name = rec[1]
+        tensors = _tensors(tuple(args), None)
+        idx = None
+        if isinstance(exc, (IndexError, RuntimeError)):
+            ns, _, op = name.partition("::")
+            packet = getattr(getattr(torch.ops, ns, None), op, None)
+            func = getattr(packet, overload or "default", None) if packet is not None else None
+            idx = checks.index_check(func, tuple(args), {}) if func is not None else None
+        with torch.no_grad():
+            inputs = [meta(t, with_stats=True) for t in tensors]
+        del tensors, args
+        self.trace.failed_op = FailedOp(
+            index=index, op=name, phase=rec[2], inputs=inputs, where=rec[5],
+            error=f"{type(exc).__name__}: {exc}".split("\n")[0][:500], fwd_index=rec[3], index_check=idx)
+
+
+def native_available(build: bool = False) -> bool:
+    """True when the recorder is built (``build``: or can be built now) and usable here (CPU-only torch)."""
+    if torch.cuda.is_available() or not native.enabled() or torch._C._autograd._profiler_enabled():
+        return False  # (a profiler already running holds the allocator's reporting slot)
+    ext = native.load() if build else native.ready()
+    # One recorder per process: a diagnose() inside a doctored cell runs on the Python tier.
+    return ext is not None and not ext.running()
+
+
+__all__ = ["NativeCapture", "native_available"]

@@ -1,0 +1,407 @@
+"""The per-op hot path: what happens for every aten op while a step is captured.
+
+Kept lean on purpose (see benchmarks/): each op appends a fixed number of ints to
+flat ``array`` buffers (op name, tensor metadata and source position are interned:
+an id per distinct value) and the trace's dataclasses are built once, at the end
+(``_finish.py``). No Python object is kept per op: objects the garbage collector
+tracks would make it run during the user's step, and a full collection of a
+process with torch loaded takes ~0.2 s. Evidence that needs the tensors
+themselves (statistics, index values, in-place versions) is taken right here,
+because after the op returns the tensors may be gone.
+
+Backward ops find their forward op through autograd's per-thread sequence
+number: the node an op creates takes the counter's value just before the op is
+dispatched, and ``node._sequence_nr()`` gives it back in backward. No tensor,
+node or frame is kept.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from . import checks
+from .memory import shape_of, storage_key
+from .stats import meta, screen_nonfinite
+from ..trace.records import FailedOp, InplaceEvent, NonFiniteEvent, Where
+from ..util.units import format_bytes
+
+_current_node = torch._C._current_autograd_node
+_graph_task_id = torch._C._current_graph_task_id
+_NODE_BUDGET = 10_000  # backward ops per run whose autograd node is looked up (see dispatch)
+_sequence_nr = torch._C._autograd._get_sequence_nr
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
+_now = time.perf_counter
+_MAX_EVENTS = 200
+_MAX_SCALARS = 64  # non-finite scalar outputs the first tier remembers
+_CLEARING = ("aten::zero_", "aten::_foreach_zero_")  # what zero_grad(set_to_none=False) does
+
+#: op overload -> (name, positions it writes into, is a view, has an index check, tensor lists whose
+#: versions the dispatch mode must bump itself)
+_FUNCS: dict[Any, tuple[str, tuple[int, ...], bool, bool, tuple[int, ...]]] = {}
+
+
+def _func_info(func: Any) -> tuple[str, tuple[int, ...], bool, bool, tuple[int, ...]]:
+    schema = func._schema
+    mutated = tuple(i for i, a in enumerate(schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only)
+    is_view = not mutated and any(r.alias_info is not None for r in schema.returns)
+    # Under a Python dispatch mode an in-place foreach op (a foreach optimizer's `_foreach_add_` on the
+    # weights) leaves the tensors' version counters where they were, where a plain run bumps them
+    # (pytorch/pytorch#191154): autograd would then miss a step that changed weights a graph saved,
+    # and compute wrong gradients instead of raising. We bump them as PyTorch does without the mode.
+    bump = tuple(i for i in mutated if str(schema.arguments[i].type) == "List[Tensor]") \
+        if schema.name.startswith("aten::_foreach_") else ()
+    info = (schema.name, mutated, is_view, checks.has_index_check(func), bump)
+    _FUNCS[func] = info
+    return info
+
+
+def _bump_versions(args: tuple, positions: tuple[int, ...]) -> None:
+    """What the ADInplaceOrView kernel does for an in-place foreach op outside a dispatch mode."""
+    for i in positions:
+        if i < len(args) and isinstance(args[i], (list, tuple)):
+            torch._C._increment_version([t for t in args[i] if isinstance(t, torch.Tensor)])
+
+
+def _tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
+    """Tensor arguments, looking one level into lists/tuples (``cat``'s list) — faster than pytree."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+#: per kept op in ``Capture._rec_ints``: index, name id, phase id, forward op (-1: none), grad mode,
+#: where id, inputs, outputs, offset in ``_rec_io`` (meta id and storage key per tensor), live bytes
+REC_WIDTH = 10
+PHASES = ("forward", "backward", "optimizer")
+_PHASE_ID = {p: i for i, p in enumerate(PHASES)}
+
+
+class OpRecorder:
+    """Mixin of :class:`~backward_doctor.capture.Capture`: the dispatch mode calls ``dispatch``."""
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        __tracebackhide__ = True  # IPython leaves the doctor's frames out of the user's traceback
+        info = _FUNCS.get(func) or _func_info(func)
+        name = info[0]
+        index = self._count
+        self._count = index + 1
+        # Asking autograd for the running node gives it a Python wrapper that lives as long as the
+        # node, and freeing a very long chain of wrapped nodes overflows the C stack (a crash in
+        # the user's next gc). So the node is asked for a bounded number of backward ops; past
+        # that, only the phase is known (from the graph task id, which wraps nothing).
+        if self._node_budget > 0:
+            node = _current_node()
+            if node is not None:
+                self._node_budget -= 1
+        else:
+            node = None
+            if _graph_task_id() != -1:
+                return self._dispatch_unattributed(func, args, kwargs, info, index)
+        if node is not None:
+            phase = "backward"
+            fwd_index = self._seq_map.get(node._sequence_nr())
+            if self._last_phase != "backward":  # a new backward() call starts at its root node
+                self._where_cache.clear()
+                where = self._where(cached=True)
+                self.trace.backward_calls.append(where)
+                self.trace.backward_roots.append(node.name())
+                self._roots.append(fwd_index)
+            else:
+                where = self._where(cached=True)
+        else:
+            phase = "optimizer" if self._opt_depth else "forward"
+            fwd_index = None
+            where = self._where(cached=phase == "optimizer")
+        self._last_phase = phase
+        grad_enabled = _grad_enabled()
+        ins = _tensors(args, kwargs)
+        led = self._ledger
+        in_keys = tuple([storage_key(t) or 0 for t in ins])
+        live = led._live
+        for t, k in zip(ins, in_keys):
+            if k and k not in live:  # a tensor made before the step and not found in the namespace
+                led.track(t, "other")
+        seq = _sequence_nr()
+        t_op = _now()
+        try:
+            if info[3] and (self.check_indices or (self.check_indices is None and any(t.is_cuda for t in ins))):
+                self._check_indices(func, name, args, kwargs)
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            self._record_failure(index, name, phase, ins, where, exc, func, args, kwargs, fwd_index)
+            raise
+        if info[4]:
+            _bump_versions(args, info[4])
+        self._t_last = now = _now()
+        t_op = now - t_op
+        if phase == "forward" and seq != self._last_seq:
+            # The counter moved since the previous op: this op's autograd node took seq - 1.
+            self._seq_map[seq - 1] = index
+            self._last_seq = seq
+        self._after_safely(info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op)
+        return out
+
+    def _after_safely(self, *args: Any) -> None:
+        """Record the op's results; what cannot be recorded is skipped and said, never raised into the
+        user's step (only the simulated device's OutOfMemoryError is meant for the step)."""
+        __tracebackhide__ = True
+        try:
+            self._after(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a tensor kind the recorder cannot describe
+            self._unrecorded += 1
+            if self._unrecorded == 1:
+                self.trace.notes.append(f"some ops could not be recorded (the first: {args[0][0]}: "
+                                        f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}); they ran as usual")
+
+    def _dispatch_unattributed(self, func: Any, args: tuple, kwargs: dict, info: tuple, index: int) -> Any:
+        """A backward op past the node budget: recorded, without its forward op."""
+        __tracebackhide__ = True
+        if not self._budget_noted:
+            self._budget_noted = True
+            self.trace.notes.append(f"backward ops after the first {_NODE_BUDGET} are not linked to their "
+                                    "forward op (a very deep graph)")
+        where = self._where(cached=True)
+        self._last_phase = "backward"
+        ins = _tensors(args, kwargs)
+        in_keys = tuple([storage_key(t) or 0 for t in ins])
+        t_op = _now()
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            self._record_failure(index, info[0], "backward", ins, where, exc, func, args, kwargs, None)
+            raise
+        if info[4]:
+            _bump_versions(args, info[4])
+        self._t_last = now = _now()
+        self._after_safely(info, args, index, "backward", False, ins, in_keys, out, where, None, now - t_op)
+        return out
+
+    def _after(self, info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op) -> None:
+        __tracebackhide__ = True
+        name, mutated, is_view = info[0], info[1], info[2]
+        led = self._ledger
+        outs = _tensors((out,), None)
+        out_keys = tuple(storage_key(o) or 0 for o in outs)
+        if phase == "forward":
+            category = "other"
+            if grad_enabled:
+                for t in ins:
+                    if t.requires_grad:
+                        category = "activations"
+                        break
+        else:
+            category = "other" if phase == "backward" else "optimizer"
+        before = led.total
+        writer = self._writer
+        for o, k in zip(outs, out_keys):
+            if k:
+                led.track(o, category, index)
+                writer[k] = index
+        if mutated and phase == "forward":
+            self._record_inplace(index, name, args, mutated, where)
+        if not is_view and (self.detail or (phase == "forward" and outs and outs[0].dim() == 0)):
+            # A view shows values its base already had: nothing new to screen. The screens run
+            # torch ops of our own, which must never join the user's graph: grad mode off.
+            _set_grad(False)
+            try:
+                if self.detail:
+                    self._screen(index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated)
+                else:
+                    self._screen_scalar(index, outs[0], where)
+            finally:
+                _set_grad(grad_enabled)
+        total = led.total
+        self._timeline.add(index, led.totals, total)
+        if self._cuda:
+            self._cuda_alloc.append(torch.cuda.memory_allocated())
+        if total > self._peak:
+            self._peak, self._peak_index, self._peak_by_category = total, index, led.snapshot()
+        self._keep(index, name, phase, fwd_index, grad_enabled, where, ins, outs, in_keys, out_keys, total,
+                   t_op * 1e6)
+        tot = self._op_totals.get(name)
+        if tot is None:
+            self._op_totals[name] = [1, t_op * 1e6]
+        else:
+            tot[0] += 1
+            tot[1] += t_op * 1e6
+        if self.memory_limit is not None and total > self.memory_limit:
+            self._raise_simulated_oom(index, name, total - before)
+
+    def _keep(self, index, name, phase, fwd_index, grad_enabled, where, ins, outs, in_keys, out_keys, total,
+              us) -> None:
+        """Append the op's record as ints (interning name, tensor metadata and position)."""
+        try:
+            metas = [(t.shape, t.dtype, t.device, t.requires_grad) for t in ins]
+            metas += [(t.shape, t.dtype, t.device, t.requires_grad) for t in outs]
+        except RuntimeError:  # a strided nested tensor has no single shape
+            metas = [(shape_of(t), t.dtype, t.device, t.requires_grad) for t in list(ins) + list(outs)]
+        self._append(index, name, phase, fwd_index, grad_enabled, where, metas, list(in_keys) + list(out_keys),
+                     len(ins), total, us)
+
+    def _append(self, index: int, name: str, phase: str, fwd_index: int | None, grad_enabled: bool, where: Where,
+                metas: list[tuple], keys: list[int], n_in: int, total: int, us: float) -> None:
+        """One op's record from its tensors' (shape, dtype, device, requires_grad) and storage keys
+        (inputs first); shared with the native tier, which has these without the tensors."""
+        name_id = self._name_ids.get(name)
+        if name_id is None:
+            name_id = self._name_ids[name] = len(self._names)
+            self._names.append(name)
+        where_id = self._where_ids.get(id(where))
+        if where_id is None:  # every Where is kept in _wheres, so its id() is never reused
+            where_id = self._where_ids[id(where)] = len(self._wheres)
+            self._wheres.append(where)
+        meta_ids, known = self._meta_ids, self._metas
+        io = []
+        for m, k in zip(metas, keys):
+            mid = meta_ids.get(m)
+            if mid is None:
+                mid = meta_ids[m] = len(known)
+                known.append(m)
+            io += (mid, k)
+        fwd = -1 if fwd_index is None else fwd_index
+        if self._n_kept < self._max_ops:
+            self._n_kept += 1
+            self._rec_ints.extend((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
+                                   len(metas) - n_in, len(self._rec_io), total))
+            self._rec_io.extend(io)
+            self._rec_us.append(us)
+        else:  # past max_ops: a ring buffer of the last ops (a tuple each, bounded)
+            self._tail_count += 1
+            self._tail.append((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
+                               tuple(io), total, us))
+
+    def kept_records(self):
+        """Every kept op as (index, name, phase, fwd index or None, grad mode, Where, [(meta, key) of
+        inputs], [(meta, key) of outputs], live bytes, microseconds); meta = (shape, dtype, device,
+        requires_grad)."""
+        ints, io, us = self._rec_ints, self._rec_io, self._rec_us
+        names, wheres, metas = self._names, self._wheres, self._metas
+        for r in range(self._n_kept):
+            (index, name_id, phase, fwd, grad, where_id, n_in, n_out, off,
+             live) = ints[r * REC_WIDTH:(r + 1) * REC_WIDTH]
+            pairs = [(metas[io[off + 2 * j]], io[off + 2 * j + 1]) for j in range(n_in + n_out)]
+            yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],
+                   pairs[:n_in], pairs[n_in:], live, us[r])
+        for (index, name_id, phase, fwd, grad, where_id, n_in, flat, live, t) in self._tail:
+            pairs = [(metas[flat[2 * j]], flat[2 * j + 1]) for j in range(len(flat) // 2)]
+            yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],
+                   pairs[:n_in], pairs[n_in:], live, t)
+
+    # ---------------------------------------------------------------- evidence
+    def _op_name(self, index: int | None) -> str | None:
+        if index is None:
+            return None
+        if index < self._n_kept and self._rec_ints[index * REC_WIDTH] == index:
+            return self._names[self._rec_ints[index * REC_WIDTH + 1]]
+        return next((self._names[r[1]] for r in self._tail if r[0] == index), None)
+
+    def _check_indices(self, func: Any, name: str, args: tuple, kwargs: dict) -> None:
+        __tracebackhide__ = True
+        bad = checks.index_check(func, args, kwargs)
+        if bad is not None:
+            raise IndexError(f"{name}: {bad['argument']} value(s) {bad['bad']} out of range "
+                             f"[{bad['valid'][0]}, {bad['valid'][1]}] ({bad['what']}); "
+                             "checked by backward_doctor before the kernel ran")
+
+    def _record_inplace(self, index: int, name: str, args: tuple, mutated: tuple[int, ...], where: Where) -> None:
+        if name in _CLEARING and self.history is not None and args:
+            cleared = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            for t in cleared:  # zero_grad(set_to_none=False) zeroes in place: not stale any more
+                self.history.stepped_grads.pop(t, None)
+        if len(self.trace.inplace) >= 10 * _MAX_EVENTS:
+            return
+        for i in mutated:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                t = args[i]
+                key = storage_key(t) or 0
+                producer = self._ledger.producer(key)
+                # The version counter is bumped above this dispatch level, after we return: +1.
+                self.trace.inplace.append(InplaceEvent(
+                    index=index, op=name, key=key, version=int(t._version) + 1, shape=list(shape_of(t)),
+                    requires_grad=bool(t.requires_grad), where=where, producer_index=producer,
+                    producer_op=self._op_name(producer)))
+
+    def _screen_scalar(self, index: int, out: torch.Tensor, where: Where) -> None:
+        """First tier: a NaN/Inf scalar forward output; the detailed run is needed if it was the loss or a
+        value the cell kept (decided in ``finish()``)."""
+        if len(self._nf_scalars) < _MAX_SCALARS and screen_nonfinite(out):
+            self._nf_scalars[index] = {"index": index, "line": where.line, "file": where.file}
+
+    def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated) -> None:
+        for o, k in zip(outs, out_keys):
+            if not screen_nonfinite(o):
+                continue
+            origin = next((self._nf_origin[ik] for ik in in_keys if ik in self._nf_origin), None)
+            kind, variable = "op", None
+            if origin is None:
+                written = {in_keys[i] for i in mutated if i < len(in_keys)}
+                bad_inputs = [(t, ik) for t, ik in zip(ins, in_keys) if ik not in written and screen_nonfinite(t)]
+                if bad_inputs:
+                    # NaN weights (an earlier step's doing) are not bad data.
+                    kind = "weights" if self._ledger.category(bad_inputs[0][1]) == "parameters" else "input"
+                    variable = self._ns_names.get(bad_inputs[0][1])
+                origin = index
+            if k:
+                self._nf_origin[k] = origin
+            self._nf_by_index.setdefault(index, origin)
+            events = self.trace.nonfinite
+            if origin != index and len(events) >= _MAX_EVENTS:
+                return
+            # Statistics cost a few reductions: the first origins get them, not every echo.
+            stats = origin == index and self._detail_budget > 0
+            self._detail_budget -= stats
+            events.append(NonFiniteEvent(
+                index=index, op=name, phase=phase, where=where, origin=origin, is_origin=origin == index,
+                kind=kind, variable=variable, output=meta(o, with_stats=stats),
+                inputs=[meta(t, with_stats=stats) for t in ins], fwd_op=self._op_name(fwd_index),
+                fwd_index=fwd_index))
+            return
+
+    def _record_failure(self, index, name, phase, ins, where, exc, func, args, kwargs, fwd_index) -> None:
+        if isinstance(exc, torch.OutOfMemoryError) and self._oom is None:
+            self._oom = self._memory_breakdown(index, requested=None)
+        if not isinstance(exc, Exception):
+            return  # KeyboardInterrupt etc.: not this op's fault
+        idx = checks.index_check(func, args, kwargs) if isinstance(exc, (IndexError, RuntimeError)) else None
+        self.trace.failed_op = FailedOp(
+            index=index, op=name, phase=phase, inputs=[meta(t, with_stats=True) for t in ins], where=where,
+            error=f"{type(exc).__name__}: {exc}".split("\n")[0][:500], fwd_index=fwd_index, index_check=idx)
+
+    def _memory_breakdown(self, index: int, requested: int | None) -> dict[str, Any]:
+        by_producer: dict[int, int] = {}
+        for producer, nbytes in self._ledger.bytes_by_producer().items():
+            by_producer[producer if producer is not None else -1] = nbytes
+        return {"index": index, "requested": requested, "live": self._ledger.total,
+                "by_category": self._ledger.snapshot(), "by_producer": by_producer}
+
+    def _raise_simulated_oom(self, index: int, name: str, requested: int) -> None:
+        __tracebackhide__ = True
+        self._oom = self._memory_breakdown(index, requested)
+        self._oom["simulated"] = True
+        limit = self.memory_limit or 0
+        live = self._ledger.total
+        if requested <= 0:  # nothing new: what already existed is more than the device holds
+            raise torch.OutOfMemoryError(
+                f"Simulated device out of memory (backward_doctor memory_limit={format_bytes(limit)}): "
+                f"{format_bytes(live)} of tensors are live at {name} (most of them made before the step), "
+                "more than the device holds.")
+        raise torch.OutOfMemoryError(
+            f"Simulated device out of memory (backward_doctor memory_limit={format_bytes(limit)}). "
+            f"Tried to allocate {format_bytes(requested)} in {name}; {format_bytes(live - requested)} "
+            f"already live, {format_bytes(max(0, limit - live + requested))} free.")

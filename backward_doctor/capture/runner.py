@@ -1,0 +1,214 @@
+"""Run a cell's source in a namespace under a :class:`Capture`, with a hang watchdog.
+
+The watchdog interrupts a run that exceeds ``timeout``: it first photographs every
+thread's stack (that is where the hang is), then raises ``KeyboardInterrupt`` in
+the running thread, exactly as Ctrl-C would. Signal handlers are restored after.
+
+>>> trace = run_source("x = 1 + 1", {})
+>>> trace.completed
+True
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import linecache
+import signal
+import threading
+from typing import Any, Callable
+
+from .process import complete, interrupts_allowed, interrupts_deferred
+from .context import Capture
+from .frames import UserFrames
+from .history import CellHistory
+from ..trace.records import Trace
+
+_cells = itertools.count(1)
+_RETRIES, _RETRY_S = 60, 0.5  # after the timeout: interrupt again every 0.5 s, for at most 30 s
+
+
+class Watchdog:
+    """Interrupt the calling thread after ``timeout`` seconds (None: never)."""
+
+    def __init__(self, timeout: float | None, frames: UserFrames) -> None:
+        self.timeout = timeout
+        self.fired = False
+        self.stacks: list = []
+        self._frames = frames
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._target = threading.get_ident()
+        self._thread: threading.Thread | None = None
+        self._old_handler: Any = None
+
+    def __enter__(self) -> "Watchdog":
+        if self.timeout is None:
+            return self
+        try:  # (as Capture.__enter__: a Ctrl-C delivered on the way out must not leave it armed)
+            self._arm()
+            return self
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def _arm(self) -> None:
+        self._target = threading.get_ident()
+        with interrupts_deferred() as deferral:
+            if deferral.active:
+                # Our interrupt must become a KeyboardInterrupt even where SIGINT is ignored: that handler
+                # is what the section leaves in place.
+                self._old_handler, deferral.outer = deferral.outer, signal.default_int_handler
+            self._thread = threading.Thread(target=self._watch, name="backward_doctor-watchdog", daemon=True)
+            self._thread.start()
+            if deferral.pending:  # a Ctrl-C while arming: disarm, then it is delivered as the user's handler would
+                self._close(deferral)
+
+    def _watch(self) -> None:
+        if self._done.wait(self.timeout):
+            return
+        with self._lock:
+            if self._done.is_set():
+                return
+            self.stacks = self._frames.thread_stacks()
+            self.fired = True
+            self._interrupt()
+        # A KeyboardInterrupt can be swallowed (raised inside a weakref callback or a `__del__`,
+        # or by a bare `except:` in the user's loop): keep interrupting until the run ends.
+        for attempt in range(_RETRIES):
+            # The first pause is longer: IPython may still be printing the first traceback.
+            if self._done.wait(_RETRY_S * (3 if attempt == 0 else 1)):
+                return
+            with self._lock:
+                if self._done.is_set():
+                    return
+                self._interrupt()
+
+    def _interrupt(self) -> None:
+        if self._old_handler is not None:
+            signal.pthread_kill(self._target, signal.SIGINT)
+        else:  # not the main thread: no signals; interrupt at the next bytecode
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target),
+                                                       ctypes.py_object(KeyboardInterrupt))
+
+    def disarm(self) -> None:
+        with interrupts_deferred(), self._lock:  # a Ctrl-C must not leave the lock held
+            self._done.set()
+
+    def __exit__(self, *exc: Any) -> bool:
+        complete(self._close)
+        return False
+
+    def _close(self, deferral: Any) -> None:
+        """Stop the watch thread and put the SIGINT handler back, unless the cell installed its own."""
+        self.disarm()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._old_handler is not None and deferral.active:
+            if deferral.outer is signal.default_int_handler:  # still ours
+                deferral.outer = self._old_handler
+            self._old_handler = None
+
+
+def make_capture(engine: str, namespace: dict[str, Any], **kwargs: Any) -> Capture:
+    """A :class:`Capture` for ``engine`` ("python" or "native"; see ``tiers.choose_engine``)."""
+    if engine == "native":
+        from .native_capture import NativeCapture
+
+        return NativeCapture(namespace, **kwargs)
+    return Capture(namespace, **kwargs)
+
+
+_registered: collections.deque = collections.deque()
+_KEEP_SOURCES = 64  # the latest cells' sources stay in linecache (tracebacks); older ones are dropped
+
+
+def _register_source(filename: str, source: str) -> None:
+    """Put the cell's source in linecache (tracebacks show its lines), keeping only the latest few."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    if filename not in _registered:
+        _registered.append(filename)
+    while len(_registered) > _KEEP_SOURCES:
+        linecache.cache.pop(_registered.popleft(), None)
+
+
+def cell_filename() -> str:
+    return f"<backward_doctor-cell-{next(_cells)}>"
+
+
+def _run_disarmed_after(run: Callable[[], BaseException | None], watchdog: Watchdog) -> BaseException | None:
+    """The cell's run; its exception returned as data; the watchdog disarmed as soon as it ends. (Its own
+    function: a `try` as the first statement of a `with` body leaves an unprotected instruction.)"""
+    try:
+        with interrupts_allowed():  # the user's code: Ctrl-C interrupts it as usual
+            return run()
+    except BaseException as e:  # noqa: BLE001 - the cell's error is data here
+        return e
+    finally:
+        watchdog.disarm()
+
+
+_running: list[Capture] = []  # the capture of the run in progress (a nested diagnosis adds one)
+
+
+def current_capture() -> Capture | None:
+    """The capture of the run in progress, if any (the CLI reports from it when a script calls os._exit)."""
+    return _running[-1] if _running else None
+
+
+def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
+                      timeout: float | None) -> Trace:
+    """Call ``run()`` (which returns the cell's exception or None) under capture and watchdog."""
+    with interrupts_deferred():  # set-up and tear-down hold Ctrl-C; the cell itself does not
+        _running.append(capture)
+        try:
+            return _run_under_capture(run, capture, timeout)
+        finally:
+            _running.remove(capture)
+
+
+def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
+                       timeout: float | None) -> Trace:
+    watchdog = Watchdog(timeout, capture._frames)
+    exc: BaseException | None = None
+    try:
+        # Capture first: its start-up (a one-time torch import) is not the cell's time.
+        with capture:
+            with watchdog:
+                exc = _run_disarmed_after(run, watchdog)
+    except KeyboardInterrupt as e:  # the interrupt landed after the cell ended
+        exc = exc or e
+    trace = capture.trace
+    trace.timeout_s = timeout
+    if watchdog.fired:
+        trace.timed_out = True
+        trace.threads = watchdog.stacks
+    if exc is not None:
+        capture.record_exception(exc)
+        if isinstance(exc, KeyboardInterrupt) and not trace.threads:
+            trace.threads = capture._frames.thread_stacks()
+    del exc
+    return capture.finish()
+
+
+def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
+               memory_limit: int | None = None, filename: str | None = None,
+               history: CellHistory | None = None, detail: bool = True, engine: str = "python") -> Trace:
+    """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace.
+
+    ``engine``: ``"python"`` (the dispatch-mode :class:`Capture`) or ``"native"``
+    (:class:`~backward_doctor.capture.native_capture.NativeCapture`, first tier only).
+    """
+    filename = filename or cell_filename()
+    # Register the source so tracebacks and reports can show the cell's lines.
+    _register_source(filename, source)
+    capture = make_capture(engine, namespace, cell_file=filename, source=source, memory_limit=memory_limit,
+                           history=history, detail=detail)
+
+    def run() -> BaseException | None:
+        code = compile(source, filename, "exec")
+        exec(code, namespace)
+        return None
+
+    return run_under_capture(run, capture, timeout)

@@ -1,0 +1,173 @@
+"""End-of-run inspection of live objects, turned into plain records for the silent-bug rules.
+
+Runs once per cell run (never per op): which parameters got gradients, which
+tensors in the namespace still carry an autograd graph and from which runs.
+"""
+from __future__ import annotations
+
+import collections
+import inspect
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from torch import nn
+
+from . import namespace as ns_mod
+from .memory import shape_of, storage_key, storage_nbytes
+from .stores import store_line_in_file
+from ..trace.records import ParamInfo
+
+if TYPE_CHECKING:
+    from .context import Capture
+
+_MAX_NODES = 2000      # graph nodes walked per holder
+_MAX_HOLDERS = 50
+
+
+def param_infos(cap: "Capture") -> list[ParamInfo]:
+    names: dict[int, str] = {}
+    for root, mod in ns_mod.modules(cap.namespace):
+        for name, p in mod.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), f"{root}.{name}")
+    for name, t in ns_mod.tensors(cap.namespace):  # e.g. logit_scale = nn.Parameter(...)
+        if isinstance(t, nn.Parameter):
+            names.setdefault(id(t), name)
+    stepped_opts = {s["id"] for s in cap.trace.optimizer_steps}
+    stepped: set[int] = set()
+    for _, opt in ns_mod.optimizers(cap.namespace):
+        if id(opt) in stepped_opts:
+            stepped.update(id(p) for g in opt.param_groups for p in g["params"])
+    out = []
+    for p in cap.parameters():
+        out.append(ParamInfo(name=names.get(id(p), f"<parameter {tuple(shape_of(p))}>"), key=storage_key(p) or 0,
+                             requires_grad=bool(p.requires_grad), got_grad=id(p) in cap._got_grad,
+                             stepped=id(p) in stepped, numel=p.numel(),
+                             grad_fn=None if p.is_leaf else type(p.grad_fn).__name__))
+    return out
+
+
+def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dict[str, Any]]]:
+    """(path, tensor, where it is stored) for tensors reachable from the namespace.
+
+    The third item says where to look for the statement that stores it: the cell
+    (``{"cell": [name]}``), a module's source (``{"file", "target": ["self", attr], "module"}``)
+    or a closure's function (``{"file", "first", "target": [freevar]}``).
+    """
+    for path, value in ns_mod.user_items(namespace, depth=2):
+        if isinstance(value, torch.Tensor):
+            yield path, value, {"cell": [path.split("[", 1)[0].split(".", 1)[0]], "contained": "[" in path}
+    for root, mod in ns_mod.modules(namespace):
+        for sub_name, sub in mod.named_modules():
+            mod_path = f"{root}.{sub_name}" if sub_name else root
+            try:
+                file = inspect.getsourcefile(type(sub))
+                first = inspect.getsourcelines(type(sub))[1]
+            except (TypeError, OSError):
+                file, first = None, 0
+            attrs = [(a, v) for a, v in vars(sub).items() if not a.startswith("_") and not isinstance(v, nn.Parameter)]
+            attrs += [(a, v) for a, v in sub._buffers.items() if v is not None]  # buffers can hold graphs too
+            for attr, value in attrs:
+                for path, item in ns_mod._children(f"{mod_path}.{attr}", value, 1):
+                    if isinstance(item, torch.Tensor):
+                        yield path, item, {"file": file, "first": first, "target": ["self", attr],
+                                           "module": mod_path, "contained": True}
+    for name, value in list(namespace.items()):
+        code = getattr(value, "__code__", None)
+        cells = getattr(value, "__closure__", None)
+        if code is None or not cells:
+            continue
+        for var, cell in zip(code.co_freevars, cells):
+            try:
+                content = cell.cell_contents
+            except ValueError:
+                continue
+            for path, item in ns_mod._children(f"{name}.<closure {var}>", content, 1):
+                if isinstance(item, torch.Tensor):
+                    yield path, item, {"file": code.co_filename, "first": code.co_firstlineno, "target": [var],
+                                       "contained": True}
+
+
+_SAVED_ATTRS: dict[type, list[str]] = {}
+
+
+def _nodes(fn: Any) -> Iterator[Any]:
+    """The autograd nodes behind ``fn``, breadth first, at most ``_MAX_NODES``."""
+    seen: set[int] = set()
+    queue = collections.deque([fn])
+    while queue and len(seen) < _MAX_NODES:
+        node = queue.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        queue.extend(n for n, _ in node.next_functions)
+
+
+def _saved_bytes(fn: Any, seen_keys: set[int]) -> int:
+    """Bytes of tensors the graph behind ``fn`` still saves for a backward (bounded walk)."""
+    total = 0
+    for node in _nodes(fn):
+        names = _SAVED_ATTRS.get(type(node))
+        if names is None:
+            names = _SAVED_ATTRS[type(node)] = [a for a in dir(node) if a.startswith("_saved_")]
+        for attr in names:
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # already freed by a backward
+                continue
+            if isinstance(value, torch.Tensor):
+                key = storage_key(value)
+                if key and key not in seen_keys:
+                    seen_keys.add(key)
+                    total += storage_nbytes(value)
+    return total
+
+
+def _runs_in_graph(fn: Any, start: int, earlier: list[tuple[int, int, int]]) -> set[int]:
+    """Earlier runs of this cell whose autograd nodes the graph behind ``fn`` still holds.
+
+    Nodes are numbered per thread in creation order, so a node's ``_sequence_nr()``
+    says which run made it: ``earlier`` is [(run id, first seq, end seq)].
+    """
+    runs: set[int] = set()
+    for node in _nodes(fn):
+        seq = node._sequence_nr()
+        if seq < start:
+            run = next((r for r, lo, hi in earlier if lo <= seq < hi), None)
+            if run is not None:
+                runs.add(run)
+                break  # one node of an earlier run is enough to know
+    return runs
+
+
+def graph_holders(cap: "Capture") -> list[dict[str, Any]]:
+    """Namespace tensors that still carry an autograd graph, with the earlier runs that graph holds."""
+    start = cap._seq_start
+    earlier = [(r.run_id, r.seq_start, r.seq_end) for r in cap.history.runs] if cap.history else []
+    out: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    saved_keys: set[int] = set()
+    for path, t, store in _holders(cap.namespace):
+        fn = t.grad_fn
+        if fn is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        seq = fn._sequence_nr()
+        own_index = cap._seq_map.get(seq) if seq >= start else None
+        runs = sorted(_runs_in_graph(fn, start, earlier))
+        holder = {"path": path, "shape": list(shape_of(t)), "bytes": storage_nbytes(t),
+                  "grad_fn": type(fn).__name__, "contained": store["contained"], "earlier_runs": runs,
+                  "own_run": cap._run_id if seq >= start else None, "own_index": own_index,
+                  "module": store.get("module"), "store_file": None, "store_line": None, "store": "cell"}
+        if runs:
+            holder["graph_bytes"] = _saved_bytes(fn, saved_keys)
+            if "cell" in store:
+                holder["target"] = store["cell"]
+            elif store.get("file"):
+                holder["store"] = "module" if "module" in store else "closure"
+                holder["store_file"] = store["file"]
+                holder["store_line"] = store_line_in_file(store["file"], store["target"], store.get("first", 0))
+        out.append(holder)
+        if len(out) >= _MAX_HOLDERS:
+            break
+    return out

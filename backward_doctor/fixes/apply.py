@@ -1,0 +1,277 @@
+"""Run a fix: snapshot, original run, restore, rewritten run, comparison.
+
+The rewritten cell is what runs (through the same capture as any cell), so the
+code the report offers to keep is the code that was measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import warnings as _warnings
+from typing import Any, Callable
+
+from ..capture.process import exclusive
+from ..report.report import Report
+from ..trace.records import Trace
+from ..util.units import format_bytes, parse_size
+from . import accumulate, amp, checkpoint, sync
+from ..util.cell import Cell, NotApplicable, stored_names
+from .compare import GradProbe, Watch, grad_max_rel_err, loss_value, run_numbers
+from ..report.fix_result import FixResult
+from ..run.snapshot import Snapshot, available_ram, estimate_bytes
+from .spec import FixSpec, parse_fix
+
+Progress = Callable[[float, str], None]
+
+
+def _rewrite(spec: FixSpec, source: str, namespace: dict[str, Any], original: Report | None):
+    if spec.kind == "accumulate":
+        return accumulate.rewrite(source, namespace, spec.arg, original)
+    if spec.kind == "amp":
+        return amp.rewrite(source, namespace, spec.arg)
+    if spec.kind == "checkpoint":
+        return checkpoint.rewrite(source, namespace, original)
+    return sync.rewrite(source, namespace, original)
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:  # a cell we cannot parse: no names, no loss
+        return None
+
+
+def _diff(before: str, after: str) -> str:
+    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True),
+                                        fromfile="original cell", tofile="with fix"))
+
+
+def _cancelled(trace: Trace | None) -> bool:
+    return trace is not None and trace.exception is not None and trace.exception.type == "FixCancelled"
+
+
+@exclusive
+def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original: Report | dict | None = None,
+            timeout: float | None = None, memory_limit: int | str | None = None, rollback: bool = True,
+            progress: Progress | None = None, cancel: Callable[[], bool] | None = None,
+            run_original: Callable[[], Report] | None = None) -> Report:
+    """Apply ``fix`` to the cell ``source`` and run it; the report of the fixed run (see ``FixResult``).
+
+    Without ``original`` the original cell runs first (so the fix can be compared
+    with it and, for ``checkpoint``, planned from its trace); with ``rollback`` the
+    training state is snapshotted before and restored between the two runs, and
+    after a fixed run that fails or is cancelled. ``progress(fraction, text)`` is
+    called as work proceeds; ``cancel()`` returning True stops at the next model
+    call or optimizer step. Bad arguments raise ``ValueError`` before anything runs.
+    """
+    from ..api import build_report, check_cell, check_timeout
+    from ..capture.runner import run_source
+
+    spec = parse_fix(fix)
+    check_cell(source, namespace)
+    timeout = check_timeout(timeout)
+    limit = parse_size(memory_limit)
+    if isinstance(original, dict):
+        original = Report.from_dict(original)
+    ns = {} if namespace is None else namespace
+    ns.setdefault("__builtins__", __builtins__)
+
+    def say(fraction: float, text: str) -> None:
+        if progress is not None:
+            progress(min(1.0, max(0.0, fraction)), text)
+
+    result = FixResult(name=spec.name)
+    cell = _safe(lambda: Cell(source))
+    names = set().union(*(cell.loads(i) for i in range(len(cell.stmts)))) if cell and cell.stmts else set()
+    rebinds = stored_names(cell.stmts) if cell else set()
+    loss_name = _safe(cell.loss_name) if cell else None
+    before_loss = loss_value(ns, loss_name) if original is not None and original.exception is None else None
+
+    # 1. Snapshot (when it fits in RAM).
+    snap: Snapshot | None = None
+    if rollback:
+        say(0.0, "saving the training state (rollback snapshot)")
+        need, avail = estimate_bytes(ns, rebinds), available_ram()
+        if avail is not None and need > 0.8 * avail:
+            text = (f"rollback skipped: the snapshot needs {format_bytes(need)} of RAM and only "
+                    f"{format_bytes(avail)} is available; the fix runs on top of the original run's state")
+            _warnings.warn(text, RuntimeWarning, stacklevel=2)
+            result.warnings.append(text)
+        else:
+            try:
+                snap = Snapshot.take(ns, rebinds)
+            except Exception as exc:  # never lose the diagnosis to the snapshot
+                text = f"rollback skipped: the state could not be copied ({type(exc).__name__}: {exc})"
+                _warnings.warn(text, RuntimeWarning, stacklevel=2)
+                result.warnings.append(text)
+    else:
+        result.warnings.append("rollback off: the fix runs on the state the original run left")
+
+    # 2. The original run.
+    probe_before = GradProbe(ns, enabled=original is None)
+    lo = 0.05 if original is None else 0.0
+    if original is None:
+        if cancel is not None and cancel():
+            return _stop(Report(exception="FixCancelled: cancelled by the user"), result, snap, ns,
+                         "Cancelled before anything ran.")
+        say(lo, "running the original cell")
+        with Watch(ns, names, lo, 0.45, "running the original cell", progress, cancel), probe_before:
+            if run_original is not None:
+                original = run_original()
+            else:
+                from ..capture.history import history_for
+
+                original = build_report(run_source(source, ns, timeout=timeout, memory_limit=limit,
+                                                   history=history_for(source, ns)))
+        if _cancelled(original.trace):
+            original = Report(exception="FixCancelled: cancelled by the user", trace=original.trace)
+            return _stop(original, result, snap, ns, "Cancelled while the original cell ran; the state was "
+                         "restored." if snap else "Cancelled while the original cell ran.")
+        before_loss = loss_value(ns, loss_name) if original.exception is None else None
+    result.original = original.to_dict()
+    result.comparison = {"before": run_numbers(original.trace, before_loss), "after": run_numbers(None, None),
+                         "grad_max_rel_err": None}
+
+    # 3. The rewrite (an honest "cannot" leaves the namespace as the original run left it).
+    say(0.47, f"rewriting the cell for {spec.name}")
+    try:
+        rw = _rewrite(spec, source, ns, original)
+    except NotApplicable as exc:
+        result.message = f"{spec.name} cannot be applied: {exc}"
+        say(1.0, "done (fix not applicable)")
+        return _as_last(dataclasses.replace(original, fix=spec.name, fix_result=result))  # the caller's stays as it was
+    result.warnings.extend(rw.warnings)
+
+    # 4. Restore, then run the rewritten cell. Plain "accumulate" (no k) doubles k while the
+    #    step still runs out of memory, restoring the state before each try.
+    if snap is not None and probe_before.enabled:
+        _restore(snap, ns, result)
+        result.rolled_back = True
+    # Gradients are compared only with an original step that ran to the end (and was run here).
+    compare = probe_before.enabled and original.exception is None and not original.trace.timed_out
+    tried: list[str] = []
+    last_failure: tuple[Any, Any] = (None, None)
+    while True:
+        name = f"accumulate:{rw.details['k']}" if spec.kind == "accumulate" else spec.name
+        result.name, result.code, result.diff = name, rw.code, _diff(source, rw.code)
+        result.comparison.pop("predicted_peak", None)
+        predicted, lower = _predicted(original, name)
+        if predicted is not None:
+            result.comparison["predicted_peak"] = predicted
+            result.comparison["predicted_is_lower_bound"] = lower
+        if snap is not None:
+            snap.add_names(ns, _safe(lambda: stored_names(Cell(rw.code).stmts)) or set())
+        if cancel is not None and cancel():
+            return _stop(original, result, snap, ns, "Cancelled before the fixed cell ran.")
+        # Each retry gets half of what is left of the bar, so the fraction never goes back.
+        lo, hi = 0.95 - 0.45 * 0.5 ** len(tried), 0.95 - 0.45 * 0.5 ** (len(tried) + 1)
+        hi = 0.95 if spec.arg is not None or spec.kind != "accumulate" else hi
+        say(lo, f"running the cell with {name}")
+        probe_after = GradProbe(ns, enabled=compare)
+        with Watch(ns, names, lo, hi, f"running the cell with {name}", progress, cancel,
+                   rw.details.get("k", 1)), probe_after:
+            trace = run_source(rw.code, ns, timeout=timeout, memory_limit=limit)
+        if _cancelled(trace):
+            return _stop(original, result, snap, ns, "Cancelled while the fixed cell ran.")
+        oom = trace.exception is not None and trace.exception.type == "OutOfMemoryError"
+        k = rw.details.get("k")
+        if not (oom and spec.kind == "accumulate" and spec.arg is None and snap is not None
+                and k is not None and k < rw.details["batch_size"] and len(tried) < 5):
+            break
+        info = trace.exception.oom or {}
+        failed = trace.op(info.get("index"))
+        if failed is not None and failed.phase == "optimizer":
+            result.warnings.append(f"{name} ran out of memory in the optimizer step, which more micro-batches do "
+                                   "not shrink: parameters, gradients and optimizer state alone exceed the device")
+            break
+        signature = (failed.op if failed else None, info.get("requested"))
+        if tried and signature == last_failure and signature[1]:
+            result.warnings.append(f"smaller micro-batches do not shrink the allocation that fails "
+                                   f"({format_bytes(signature[1])} in {signature[0]})")
+            break
+        last_failure = signature
+        try:  # before restoring: batch tensors the cell makes itself exist now
+            made = (_safe(lambda: stored_names(Cell(rw.code).stmts)) or set()) - rebinds
+            following = accumulate.rewrite(source, ns, min(2 * k, rw.details["batch_size"]), original, reuse=made)
+        except NotApplicable:
+            break
+        tried.append(f"{name} still ran out of memory (peak {format_bytes(trace.memory.peak_bytes)})")
+        _restore(snap, ns, result)
+        say(hi, f"{name} ran out of memory; trying {following.details['k']} micro-batches")
+        rw = following
+    report = build_report(trace, name)
+    after_loss = loss_value(ns, loss_name) if trace.exception is None else None
+    result.comparison["after"] = run_numbers(trace, after_loss)
+    if probe_after.enabled and trace.exception is None:
+        result.comparison["grad_max_rel_err"] = grad_max_rel_err(probe_before.grads, probe_after.grads)
+    result.applied = True
+    result.fits = trace.exception is None and not trace.timed_out
+    result.message = _outcome(rw.message, result, original, trace, limit)
+    if tried:
+        result.message += " Tried first: " + "; ".join(tried) + "."
+    if not result.fits and snap is not None:
+        _restore(snap, ns, result)
+        result.rolled_back = True
+        result.message += " The training state was rolled back to before the fix."
+    report.fix_result = result
+    say(1.0, "done")
+    return report
+
+
+def _as_last(report: Report) -> Report:
+    """Make ``report`` what ``backward_doctor.last_report()`` returns."""
+    from .. import api
+
+    api._last[0] = report
+    return report
+
+
+def _restore(snap: Snapshot, ns: dict[str, Any], result: FixResult) -> None:
+    try:
+        snap.restore(ns)
+    except Exception as exc:  # say so: the state may be partly restored
+        result.warnings.append(f"rollback failed part-way ({type(exc).__name__}: {exc}); check the model's state")
+
+
+def _stop(report: Report, result: FixResult, snap: Snapshot | None, ns: dict[str, Any], message: str) -> Report:
+    if snap is not None:
+        _restore(snap, ns, result)
+        result.rolled_back = True
+    result.cancelled = True
+    result.applied = False
+    result.message = message
+    if result.original is None and report.trace.ops:
+        result.original = report.to_dict()
+    return _as_last(dataclasses.replace(report, fix=result.name, fix_result=result))
+
+
+def _predicted(original: Report, name: str) -> tuple[int | None, bool]:
+    """The OOM finding's predicted peak for this fix, and whether it is only a lower bound."""
+    finding = next((f for f in original.findings if f.kind == "oom"), None)
+    if finding is None:
+        return None, False
+    preds = finding.evidence.get("predicted_peak") or {}
+    key = name if name in preds else name.split(":")[0]
+    return preds.get(key), bool(finding.evidence.get("lower_bound"))
+
+
+def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit: int | None) -> str:
+    before, after = result.comparison["before"], result.comparison["after"]
+    parts = [what.rstrip(". ") + "."]
+    if trace.exception is None and not trace.timed_out:
+        was = format_bytes(before["peak_bytes"]) if before.get("peak_bytes") else "?"
+        ran_out = "" if before.get("completed") else " when it failed"
+        of = f" (limit {format_bytes(limit)})" if limit else ""
+        parts.append(f"The fixed step ran: peak live tensors {format_bytes(after['peak_bytes'])}{of}, "
+                     f"was {was}{ran_out}.")
+        err = result.comparison.get("grad_max_rel_err")
+        if err is not None:
+            parts.append(f"Gradients differ from the original step's by at most {err:.2g} (relative).")
+        if before.get("loss") is not None and after.get("loss") is not None:
+            parts.append(f"Loss {after['loss']:.6g} (original {before['loss']:.6g}).")
+    else:
+        exc = trace.exception.summary().split("\n")[0][:200] if trace.exception else "timed out"
+        parts.append(f"The fixed step did not complete: {exc}.")
+    if result.warnings:
+        parts.append("Note: " + "; ".join(result.warnings) + ".")
+    return " ".join(parts)

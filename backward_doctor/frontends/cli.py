@@ -1,0 +1,131 @@
+"""Command line: ``python -m backward_doctor FILE.py`` diagnoses a file as one cell.
+
+Exit status: 0 when the step ran and nothing was found, 1 when a problem was
+found, 2 for bad arguments (nothing is run then). With ``--fix NAME`` the report
+(and the status) is that of the fixed run, with the code to keep.
+
+>>> main(["--help"])  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+SystemExit: 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tokenize
+from typing import Any, Callable
+
+from ..api import check_fix, check_timeout, diagnose
+from ..run.engine import choose_engine
+from ..util.units import parse_size
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m backward_doctor",
+                                description="Run a training-step script as one cell and diagnose it.")
+    p.add_argument("file", help="Python file with the training step")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds before it counts as a hang")
+    p.add_argument("--memory-limit", default=None, metavar="SIZE", help="simulated device capacity, e.g. 2GiB")
+    p.add_argument("--fix", default=None, metavar="NAME", help="re-run with a fix (accumulate[:k], amp, sync, checkpoint)")
+    p.add_argument("--no-rollback", action="store_true",
+                   help="with --fix: do not restore the training state between the original and the fixed run")
+    p.add_argument("--engine", default="auto", choices=("auto", "native", "python"),
+                   help="what records the ops (default auto: the native recorder where it can be used)")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
+    p.add_argument("--html", default=None, metavar="OUT",
+                   help="also write the report as one self-contained HTML page to OUT")
+    return p
+
+
+def _read(parser: argparse.ArgumentParser, path: str) -> str:
+    """The script's text, decoded as Python decodes a file (a coding line, a BOM, else UTF-8)."""
+    if not os.path.isfile(path):
+        parser.error(f"no such file: {path}")
+    try:
+        with tokenize.open(path) as fh:
+            return fh.read()
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:  # binary, or an encoding it does not declare
+        parser.error(f"cannot read {path} as Python source: {str(exc).splitlines()[0]}")
+    except OSError as exc:
+        parser.error(f"cannot read {path}: {exc.strerror or exc}")
+    raise AssertionError("unreachable")
+
+
+def _check_output(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    """An output path must be writable before the step runs (else the report would be lost after it)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"{flag} {path}: is a folder; give a file name")
+    if not os.path.isdir(folder):
+        parser.error(f"{flag} {path}: no such folder: {folder}")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        parser.error(f"{flag} {path}: not writable")
+
+
+def _emit(report: Any, args: argparse.Namespace) -> None:
+    print(report, flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report.to_dict(), fh)
+    if args.html:
+        report.save_html(args.html)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        check_timeout(args.timeout)
+        limit = parse_size(args.memory_limit)
+        check_fix(args.fix)
+        if args.engine == "native":
+            choose_engine("native", memory_limit=limit)
+    except ValueError as exc:
+        parser.error(str(exc))
+    _check_output(parser, "--json", args.json)
+    _check_output(parser, "--html", args.html)
+    source = _read(parser, args.file)
+    path = os.path.abspath(args.file)
+    namespace = {"__name__": "__main__", "__file__": path}
+    sys.path.insert(0, os.path.dirname(path))  # imports next to the script work, as with `python FILE`
+    real_exit = os._exit
+    os._exit = _exit_with_report(real_exit, args)
+    try:
+        report = diagnose(source, namespace, timeout=args.timeout, memory_limit=limit, fix=args.fix,
+                          engine=args.engine, rollback=not args.no_rollback)
+    finally:
+        os._exit = real_exit
+        sys.path.remove(os.path.dirname(path))
+    _emit(report, args)
+    return 0 if report.ok else 1
+
+
+def _exit_with_report(real_exit: Callable[[int], Any], args: argparse.Namespace) -> Callable[[int], Any]:
+    """``os._exit`` for the script's run: it ends the process at once, so first the report of the run
+    as far as it went (the capture stopped, the exit as its exception), then the real exit."""
+    def _exit(code: int = 0) -> Any:
+        os._exit = real_exit
+        try:
+            from ..api import build_report
+            from ..capture.runner import current_capture
+
+            cap = current_capture()
+            if cap is not None:
+                caller = sys._getframe(1)
+                cap.stop()
+                exc = SystemExit(f"the script called os._exit({code}) at {os.path.basename(caller.f_code.co_filename)}"
+                                 f":{caller.f_lineno}: the run ends there, and the report covers it up to there")
+                del caller
+                cap.record_exception(exc)
+                _emit(build_report(cap.finish()), args)
+        except BaseException as err:  # noqa: BLE001 - the exit must happen whatever went wrong
+            print(f"backward_doctor: no report ({type(err).__name__}: {err})", file=sys.stderr)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            real_exit(code)
+    return _exit

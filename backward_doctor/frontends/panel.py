@@ -1,0 +1,399 @@
+"""The notebook panel (ipywidgets): summary, memory, root cause, graph, ops and fix buttons.
+
+The only module that imports ipywidgets. The magic shows a :class:`Panel` when the
+front end can display widgets; everything else falls back to the text or HTML report.
+
+Widget state stays small: plots are PNG bytes in ``Image`` widgets, sections are HTML
+strings of bounded size (top rows of tables, one graph view at a time), and the trace
+itself never goes into widget state.
+
+A fix button re-runs the cell with the fix in a background thread, so the progress
+bar and the Cancel button stay live; the after-view shows the comparison, the diff and
+the code to keep, with a button that inserts that code as a new cell below the panel's
+cell (see ``docs/panel.md`` for what was tried and what works in which front end).
+"""
+from __future__ import annotations
+
+import html
+import threading
+import traceback
+from typing import TYPE_CHECKING, Any, Callable
+
+import ipywidgets as W
+
+from ..render import sections as S
+from ..render.sections import esc
+
+if TYPE_CHECKING:
+    from ..report.report import Report
+
+_TABS = ("Memory", "Root cause", "Autograd graph", "Ops")
+
+#: Runs on click in the browser: inserts the code as a new cell below the panel's cell.
+#: Classic Notebook: ``Jupyter.notebook`` API. JupyterLab 4 / Notebook 7: the click has
+#: made the panel's cell active; the cell toolbar's "insert below" button adds the cell
+#: and a paste event puts the code into its editor. Anything else: copy to clipboard.
+KEEP_JS = r"""(function(btn){
+var box=btn.closest('.bd-keep'),code=box.querySelector('textarea').value,st=box.querySelector('.bd-keep-status');
+function say(m){st.textContent=m;}
+function copy(){try{if(navigator.clipboard){navigator.clipboard.writeText(code);return true;}}catch(e){}
+ var ta=box.querySelector('textarea');ta.hidden=false;ta.select();var ok=false;try{ok=document.execCommand('copy');}catch(e){}
+ ta.hidden=true;return ok;}
+function fallback(){say(copy()?'Copied: paste it into a cell (Ctrl+V / Cmd+V).':'Select the code above and copy it.');}
+var J=window.Jupyter;
+if(J&&J.notebook&&J.notebook.insert_cell_below){var el=btn.closest('.cell'),cs=J.notebook.get_cells(),idx=-1;
+ for(var i=0;i<cs.length;i++)if(el&&cs[i].element[0]===el)idx=i;
+ var c=J.notebook.insert_cell_below('code',idx>=0?idx:undefined);c.set_text(code);
+ J.notebook.select(J.notebook.find_cell_index(c));return say('Inserted as a new cell below.');}
+var cell=btn.closest('.jp-Cell'),nb=cell&&cell.closest('.jp-Notebook'),ins=null;
+if(cell){ins=cell.querySelector('[data-command="notebook:insert-cell-below"]');
+ var p=cell.closest('.jp-NotebookPanel');if(!ins&&p)ins=p.querySelector('[data-command="notebook:insert-cell-below"]');}
+if(!ins||!nb)return fallback();
+var before=Array.prototype.slice.call(nb.querySelectorAll('.jp-Cell'));ins.click();var t0=Date.now();
+(function wait(){var all=nb.querySelectorAll('.jp-Cell'),nc=null;
+ for(var i=0;i<all.length;i++)if(before.indexOf(all[i])<0)nc=all[i];
+ var cm=nc&&nc.querySelector('.cm-content');
+ if(!cm){if(Date.now()-t0<3000)return setTimeout(wait,50);return fallback();}
+ cm.focus();var dt=new DataTransfer();dt.setData('text/plain',code);
+ cm.dispatchEvent(new ClipboardEvent('paste',{clipboardData:dt,bubbles:true,cancelable:true}));
+ setTimeout(function(){var first=code.split('\n')[0].trim();
+  if((cm.textContent||'').indexOf(first)>=0)say('Inserted as a new cell below.');else fallback();},150);})();
+})(this)"""
+
+COPY_JS = r"""(function(btn){var box=btn.closest('.bd-keep'),code=box.querySelector('textarea').value,
+st=box.querySelector('.bd-keep-status');var done=function(){st.textContent='Copied.';};
+try{navigator.clipboard.writeText(code).then(done,function(){st.textContent='Select the code above and copy it.';});}
+catch(e){st.textContent='Select the code above and copy it.';}})(this)"""
+
+_BTN = ("border:1px solid #d0d7de;border-radius:6px;background:#f6f8fa;padding:3px 12px;margin:4px 6px 4px 0;"
+        "cursor:pointer;font-size:13px")
+
+
+def keep_html(code: str) -> str:
+    """Buttons that insert the code to keep into the notebook or copy it (pure front end), and the code."""
+    return (f'<div class="bd bd-keep"><div><b>Code to keep</b> <span class="sub">(the whole cell with the fix)'
+            f'</span></div>'
+            f'<button class="bd-insert" style="{_BTN};background:#1f883d;color:#fff;border-color:#1a7f37" '
+            f'onclick="{html.escape(KEEP_JS, quote=True)}">Insert as a new cell below</button>'
+            f'<button class="bd-copy" style="{_BTN}" onclick="{html.escape(COPY_JS, quote=True)}">Copy code</button>'
+            f'<span class="bd-keep-status" style="color:#57606a"></span>'
+            f'<details><summary>Show the code</summary><div class="src"><pre style="padding:6px 8px">{esc(code)}'
+            f"</pre></div></details><textarea hidden>{esc(code)}</textarea></div>")
+
+
+def _wrap(body: str) -> str:
+    return f'<div class="bd">{body}</div>'
+
+
+def load_run_fix() -> Callable[..., Any]:
+    """``backward_doctor.fixes.run_fix``; ImportError/AttributeError when it is not there yet."""
+    from .. import fixes  # may not exist yet
+
+    fn = getattr(fixes, "run_fix", None)
+    if fn is None:
+        from ..fixes.apply import run_fix as fn  # noqa: N813
+    return fn
+
+
+class Panel:
+    """Interactive report for one diagnosed cell. ``panel.widget`` is the root widget.
+
+    ``source``/``namespace``/``memory_limit``/``timeout``: what the fix buttons re-run
+    (the magic passes the cell, ``shell.user_ns`` and its options). ``run_fix``
+    replaces ``backward_doctor.fixes.run_fix`` (tests).
+    """
+
+    def __init__(self, report: "Report", source: str | None = None, namespace: dict[str, Any] | None = None, *,
+                 memory_limit: int | None = None, timeout: float | None = None,
+                 run_fix: Callable[..., Any] | None = None) -> None:
+        self.report = report
+        self.source = report.trace.source if source is None else source
+        self.namespace = namespace
+        self.memory_limit = memory_limit if memory_limit is not None else report.trace.memory.limit_bytes
+        self.timeout = timeout if timeout is not None else report.trace.timeout_s
+        self._run_fix = run_fix
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self.after_report: "Report | None" = None
+        self._graph = None
+        self._expanded: set[str] = set()
+        self._built: set[int] = set()
+        self._rows: dict[str, list[S.OpRow]] = {}
+
+        self.style = W.HTML(f"<style>{S.CSS}</style>")
+        self.summary = W.HTML(_wrap(S.summary_html(report)))
+        # Fixes: one button per fix that applies, progress and cancel, the after-view.
+        self.fix_options = S.applicable_fixes(report)
+        self.fix_buttons: dict[str, W.Button] = {}
+        for opt in self.fix_options:
+            b = W.Button(description=f"Try {opt.arg}", tooltip=f"{opt.title}: {opt.description}",
+                         button_style="primary", icon="wrench", layout=W.Layout(width="auto"))
+            b.on_click(lambda _b, o=opt: self.start_fix(o.arg))
+            self.fix_buttons[opt.arg] = b
+        self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout=W.Layout(width="260px"))
+        self.progress_text = W.HTML("")
+        self.cancel_button = W.Button(description="Cancel", icon="stop", button_style="warning",
+                                      layout=W.Layout(width="auto"))
+        self.cancel_button.on_click(lambda _b: self.cancel())
+        self.progress_box = W.HBox([self.progress, self.cancel_button, self.progress_text],
+                                   layout=W.Layout(display="none", align_items="center"))
+        self.status = W.HTML("")
+        self.after = W.HTML("")
+        self.after_image = W.Image(format="png", layout=W.Layout(display="none", max_width="1000px"))
+        self.after_image.add_class("bd-after-plot")
+        self.keep = W.HTML("")
+        fix_label = W.HTML('<div class="bd"><b>Fixes</b> <span class="sub">(re-run the cell with the fix and '
+                           'compare)</span></div>' if self.fix_options else "")
+        self.after_caption = W.HTML("")
+        self.fix_box = W.VBox([fix_label, W.HBox(list(self.fix_buttons.values())), self.progress_box, self.status,
+                               self.after, self.keep, self.after_caption, self.after_image],
+                              layout=W.Layout(display="flex" if self.fix_options else "none"))
+        self.fix_box.add_class("bd-fix-box")
+        # Tabs, filled when first shown.
+        self.memory_toggle = W.ToggleButtons(options=["timeline", "by module"], value="timeline",
+                                             style={"button_width": "100px"})
+        self.memory_image = W.Image(format="png", layout=W.Layout(max_width="1000px"))
+        self.memory_image.add_class("bd-memory-plot")
+        self.memory_note = W.HTML("")
+        self.memory_toggle.observe(lambda _c: self._show_memory(), names="value")
+        self.findings = W.HTML("")
+        self.graph_open = W.Dropdown(description="Open", options=[], layout=W.Layout(width="320px"))
+        self.graph_close = W.Dropdown(description="Close", options=[], layout=W.Layout(width="320px"))
+        self.graph_reset = W.Button(description="Reset view", layout=W.Layout(width="auto"))
+        self.graph_html = W.HTML("")
+        self.graph_open.observe(self._on_open, names="value")
+        self.graph_close.observe(self._on_close, names="value")
+        self.graph_reset.on_click(lambda _b: self._reset_graph())
+        self.ops_group = W.ToggleButtons(options=[("op", "op"), ("module", "module"), ("line", "line")], value="op",
+                                         description="group by", style={"button_width": "80px"})
+        self.ops_sort = W.ToggleButtons(options=[("time", "time"), ("memory", "memory"), ("count", "count"),
+                                                 ("name", "name")], value="time", description="sort by",
+                                        style={"button_width": "80px"})
+        self.ops_html = W.HTML("")
+        self.ops_group.observe(lambda _c: self._show_ops(), names="value")
+        self.ops_sort.observe(lambda _c: self._show_ops(), names="value")
+        pages = [W.VBox([self.memory_toggle, self.memory_image, self.memory_note]),
+                 W.VBox([self.findings]),
+                 W.VBox([W.HBox([self.graph_open, self.graph_close, self.graph_reset]), self.graph_html]),
+                 W.VBox([self.ops_group, self.ops_sort, self.ops_html])]
+        self.tabs = W.Tab(children=pages, titles=_TABS)
+        top = report.root_cause
+        start = 1 if top is not None and top.kind not in ("oom",) else 0
+        self.tabs.selected_index = start
+        self.tabs.observe(lambda c: self._fill(c["new"]), names="selected_index")
+        self._fill(start)
+        self.widget = W.VBox([self.style, self.summary, self.fix_box, self.tabs],
+                             layout=W.Layout(max_width="1120px"))
+        self.widget.add_class("backward-doctor-panel")
+        if getattr(report, "fix_result", None) is not None:  # ``--fix``: the fixed run, with the code to keep
+            self.fix_box.layout.display = "flex"
+            self.show_result(report)
+
+    # ---------------------------------------------------------------- display
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        """The widget, with the static HTML report and the text report as fallbacks (nbviewer, GitHub)."""
+        data = dict(self.widget._repr_mimebundle_() or {})
+        data["text/plain"] = str(self.report)
+        try:
+            data["text/html"] = self.report.to_html()
+        except Exception:  # noqa: BLE001 - the widget and the text still show
+            pass
+        return data
+
+    def _fill(self, index: int | None) -> None:
+        if index is None or index in self._built:
+            return
+        self._built.add(index)
+        try:
+            [self._show_memory, self._show_findings, self._show_graph, self._show_ops][index]()
+        except Exception as exc:  # a section that cannot be drawn must not break the panel
+            self._built.discard(index)
+            target = [self.memory_note, self.findings, self.graph_html, self.ops_html][index]
+            target.value = _wrap(f'<div class="bad">This section could not be drawn: {esc(type(exc).__name__)}: '
+                                 f"{esc(exc)}</div>")
+
+    def _show_memory(self) -> None:
+        from ..render import plots
+
+        tr = self.report.trace
+        if self.memory_toggle.value == "timeline":
+            self.memory_image.value = plots.memory_timeline_png(tr)
+            self.memory_note.value = _wrap(
+                '<div class="sub">Live tensor bytes after each op, by category; shaded bands are the phases '
+                "of the step. The dashed line is the memory limit (or the device), ▼ the peak, ✖ where memory "
+                "ran out.</div>")
+        else:
+            data, how = S.memory_by_module(tr)
+            self.memory_image.value = plots.memory_by_module_png(tr, data=(data, how))
+            self.memory_note.value = _wrap(f'<div class="sub">Memory by module {esc(how)}.</div>')
+
+    def _show_findings(self) -> None:
+        self.findings.value = _wrap(S.findings_html(self.report))
+
+    def _show_graph(self) -> None:
+        from ..render.graph import build_graph
+
+        if self._graph is None:
+            self._graph = build_graph(self.report.trace, self.report)
+            self._expanded = self._graph.auto_expanded()
+        self._draw_graph()
+
+    def _draw_graph(self) -> None:
+        from ..render.graph import legend_html
+
+        g = self._graph
+        self.graph_html.value = _wrap(legend_html() + f'<div class="graph">{g.render_svg(self._expanded)}</div>')
+        opts = g.expandable(self._expanded)
+        self.graph_open.unobserve(self._on_open, names="value")
+        self.graph_close.unobserve(self._on_close, names="value")
+        self.graph_open.options = [("module…", "")] + [(m, m) for m in opts]
+        self.graph_open.value = ""
+        self.graph_close.options = [("module…", "")] + [(m, m) for m in sorted(self._expanded)]
+        self.graph_close.value = ""
+        self.graph_open.observe(self._on_open, names="value")
+        self.graph_close.observe(self._on_close, names="value")
+
+    def expand(self, module: str) -> None:
+        """Open a collapsed module in the graph view."""
+        if self._graph is None:
+            self._show_graph()
+        self._expanded = set(self._expanded) | {module}
+        self._draw_graph()
+
+    def collapse(self, module: str) -> None:
+        if self._graph is None:
+            self._show_graph()
+        self._expanded = {m for m in self._expanded if m != module and not m.startswith(module + ".")}
+        self._draw_graph()
+
+    def _on_open(self, change: dict) -> None:
+        if change["new"]:
+            self.expand(change["new"])
+
+    def _on_close(self, change: dict) -> None:
+        if change["new"]:
+            self.collapse(change["new"])
+
+    def _reset_graph(self) -> None:
+        if self._graph is not None:
+            self._expanded = self._graph.auto_expanded()
+            self._draw_graph()
+
+    def _show_ops(self) -> None:
+        group = self.ops_group.value
+        rows = self._rows.get(group)
+        if rows is None:
+            rows = self._rows[group] = S.op_rows(self.report.trace, group)
+        self.ops_html.value = _wrap(S.ops_table_html(self.report.trace, group, self.ops_sort.value, limit=30,
+                                                     rows=rows))
+
+    # ---------------------------------------------------------------- fixes
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start_fix(self, fix: str) -> None:
+        """Re-run the cell with ``fix`` in a background thread (what a fix button does)."""
+        if self.running:
+            self.status.value = _wrap('<div class="sub">A fix is already running: wait for it or cancel it.</div>')
+            return
+        try:
+            runner = self._run_fix or load_run_fix()
+        except (ImportError, AttributeError) as exc:
+            self._not_available(fix, exc)
+            return
+        if self.namespace is None:
+            self.status.value = _wrap('<div class="sub">This panel was built without the notebook namespace, so '
+                                      "it cannot re-run the cell.</div>")
+            return
+        self._cancel.clear()
+        self.after.value = ""
+        self.keep.value = ""
+        self.after_caption.value = ""
+        self.after_image.layout.display = "none"
+        self.progress.value = 0.0
+        self.progress.bar_style = ""
+        self.progress_text.value = f"<span>running the cell with <code>{esc(fix)}</code>…</span>"
+        self.progress_box.layout.display = "flex"
+        self.status.value = ""
+        for b in self.fix_buttons.values():
+            b.disabled = True
+        self._thread = threading.Thread(target=self._fix_thread, args=(runner, fix), daemon=True,
+                                        name="backward_doctor-fix")
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the running fix finishes (tests, scripts)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def cancel(self) -> None:
+        if self.running:
+            self._cancel.set()
+            self.progress_text.value = "<span>cancelling…</span>"
+
+    def _progress(self, fraction: float, text: str = "") -> None:
+        try:
+            self.progress.value = max(0.0, min(1.0, float(fraction)))
+        except (TypeError, ValueError):
+            pass
+        if text:
+            self.progress_text.value = f"<span>{esc(text)}</span>"
+
+    def _fix_thread(self, runner: Callable[..., Any], fix: str) -> None:
+        try:
+            after = runner(self.source, self.namespace, fix, original=self.report, timeout=self.timeout,
+                           memory_limit=self.memory_limit, rollback=True, progress=self._progress,
+                           cancel=self._cancel.is_set)
+        except (NotImplementedError, ValueError) as exc:
+            self._done()
+            self._not_available(fix, exc)
+            return
+        except BaseException as exc:  # noqa: BLE001 - shown to the user, never raised in a thread
+            self._done()
+            self.progress.bar_style = "danger"
+            tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            self.status.value = _wrap(f'<div class="exc"><b>The fix run failed</b> <code>{esc(tb)}</code></div>')
+            return
+        self._done()
+        self.show_result(after)
+
+    def _done(self) -> None:
+        self.progress_box.layout.display = "none"
+        for b in self.fix_buttons.values():
+            b.disabled = False
+
+    def _not_available(self, fix: str, exc: BaseException) -> None:
+        self.status.value = _wrap(
+            f'<div class="exc" style="background:#fff8e1;border-color:#f0d48a"><b>The fix <code>{esc(fix)}</code> is '
+            f"not available yet</b> in this version of backward_doctor ({esc(type(exc).__name__)}: {esc(exc)}). "
+            "The findings above still say what to change by hand.</div>")
+
+    def show_result(self, after: "Report") -> None:
+        """Show a fix run's report: comparison, diff, its memory timeline, the code to keep."""
+        from ..render.html import fix_after_html
+
+        self.after_report = after
+        result = getattr(after, "fix_result", None)
+        if result is None:
+            self.status.value = _wrap('<div class="exc">The fix run returned no result.</div>')
+            return
+        cancelled = bool(S._get(result, "cancelled"))
+        body = fix_after_html(result, with_code=False)
+        if cancelled:
+            body = '<div class="sub"><b>Cancelled.</b> The namespace was restored.</div>' + body
+        self.after.value = _wrap(body)
+        tr = after.trace
+        if tr.memory.op_index:
+            try:
+                from ..render import plots
+
+                self.after_image.value = plots.memory_timeline_png(tr, height=3.0)
+                self.after_image.layout.display = "block"
+                self.after_caption.value = _wrap("<div><b>Memory of the run with the fix</b></div>")
+            except Exception:  # the comparison above already says what changed
+                self.after_image.layout.display = "none"
+        code = S._get(result, "code")
+        if code and S._get(result, "applied"):
+            self.keep.value = keep_html(code)
+        self.status.value = ""

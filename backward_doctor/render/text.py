@@ -1,0 +1,120 @@
+"""Plain-text report: what a terminal, a log file or CI shows.
+
+>>> from backward_doctor.report import Report
+>>> print(render_text(Report()).splitlines()[0])
+backward_doctor: OK - the step ran and nothing looks wrong
+"""
+from __future__ import annotations
+
+import os
+import textwrap
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from ..analysis.findings import source_line
+from ..capture.stats import format_stats
+from ..util.units import format_bytes
+
+if TYPE_CHECKING:
+    from ..report.report import Report
+
+_WIDTH = 100
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, _WIDTH, initial_indent=indent, subsequent_indent=indent) or [indent]
+
+
+def summary_line(report: "Report") -> str:
+    tr = report.trace
+    phases = Counter(op.phase for op in tr.ops)
+    parts = [f"{tr.op_count} ops in {tr.duration_s:.2f} s"]
+    if phases:
+        parts[-1] += " (" + ", ".join(f"{p} {n}" for p, n in phases.items()) + ")"
+    mem = tr.memory
+    if mem.peak_bytes:
+        peak = tr.op(mem.peak_index)
+        at = f" at {peak.op}, line {peak.where.line}" if peak and peak.where.line else ""
+        limit = f" of {format_bytes(mem.limit_bytes)} limit" if mem.limit_bytes else ""
+        parts.append(f"peak live tensors {format_bytes(mem.peak_bytes)}{limit}{at}")
+    return "; ".join(parts)
+
+
+def render_text(report: "Report") -> str:
+    """The whole report as text (verdict, summary, each finding with its source line)."""
+    tr = report.trace
+    out: list[str] = []
+    if report.ok:
+        out.append("backward_doctor: OK - the step ran and nothing looks wrong")
+    else:
+        top = report.findings[0] if report.findings else None
+        verdict = f"{top.kind} at {top.location()}" if top else "the step did not complete"
+        out.append(f"backward_doctor: PROBLEM - {verdict}")
+    out.append("  " + summary_line(report))
+    if report.exception:
+        out.extend(_wrap(f"exception: {report.exception.splitlines()[0]}", "  "))
+    for i, f in enumerate(report.findings, 1):
+        out.append("")
+        out.append(f"[{i}] {f.kind} ({f.severity}) at {f.location()}{' - ' + f.title if f.title else ''}")
+        code = source_line(tr, f.line, f.file)
+        if code:
+            out.append(f"    > {f.line:>4} | {code}")
+        if f.op:
+            out.append(f"    op: {f.op}")
+        out.extend(_wrap(f.message, "    "))
+        if f.fixes:
+            out.append(f"    fixes: {', '.join(f.fixes)}  (re-run with fix=NAME / --fix NAME)")
+        ev = f.evidence
+        if f.kind == "oom" and ev.get("predicted_peak_text"):
+            preds = ", ".join(f"{k} {v}" for k, v in ev["predicted_peak_text"].items())
+            bound = " (lower bounds: the step failed before its peak)" if ev.get("lower_bound") else ""
+            out.extend(_wrap(f"predicted peak{bound}: {preds}", "    "))
+            if ev.get("by_module"):
+                mods = ", ".join(f"{k} {format_bytes(v)}" for k, v in list(ev["by_module"].items())[:6])
+                out.extend(_wrap(f"by module: {mods}", "    "))
+    if tr.failed_op and any(f.op == tr.failed_op.op for f in report.findings):
+        out.append("")
+        out.append(f"failing op {tr.failed_op.op} inputs:")
+        for m in tr.failed_op.inputs:
+            out.append(f"    {m.short():<28} {format_stats(m.stats)}")
+    if any(f.kind == "hang" for f in report.findings):
+        out.append("")
+        out.append("thread stacks (innermost last):")
+        for stack in tr.threads:
+            out.append(f"  {stack.name}{' (main)' if stack.is_main else ''}:")
+            for fi in stack.frames[-8:]:
+                loc = "cell" if fi.in_cell else os.path.basename(fi.file)
+                out.append(f"    {loc}:{fi.line} in {fi.function}: {fi.code}")
+    for note in tr.notes:
+        out.append(f"  note: {note}")
+    if report.fix_result is not None:
+        out.extend(_fix_lines(report.fix_result))
+    return "\n".join(out)
+
+
+def _fix_lines(fr) -> list[str]:  # noqa: ANN001 - a FixResult
+    """The fix section: verdict, before/after numbers, the code to keep."""
+    if fr.cancelled:
+        state = "cancelled"
+    elif not fr.applied:
+        state = "not applied"
+    else:
+        state = "applied, the step ran" if fr.fits else "applied, the step still fails"
+    out = ["", f"fix {fr.name}: {state}"]
+    out.extend(_wrap(fr.message, "    "))
+    cmp = fr.comparison or {}
+    before, after = cmp.get("before") or {}, cmp.get("after") or {}
+    numbers = []
+    if after.get("peak_bytes") and cmp.get("predicted_peak"):
+        bound = " (a lower bound: memory ran out early)" if cmp.get("predicted_is_lower_bound") else ""
+        numbers.append(f"predicted peak {format_bytes(cmp['predicted_peak'])}{bound}, "
+                       f"measured {format_bytes(after['peak_bytes'])}")
+    if after.get("step_s") is not None and before.get("step_s") is not None:
+        numbers.append(f"step {after['step_s']:.3f} s (original {before['step_s']:.3f} s"
+                       f"{'' if before.get('completed') else ', until it failed'})")
+    if numbers:
+        out.extend(_wrap("; ".join(numbers), "    "))
+    if fr.code and fr.applied:
+        out.append("    code to keep:")
+        out.extend(f"    | {line}" for line in fr.code.rstrip("\n").splitlines())
+    return out

@@ -1,0 +1,76 @@
+"""The :class:`Report` users get back: findings first, the trace behind them.
+
+>>> import backward_doctor as bd
+>>> r = bd.diagnose("import torch\\nx = torch.ones(2, requires_grad=True)\\n(x * 2).sum().backward()")
+>>> r.ok, r.findings
+(True, [])
+>>> bd.Report.from_dict(r.to_dict()).to_dict() == r.to_dict()
+True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..analysis.findings import Finding
+from .fix_result import FixResult
+from ..trace.records import Trace
+
+
+@dataclass
+class Report:
+    """Findings (most important first), the cell's exception as text, and the trace."""
+
+    findings: list[Finding] = field(default_factory=list)
+    exception: str | None = None
+    trace: Trace = field(default_factory=Trace)
+    fix: str | None = None
+    #: set when the report is of a run with ``fix=...`` (see ``backward_doctor.fixes``)
+    fix_result: FixResult | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the step ran to the end and nothing was found."""
+        return self.exception is None and not self.trace.timed_out and not self.findings
+
+    @property
+    def root_cause(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "exception": self.exception, "fix": self.fix,
+                "findings": [f.to_dict() for f in self.findings], "trace": self.trace.to_dict(),
+                "fix_result": self.fix_result.to_dict() if self.fix_result is not None else None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Report":
+        return cls(findings=[Finding.from_dict(f) for f in data.get("findings", [])],
+                   exception=data.get("exception"), fix=data.get("fix"),
+                   trace=Trace.from_dict(data.get("trace", {})),
+                   fix_result=FixResult.from_dict(data["fix_result"]) if data.get("fix_result") else None)
+
+    def __str__(self) -> str:
+        from ..render.text import render_text
+
+        return render_text(self)
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(f.kind for f in self.findings) or "no findings"
+        return f"<backward_doctor.Report {'ok' if self.ok else 'problem'}: {kinds}>"
+
+    def to_html(self) -> str:
+        """The report as a self-contained HTML fragment: plots embedded, no script, user text escaped."""
+        from ..render.html import render_html
+
+        return render_html(self)
+
+    def save_html(self, path: str) -> str:
+        """Write the report as one self-contained HTML page to ``path``; returns the path."""
+        from ..render.html import render_page
+
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(render_page(self))
+        return path
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return {"text/plain": str(self), "text/html": self.to_html()}

@@ -1,0 +1,140 @@
+"""How a step is seen: once, every op screened; a replay only where that cannot be afforded.
+
+On the CPU the one run screens every op's output for NaN/Inf as it goes
+(``detail=True``; the native recorder in C++, skipping ops that keep finite values
+finite), so the op that made a NaN is known without running the cell's code a second
+time. On CUDA a per-op screen would synchronise the device after every op: there the
+first run screens only scalar outputs (the loss) and, when NaN/Inf shows, the step is
+replayed from the training state saved before it (the rollback snapshot), with every
+op screened; the report then says that the cell's code ran twice.
+
+>>> import torch
+>>> ns = {"w": torch.nn.Parameter(torch.ones(2))}
+>>> snap = snapshot_for("loss = (w / 0).sum()", ns)
+>>> snap is not None
+True
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from typing import Any
+
+from ..trace.records import Trace
+
+
+def snapshot_for(source: str, namespace: dict[str, Any]) -> Any:
+    """The rollback snapshot of what ``source`` may change (None when it cannot or should not be taken)."""
+    from ..util.cell import Cell, stored_names
+    from .snapshot import Snapshot, available_ram, estimate_bytes
+
+    try:
+        cell = Cell(source)
+        rebinds = stored_names(cell.stmts)
+    except Exception:  # a cell we cannot parse: the run will report the SyntaxError
+        return None
+    need, avail = estimate_bytes(namespace, rebinds), available_ram()
+    if avail is not None and need > 0.8 * avail:
+        warnings.warn(f"backward_doctor: no rollback snapshot ({need} bytes needed, {avail} available); "
+                      "a NaN/Inf origin cannot be replayed in detail", RuntimeWarning, stacklevel=3)
+        return None
+    try:
+        return Snapshot.take(namespace, rebinds)
+    except Exception as exc:  # never lose the diagnosis to the snapshot
+        warnings.warn(f"backward_doctor: no rollback snapshot ({type(exc).__name__}: {exc})", RuntimeWarning,
+                      stacklevel=3)
+        return None
+
+
+ENGINES = ("auto", "native", "python")
+
+
+def check_engine(engine: Any) -> str:
+    """``ValueError`` for an unknown engine name (before anything runs)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    return engine
+
+
+def choose_engine(engine: str, *, memory_limit: int | None = None, build: bool = True) -> str:
+    """The engine the run records on: ``"native"`` or ``"python"``.
+
+    ``auto`` takes the native recorder when it is built (building it the first time,
+    ~40 s, cached after) and torch has no CUDA (its CUDA path has not run on a GPU yet).
+    A simulated ``memory_limit`` runs on either: the native recorder fails the allocation
+    that would overflow the device, inside the op, as a real device does. ``native``
+    insists (ValueError, saying why, if it cannot be had); ``python`` never uses it.
+    ``build=False``: do not wait for a build (the magic starts one in the background when
+    the extension is loaded).
+
+    >>> choose_engine("python")
+    'python'
+    """
+    if engine == "python":
+        return "python"
+    from .. import native
+    from ..capture.native_capture import native_available
+
+    why = None
+    if not native_available(build=build or engine == "native"):
+        status = native.status()
+        why = status["reason"] or ("the native recorder is still being built" if status["building"]
+                                   else "the native recorder is not available here")
+    if why is None:
+        return "native"
+    if engine == "native":
+        raise ValueError(f"engine='native' cannot be used: {why}")
+    return "python"
+
+
+def screens_every_op() -> bool:
+    """True where the one run screens every op for NaN/Inf (the CPU); False on CUDA, where a screen per op
+    would synchronise the device after every op and the first run screens only scalars (see module doc).
+
+    >>> isinstance(screens_every_op(), bool)
+    True
+    """
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def wants_replay(trace: Trace, snapshot: Any) -> bool:
+    """The first tier asks for the detailed run, and one can be had: a snapshot to replay from, and a
+    step that ended by itself (a hang or a Ctrl-C is never run a second time).
+
+    >>> wants_replay(Trace(needs_detail="nonfinite"), snapshot=None)
+    False
+    """
+    if not trace.needs_detail or snapshot is None or trace.timed_out:
+        return False
+    return trace.exception is None or trace.exception.type != "KeyboardInterrupt"
+
+
+def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snapshot: Any, *,
+                     timeout: float | None, memory_limit: int | None) -> Trace:
+    """Restore ``snapshot`` and run the step again with every op checked, on the engine of the first
+    run (the native recorder screens outputs in C++; the Python tier in its dispatch mode).
+
+    The replay is silent (its prints are swallowed: the user saw them once). What
+    only the first run could judge, comparisons with earlier runs of the cell, is
+    carried over from ``first``.
+    """
+    from ..capture.native_capture import native_available
+    from ..capture.runner import run_source
+
+    engine = "native" if first.engine == "native" and native_available() else "python"
+    snapshot.restore(namespace)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        detailed = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit,
+                              filename=first.cell_file, detail=True, engine=engine)
+    detailed.stale_steps = first.stale_steps
+    detailed.graph_holders = first.graph_holders
+    detailed.history = first.history
+    detailed.run_id = first.run_id
+    detailed.notes.append("NaN/Inf appeared in this step: it was replayed from the state saved before it, with "
+                          "every op's output checked, to find the op that made it. The cell's code ran twice: what "
+                          "it did outside the model, the optimizer and the names it assigns (the next batch of an "
+                          "iterator, appends to a list, files, printed output, which was hidden) happened twice")
+    return detailed

@@ -1,0 +1,15 @@
+"""The trace: what one run recorded, as inert typed dataclasses (strings, shapes, sizes, small
+statistics; never a tensor). It round-trips through JSON, so every layer above it (analysis, report,
+render) works on a saved trace as on a live one.
+
+>>> t = Trace(source="x = 1")
+>>> Trace.from_dict(t.to_dict()) == t
+True
+"""
+from __future__ import annotations
+
+from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, FrameInfo, InplaceEvent, MemoryTimeline,
+                      NonFiniteEvent, OpRecord, ParamInfo, TensorMeta, ThreadStack, Trace, Where)
+
+__all__ = ["CATEGORIES", "PHASES", "ExceptionInfo", "FailedOp", "FrameInfo", "InplaceEvent", "MemoryTimeline",
+           "NonFiniteEvent", "OpRecord", "ParamInfo", "TensorMeta", "ThreadStack", "Trace", "Where"]

@@ -1,0 +1,247 @@
+"""The inert record of one diagnosed run: plain dataclasses that round-trip through JSON.
+
+Capture (``capture.py``) fills a :class:`Trace`; rules read it; renderers draw it.
+Nothing here references a tensor, a module or a frame: only strings and numbers
+taken at record time, so keeping a trace never keeps the user's memory alive.
+
+>>> t = Trace(source="loss.backward()")
+>>> Trace.from_dict(t.to_dict()) == t
+True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..util.serde import from_dict, to_dict
+
+#: Memory categories, in the order they are stacked in reports and plots.
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(slots=True)
+class TensorMeta:
+    """Shape, dtype and device of one tensor argument, optionally with value statistics."""
+
+    shape: list[int]
+    dtype: str
+    device: str
+    requires_grad: bool = False
+    stats: dict[str, Any] | None = None
+
+    def short(self) -> str:
+        """``float32[4, 10]`` (device added when it is not the CPU)."""
+        dev = "" if self.device == "cpu" else f"@{self.device}"
+        return f"{self.dtype}{list(self.shape)}{dev}"
+
+
+@dataclass(slots=True)
+class Where:
+    """Where user code was when something happened.
+
+    ``line``/``file``: the innermost user frame (``file`` None means the cell);
+    ``cell_line``: the innermost frame in the cell itself, if any.
+    """
+
+    line: int | None = None
+    file: str | None = None
+    cell_line: int | None = None
+    module: str | None = None
+    function: str | None = None
+    lasti: int = -1  # bytecode offset in the user frame: tells apart two calls on one line
+    compiled: bool = False  # inside code torch.compile made (its fused kernels are not seen one by one)
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One aten op as it ran. Backward ops point at the forward op via ``fwd_index``."""
+
+    index: int
+    op: str
+    phase: str
+    inputs: list[TensorMeta]
+    outputs: list[TensorMeta]
+    where: Where
+    fwd_index: int | None = None
+    duration_us: float = 0.0
+    grad_enabled: bool = True
+    in_keys: list[int] = field(default_factory=list)
+    out_keys: list[int] = field(default_factory=list)
+    live_bytes: int = 0
+
+
+@dataclass
+class MemoryTimeline:
+    """Live bytes by category after each recorded op (downsampled when long)."""
+
+    op_index: list[int] = field(default_factory=list)
+    by_category: dict[str, list[int]] = field(default_factory=lambda: {c: [] for c in CATEGORIES})
+    peak_bytes: int = 0
+    peak_index: int | None = None
+    peak_by_category: dict[str, int] = field(default_factory=dict)
+    baseline_bytes: int = 0
+    limit_bytes: int | None = None
+    device_total_bytes: int | None = None
+    cuda: dict[str, Any] | None = None  # allocator + NVML figures when a GPU was used
+
+
+@dataclass
+class NonFiniteEvent:
+    """An op whose output held NaN/Inf. ``origin`` is the op index that first made it."""
+
+    index: int
+    op: str
+    phase: str
+    where: Where
+    origin: int
+    is_origin: bool
+    kind: str  # "op" (made here), "input" (non-finite data came in) or "weights" (already in the parameters)
+    variable: str | None = None
+    output: TensorMeta | None = None
+    inputs: list[TensorMeta] = field(default_factory=list)
+    fwd_op: str | None = None
+    fwd_index: int | None = None
+    reached: bool = False
+
+
+@dataclass
+class InplaceEvent:
+    """A write into an existing tensor during forward (``add_``, ``relu_``, ``+=``)."""
+
+    index: int
+    op: str
+    key: int
+    version: int
+    shape: list[int]
+    requires_grad: bool
+    where: Where
+    producer_index: int | None = None
+    producer_op: str | None = None
+
+
+@dataclass
+class FailedOp:
+    """The op that raised inside the dispatcher, with evidence taken before unwinding."""
+
+    index: int
+    op: str
+    phase: str
+    inputs: list[TensorMeta]
+    where: Where
+    error: str
+    fwd_index: int | None = None
+    index_check: dict[str, Any] | None = None
+
+
+@dataclass
+class FrameInfo:
+    file: str
+    line: int
+    function: str
+    in_cell: bool = False
+    user: bool = False
+    code: str = ""
+
+
+@dataclass
+class ThreadStack:
+    name: str
+    ident: int
+    is_main: bool
+    frames: list[FrameInfo] = field(default_factory=list)
+
+
+@dataclass
+class ExceptionInfo:
+    """The cell's exception, as text plus the frames it went through."""
+
+    type: str
+    message: str
+    frames: list[FrameInfo] = field(default_factory=list)
+    where: Where = field(default_factory=Where)
+    in_backward: bool = False
+    loss: dict[str, Any] | None = None
+    oom: dict[str, Any] | None = None
+
+    def summary(self) -> str:
+        return f"{self.type}: {self.message}"
+
+
+@dataclass
+class ParamInfo:
+    """One parameter's part in the step (for starved-parameter and stale-gradient checks)."""
+
+    name: str
+    key: int
+    requires_grad: bool
+    got_grad: bool          # autograd accumulated a gradient into it during this run
+    stepped: bool           # it belongs to an optimizer that stepped during this run
+    numel: int = 0
+    grad_fn: str | None = None  # a parameter that is no longer a leaf: the node it hangs from
+
+
+@dataclass
+class Trace:
+    """Everything captured while one cell ran (see module docstring)."""
+
+    source: str = ""
+    cell_file: str = "<cell>"
+    device: str = "cpu"
+    torch_version: str = ""
+    duration_s: float = 0.0
+    completed: bool = True
+    ops: list[OpRecord] = field(default_factory=list)
+    op_count: int = 0
+    ops_dropped: int = 0
+    op_totals: dict[str, list[float]] = field(default_factory=dict)  # op -> [count, total_us]
+    memory: MemoryTimeline = field(default_factory=MemoryTimeline)
+    nonfinite: list[NonFiniteEvent] = field(default_factory=list)
+    nonfinite_reached: dict[str, bool] = field(default_factory=dict)
+    inplace: list[InplaceEvent] = field(default_factory=list)
+    failed_op: FailedOp | None = None
+    exception: ExceptionInfo | None = None
+    timed_out: bool = False
+    timeout_s: float | None = None
+    threads: list[ThreadStack] = field(default_factory=list)
+    carriers: list[dict[str, Any]] = field(default_factory=list)
+    backward_calls: list[Where] = field(default_factory=list)
+    backward_roots: list[str] = field(default_factory=list)  # autograd node each backward started at
+    optimizer_steps: list[dict[str, Any]] = field(default_factory=list)
+    optimizers: list[dict[str, Any]] = field(default_factory=list)  # in the namespace at the start (sizes)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    run_id: int = 0
+    needs_detail: str | None = None  # the cheap first tier found something only a detailed run can place
+    engine: str = "python"  # what recorded the ops: "python" (dispatch mode) or "native" (C++ observer)
+    nonfinite_hint: dict[str, Any] | None = None  # first tier: the first NaN/Inf scalar (the loss) it saw
+    params: list[ParamInfo] = field(default_factory=list)
+    graph_holders: list[dict[str, Any]] = field(default_factory=list)
+    stale_steps: list[dict[str, Any]] = field(default_factory=list)
+    history: dict[str, Any] = field(default_factory=dict)  # earlier runs of this cell, in numbers
+    #: torch.compile compilations during the step ({"trigger", "seconds"} each): not recorded as ops
+    compiles: list[dict[str, Any]] = field(default_factory=list)
+
+    def op(self, index: int | None) -> OpRecord | None:
+        """The recorded op with this index, or None (dropped or never recorded)."""
+        if index is None:
+            return None
+        ops = self.ops
+        # Records are appended in index order; a ring buffer may drop a middle span.
+        if 0 <= index < len(ops) and ops[index].index == index:
+            return ops[index]
+        lo, hi = 0, len(ops)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ops[mid].index < index:
+                lo = mid + 1
+            else:
+                hi = mid
+        return ops[lo] if lo < len(ops) and ops[lo].index == index else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Trace":
+        return from_dict(cls, data)
