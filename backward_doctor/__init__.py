@@ -10,11 +10,12 @@ Importing this package imports neither IPython nor matplotlib.
 """
 from __future__ import annotations
 
+from . import render  # noqa: F401  (registers the renderers the report looks up by name)
+from .analysis import Finding
 from .api import diagnose, last_report
-from .capture.context import Capture
-from .analysis.findings import Finding
-from .report.report import Report
-from .trace.records import Trace
+from .capture import Capture
+from .report import Report
+from .trace import Trace
 
 __all__ = ["diagnose", "last_report", "Capture", "Finding", "Report", "Trace", "load_ipython_extension"]
 __version__ = "0.1.0"

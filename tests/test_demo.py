@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from backward_doctor import demo
+from backward_doctor.frontends import demo
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -269,7 +269,7 @@ def test_failed_fix_rolls_back_to_before_the_fix(mlp_peak):
 
 
 def test_rollback_skipped_with_a_warning_when_ram_is_short(monkeypatch):
-    from backward_doctor.fixes import run as run_mod
+    from backward_doctor.fixes import apply as run_mod
 
     monkeypatch.setattr(run_mod, "available_ram", lambda: 1000)
     with pytest.warns(RuntimeWarning, match="rollback skipped"):

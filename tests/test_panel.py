@@ -22,7 +22,7 @@ import pytest
 import backward_doctor as bd
 
 W = pytest.importorskip("ipywidgets")
-from backward_doctor import panel as panel_mod  # noqa: E402
+from backward_doctor.frontends import panel as panel_mod  # noqa: E402
 from backward_doctor.frontends.panel import Panel  # noqa: E402
 
 from backward_doctor.frontends.demo import SETUP  # noqa: E402  (the demo's model, optimizer and batch)
@@ -337,7 +337,7 @@ def big_report():
 
 @pytest.mark.slow
 def test_100k_op_step_plots_fast_html_small_widget_state_small(big_report):
-    from backward_doctor import plots
+    from backward_doctor.render import plots
 
     t0 = time.perf_counter()
     png = plots.memory_timeline_png(big_report.trace)
@@ -372,7 +372,7 @@ def test_magic_shows_panel_in_a_kernel_and_text_elsewhere(monkeypatch):
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
-    from backward_doctor import magic
+    from backward_doctor.frontends import magic
 
     shell = InteractiveShell.instance()
     shell.run_cell(SETUP, store_history=False)

@@ -109,7 +109,7 @@ def test_finding_inside_a_block_is_highlighted():
 
 def test_cuda_memory_view_draws_allocator_lines():
     """On CUDA the timeline adds the allocator's allocated line and reserved maximum (synthetic figures)."""
-    from backward_doctor import plots
+    from backward_doctor.render import plots
 
     report = bd.diagnose("import torch\nx = torch.randn(256, 256, requires_grad=True)\n(x @ x).sum().backward()")
     tr = report.trace

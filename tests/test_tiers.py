@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import backward_doctor as bd
-from backward_doctor import tiers
+from backward_doctor.run import engine as tiers
+from backward_doctor.run import step
 from backward_doctor.capture.native_capture import native_available
 
 CELL = """
@@ -63,7 +64,7 @@ def test_without_rollback_the_origin_is_still_found(engine):
 def test_where_every_op_cannot_be_screened_the_replay_says_the_cell_ran_twice(monkeypatch, engine):
     """On CUDA (simulated here) the first run screens scalars only and the step is replayed in detail."""
     monkeypatch.setattr(tiers, "screens_every_op", lambda: False)
-    monkeypatch.setattr(bd.api, "screens_every_op", lambda: False)
+    monkeypatch.setattr(step, "screens_every_op", lambda: False)
     ns = _ns()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -77,7 +78,7 @@ def test_where_every_op_cannot_be_screened_the_replay_says_the_cell_ran_twice(mo
 
 
 def test_without_rollback_where_nothing_can_be_replayed_the_first_tier_still_says_nan_happened(monkeypatch):
-    monkeypatch.setattr(bd.api, "screens_every_op", lambda: False)
+    monkeypatch.setattr(step, "screens_every_op", lambda: False)
     with contextlib.redirect_stdout(io.StringIO()):
         report = bd.diagnose(CELL, _ns(), rollback=False)
     f = report.findings[0]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .context import Capture
+    from .record import OpRecorder
 
 _HISTORY_ENTRIES = 100_000  # bounded: the allocator keeps at most this many events
 
@@ -32,7 +32,7 @@ def _nvml() -> dict[str, Any] | None:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def start(cap: "Capture") -> None:
+def start(cap: "OpRecorder") -> None:
     torch.cuda.reset_peak_memory_stats()
     cap._cuda_history = False
     if cap._cuda_history_wanted:
@@ -44,7 +44,7 @@ def start(cap: "Capture") -> None:
     cap.trace.memory.device_total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
-def stop(cap: "Capture") -> None:
+def stop(cap: "OpRecorder") -> None:
     if getattr(cap, "_cuda_history", False):
         try:
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -16,16 +16,17 @@ from .namespace import module_paths
 from .namespace import tensors as ns_tensors
 from .stats import screen_nonfinite
 from .stats import dtype_name
+from ..trace.queries import skipped_amp_steps
 from ..trace.records import CATEGORIES, ExceptionInfo, OpRecord, TensorMeta, Trace
 
 if TYPE_CHECKING:
-    from .context import Capture
+    from .record import OpRecorder
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
 
-def record_exception(cap: "Capture", exc: BaseException) -> None:
+def record_exception(cap: "OpRecorder", exc: BaseException) -> None:
     frames = cap._frames.from_traceback(exc.__traceback__)
     info = ExceptionInfo(type=type(exc).__name__, message=str(exc).strip(), frames=frames)
     info.where = cap._frames.where_in(frames)
@@ -66,7 +67,7 @@ def record_exception(cap: "Capture", exc: BaseException) -> None:
         cap.trace.duration_s = cap._t_last - cap._t0
 
 
-def _resolve_modules(cap: "Capture") -> None:
+def _resolve_modules(cap: "OpRecorder") -> None:
     paths = module_paths(cap.namespace)
     cache: dict[tuple[int, ...], str] = {}
     for where, stack in cap._where_stacks:
@@ -90,7 +91,7 @@ def _resolve_modules(cap: "Capture") -> None:
         oom["by_module"] = dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
 
 
-def _timeline(cap: "Capture") -> None:
+def _timeline(cap: "OpRecorder") -> None:
     mem = cap.trace.memory
     index, totals = cap._timeline.samples()
     mem.op_index = index
@@ -117,7 +118,7 @@ def _meta(m: tuple, shared: dict[tuple, TensorMeta]) -> TensorMeta:
     return got
 
 
-def _build_ops(cap: "Capture") -> None:
+def _build_ops(cap: "OpRecorder") -> None:
     """Turn the compact per-op records into :class:`OpRecord` (once, after the step)."""
     trace = cap.trace
     ops = trace.ops
@@ -144,7 +145,7 @@ def _step_keys(trace: Trace) -> set[int]:
     return keys
 
 
-def _final_tensors(cap: "Capture") -> list[tuple[torch.Tensor, str]]:
+def _final_tensors(cap: "OpRecorder") -> list[tuple[torch.Tensor, str]]:
     """What this step leaves behind that NaN/Inf must not reach: the parameters it used or updated and
     the gradients it made, and the gradients of the cell's own leaf tensors. Only what the step touched:
     NaN an earlier cell left on another model is not this step's doing."""
@@ -163,7 +164,7 @@ def _final_tensors(cap: "Capture") -> list[tuple[torch.Tensor, str]]:
     return out
 
 
-def _nonfinite_reach(cap: "Capture") -> None:
+def _nonfinite_reach(cap: "OpRecorder") -> None:
     """Which NaN/Inf origins reached the loss, a gradient or a parameter (the others were intended,
     like the ``-inf`` of a mask that softmax turns into zeros, also when checkpointing recomputes it in
     backward)."""
@@ -198,7 +199,7 @@ def _nonfinite_reach(cap: "Capture") -> None:
                 flags["loss"] = True
 
 
-def _scalar_that_mattered(cap: "Capture") -> dict[str, Any] | None:
+def _scalar_that_mattered(cap: "OpRecorder") -> dict[str, Any] | None:
     """First tier: the NaN/Inf scalar that was a loss backward started from, or that the cell kept in a
     variable (None when every one was an intermediate value, like a mask's ``-inf``)."""
     flagged = cap._nf_scalars
@@ -214,13 +215,12 @@ def _scalar_that_mattered(cap: "Capture") -> dict[str, Any] | None:
     return None
 
 
-def _remember(cap: "Capture") -> None:
+def _remember(cap: "OpRecorder") -> None:
     """Add this run to the cell's history and copy the history's numbers into the trace."""
     from .history import RunSummary
 
     trace = cap.trace
     exc = trace.exception
-    from ..analysis.rules.silent import skipped_amp_steps
 
     cap.history.add(RunSummary(run_id=cap._run_id, live_bytes_end=cap._ledger.total,
                                seq_start=cap._seq_start, seq_end=_sequence_nr(),
@@ -252,7 +252,7 @@ def _compiled_notes(trace: Trace) -> None:
                            "the doctor stepped aside while it compiled (not part of the op trace)")
 
 
-def finish(cap: "Capture") -> Trace:
+def finish(cap: "OpRecorder") -> Trace:
     trace = cap.trace
     tail = len(cap._tail)
     trace.ops_dropped = cap._tail_count - tail

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .record import _CLEARING, _MAX_SCALARS, PHASES
+from .record import _CLEARING, _MAX_SCALARS
+from .state import PHASES
 from .memory import storage_key
 from .stats import dtype_name
 from ..trace.records import CATEGORIES, InplaceEvent, NonFiniteEvent, TensorMeta, Where

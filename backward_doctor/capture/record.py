@@ -23,13 +23,13 @@ import torch
 
 from . import checks
 from .memory import shape_of, storage_key
+from .state import _NODE_BUDGET, PHASES, CaptureState
 from .stats import meta, screen_nonfinite
 from ..trace.records import FailedOp, InplaceEvent, NonFiniteEvent, Where
 from ..util.units import format_bytes
 
 _current_node = torch._C._current_autograd_node
 _graph_task_id = torch._C._current_graph_task_id
-_NODE_BUDGET = 10_000  # backward ops per run whose autograd node is looked up (see dispatch)
 _sequence_nr = torch._C._autograd._get_sequence_nr
 _grad_enabled = torch.is_grad_enabled
 _set_grad = torch._C._set_grad_enabled
@@ -85,12 +85,10 @@ def _tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
 
 #: per kept op in ``Capture._rec_ints``: index, name id, phase id, forward op (-1: none), grad mode,
 #: where id, inputs, outputs, offset in ``_rec_io`` (meta id and storage key per tensor), live bytes
-REC_WIDTH = 10
-PHASES = ("forward", "backward", "optimizer")
 _PHASE_ID = {p: i for i, p in enumerate(PHASES)}
 
 
-class OpRecorder:
+class OpRecorder(CaptureState):
     """Mixin of :class:`~backward_doctor.capture.Capture`: the dispatch mode calls ``dispatch``."""
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -286,31 +284,7 @@ class OpRecorder:
             self._tail.append((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
                                tuple(io), total, us))
 
-    def kept_records(self):
-        """Every kept op as (index, name, phase, fwd index or None, grad mode, Where, [(meta, key) of
-        inputs], [(meta, key) of outputs], live bytes, microseconds); meta = (shape, dtype, device,
-        requires_grad)."""
-        ints, io, us = self._rec_ints, self._rec_io, self._rec_us
-        names, wheres, metas = self._names, self._wheres, self._metas
-        for r in range(self._n_kept):
-            (index, name_id, phase, fwd, grad, where_id, n_in, n_out, off,
-             live) = ints[r * REC_WIDTH:(r + 1) * REC_WIDTH]
-            pairs = [(metas[io[off + 2 * j]], io[off + 2 * j + 1]) for j in range(n_in + n_out)]
-            yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],
-                   pairs[:n_in], pairs[n_in:], live, us[r])
-        for (index, name_id, phase, fwd, grad, where_id, n_in, flat, live, t) in self._tail:
-            pairs = [(metas[flat[2 * j]], flat[2 * j + 1]) for j in range(len(flat) // 2)]
-            yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],
-                   pairs[:n_in], pairs[n_in:], live, t)
-
     # ---------------------------------------------------------------- evidence
-    def _op_name(self, index: int | None) -> str | None:
-        if index is None:
-            return None
-        if index < self._n_kept and self._rec_ints[index * REC_WIDTH] == index:
-            return self._names[self._rec_ints[index * REC_WIDTH + 1]]
-        return next((self._names[r[1]] for r in self._tail if r[0] == index), None)
-
     def _check_indices(self, func: Any, name: str, args: tuple, kwargs: dict) -> None:
         __tracebackhide__ = True
         bad = checks.index_check(func, args, kwargs)

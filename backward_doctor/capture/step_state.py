@@ -14,17 +14,17 @@ from torch import nn
 
 from . import namespace as ns_mod
 from .memory import shape_of, storage_key, storage_nbytes
-from .stores import store_line_in_file
+from ..util.stores import store_line_in_file
 from ..trace.records import ParamInfo
 
 if TYPE_CHECKING:
-    from .context import Capture
+    from .record import OpRecorder
 
 _MAX_NODES = 2000      # graph nodes walked per holder
 _MAX_HOLDERS = 50
 
 
-def param_infos(cap: "Capture") -> list[ParamInfo]:
+def param_infos(cap: "OpRecorder") -> list[ParamInfo]:
     names: dict[int, str] = {}
     for root, mod in ns_mod.modules(cap.namespace):
         for name, p in mod.named_parameters(remove_duplicate=False):
@@ -140,7 +140,7 @@ def _runs_in_graph(fn: Any, start: int, earlier: list[tuple[int, int, int]]) -> 
     return runs
 
 
-def graph_holders(cap: "Capture") -> list[dict[str, Any]]:
+def graph_holders(cap: "OpRecorder") -> list[dict[str, Any]]:
     """Namespace tensors that still carry an autograd graph, with the earlier runs that graph holds."""
     start = cap._seq_start
     earlier = [(r.run_id, r.seq_start, r.seq_end) for r in cap.history.runs] if cap.history else []

@@ -19,6 +19,7 @@ from ..util.cell import Cell, NotApplicable, stored_names
 from .compare import GradProbe, Watch, grad_max_rel_err, loss_value, run_numbers
 from ..report.fix_result import FixResult
 from ..run.snapshot import Snapshot, available_ram, estimate_bytes
+from ..run.step import check_cell, check_timeout, remember, run_step
 from .spec import FixSpec, parse_fix
 
 Progress = Callable[[float, str], None]
@@ -64,9 +65,6 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     called as work proceeds; ``cancel()`` returning True stops at the next model
     call or optimizer step. Bad arguments raise ``ValueError`` before anything runs.
     """
-    from ..api import build_report, check_cell, check_timeout
-    from ..capture.runner import run_source
-
     spec = parse_fix(fix)
     check_cell(source, namespace)
     timeout = check_timeout(timeout)
@@ -119,10 +117,8 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
             if run_original is not None:
                 original = run_original()
             else:
-                from ..capture.history import history_for
-
-                original = build_report(run_source(source, ns, timeout=timeout, memory_limit=limit,
-                                                   history=history_for(source, ns)))
+                original = run_step(source, ns, timeout=timeout, memory_limit=limit, engine="python",
+                                    rollback=False, detail=True)
         if _cancelled(original.trace):
             original = Report(exception="FixCancelled: cancelled by the user", trace=original.trace)
             return _stop(original, result, snap, ns, "Cancelled while the original cell ran; the state was "
@@ -170,7 +166,9 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         probe_after = GradProbe(ns, enabled=compare)
         with Watch(ns, names, lo, hi, f"running the cell with {name}", progress, cancel,
                    rw.details.get("k", 1)), probe_after:
-            trace = run_source(rw.code, ns, timeout=timeout, memory_limit=limit)
+            fixed = run_step(rw.code, ns, timeout=timeout, memory_limit=limit, engine="python", rollback=False,
+                             history=False, detail=True, fix=name)
+            trace = fixed.trace
         if _cancelled(trace):
             return _stop(original, result, snap, ns, "Cancelled while the fixed cell ran.")
         oom = trace.exception is not None and trace.exception.type == "OutOfMemoryError"
@@ -199,7 +197,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         _restore(snap, ns, result)
         say(hi, f"{name} ran out of memory; trying {following.details['k']} micro-batches")
         rw = following
-    report = build_report(trace, name)
+    report = fixed
     after_loss = loss_value(ns, loss_name) if trace.exception is None else None
     result.comparison["after"] = run_numbers(trace, after_loss)
     if probe_after.enabled and trace.exception is None:
@@ -220,10 +218,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
 
 def _as_last(report: Report) -> Report:
     """Make ``report`` what ``backward_doctor.last_report()`` returns."""
-    from .. import api
-
-    api._last[0] = report
-    return report
+    return remember(report)
 
 
 def _restore(snap: Snapshot, ns: dict[str, Any], result: FixResult) -> None:

@@ -1,4 +1,7 @@
-"""Command line: ``python -m backward_doctor FILE.py`` diagnoses a file as one cell.
+"""Command line: ``python -m backward_doctor FILE.py`` diagnoses a file as one cell;
+``python -m backward_doctor render REPORT.json [--as NAME] [-o OUT]`` renders a saved report again
+(``--json`` writes one) with any registered renderer (``text``, ``html``, ``page``, ``json``), as
+pyinstrument's ``--load`` does.
 
 Exit status: 0 when the step ran and nothing was found, 1 when a problem was
 found, 2 for bad arguments (nothing is run then). With ``--fix NAME`` the report
@@ -18,6 +21,8 @@ import tokenize
 from typing import Any, Callable
 
 from ..api import check_fix, check_timeout, diagnose
+from ..report import Report
+from ..report.renderers import names, renderer
 from ..run.engine import choose_engine
 from ..util.units import parse_size
 
@@ -76,6 +81,9 @@ def _emit(report: Any, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["render"]:
+        return render_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -129,3 +137,33 @@ def _exit_with_report(real_exit: Callable[[int], Any], args: argparse.Namespace)
             sys.stderr.flush()
             real_exit(code)
     return _exit
+
+
+def render_main(argv: list[str]) -> int:
+    """``render REPORT.json``: a saved report (``--json``, or ``report.to_dict()``) rendered again; no
+    step runs. Exit status as for a diagnosis: 0 nothing found, 1 a problem, 2 bad arguments."""
+    p = argparse.ArgumentParser(prog="python -m backward_doctor render",
+                                description="Render a saved report (JSON) again; nothing is run.")
+    p.add_argument("report", help="a report saved with --json (or json.dump(report.to_dict()))")
+    p.add_argument("--as", dest="kind", default="text", choices=names(), help="renderer (default: text)")
+    p.add_argument("-o", "--output", default=None, metavar="OUT", help="write to OUT instead of stdout")
+    p.add_argument("--html", default=None, metavar="OUT", help="shortcut for --as page -o OUT")
+    args = p.parse_args(argv)
+    if args.html:
+        args.kind, args.output = "page", args.html
+    _check_output(p, "-o/--html", args.output)
+    try:
+        with open(args.report, encoding="utf-8") as fh:
+            data = json.load(fh)
+        report = Report.from_dict(data)
+    except OSError as exc:
+        p.error(f"cannot read {args.report}: {exc.strerror or exc}")
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # not JSON, or not a report's JSON
+        p.error(f"{args.report} is not a saved backward_doctor report ({type(exc).__name__}: {exc})")
+    text = renderer(args.kind).render(report)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        print(text)
+    return 0 if report.ok else 1

@@ -16,11 +16,10 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.display import display
 
+from ..api import check_engine, check_fix, check_timeout
 from ..capture.process import one_run_at_a_time
-from ..api import build_report, check_fix, check_timeout
-from ..capture.history import history_for
-from ..run.engine import ENGINES, check_engine, choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
-from ..capture.runner import make_capture, run_under_capture
+from ..run.engine import ENGINES, choose_engine
+from ..run.step import run_step
 from ..util.units import parse_size
 
 
@@ -59,28 +58,19 @@ class BackwardDoctorMagics(Magics):
             timeout = check_timeout(args.timeout)
             limit = parse_size(args.memory_limit)
             check_fix(args.fix)
-            check_engine(args.engine)
+            engine = choose_engine(check_engine(args.engine), memory_limit=limit, build=False)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         with _exclusive():
-            self._run(args, cell, timeout, limit)
+            self._run(args, cell, timeout, limit, engine)
 
-    def _run(self, args: Any, cell: str, timeout: float | None, limit: int | None) -> None:
+    def _run(self, args: Any, cell: str, timeout: float | None, limit: int | None, engine: str) -> None:
         shell = self.shell
         if args.fix is not None:
             _run_with_fix(shell, cell, args.fix, timeout, limit, not args.no_rollback, args.quiet)
             return None
         # The same name run_cell will give the cell's code object, so frames map to its lines.
         filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
-        try:
-            engine = choose_engine(args.engine, memory_limit=limit, build=False)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        detail = screens_every_op()  # one run, every op screened: no replay, no snapshot (see tiers)
-        snapshot = None if args.no_rollback or detail else snapshot_for(cell, shell.user_ns)
-        capture = make_capture(engine, shell.user_ns, cell_file=filename, source=cell, memory_limit=limit,
-                               history=history_for(cell, shell.user_ns), detail=detail)
-
         # The result of the cell that holds this magic: the inner run_cell's error is
         # copied onto it so Jupyter marks the cell failed (and "Run All" stops), as usual.
         outer = getattr(shell.displayhook, "exec_result", None)
@@ -94,14 +84,9 @@ class BackwardDoctorMagics(Magics):
                     outer.error_in_exec = error
             return error
 
-        trace = run_under_capture(run, capture, timeout)
-        if wants_replay(trace, snapshot):
-            # NaN/Inf seen: replay the step from the saved state with every op checked. The
-            # namespace ends as a plain run leaves it (the replay recomputes the same step).
-            trace = replay_in_detail(trace, cell, shell.user_ns, snapshot, timeout=timeout, memory_limit=limit)
-        del snapshot
-        report = build_report(trace, args.fix)
-        if trace.exception is not None and trace.exception.type == "OutOfMemoryError":
+        report = run_step(cell, shell.user_ns, timeout=timeout, memory_limit=limit, engine=engine,
+                          rollback=not args.no_rollback, cell_file=filename, execute=run, build=False, fix=args.fix)
+        if report.trace.exception is not None and report.trace.exception.type == "OutOfMemoryError":
             _release_failed_frames(outer)
         if args.quiet and report.ok:
             return None
@@ -178,7 +163,7 @@ def _run_with_fix(shell: Any, cell: str, fix: str, timeout: float | None, limit:
 
     The cell is marked failed (so "Run All" stops) when the step still fails after the fix.
     """
-    from ..fixes.apply import run_fix
+    from ..fixes import run_fix
 
     outer = getattr(shell.displayhook, "exec_result", None)
     report = run_fix(cell, shell.user_ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import ipywidgets as W
 
-from ..render import sections as S
-from ..render.sections import esc
+from ..render import sections as S, style, view
+from ..render.style import esc
 
 if TYPE_CHECKING:
     from ..report.report import Report
@@ -118,12 +118,12 @@ class Panel:
         self._graph = None
         self._expanded: set[str] = set()
         self._built: set[int] = set()
-        self._rows: dict[str, list[S.OpRow]] = {}
+        self._rows: dict[str, list[view.OpRow]] = {}
 
-        self.style = W.HTML(f"<style>{S.CSS}</style>")
+        self.style = W.HTML(f"<style>{style.CSS}</style>")
         self.summary = W.HTML(_wrap(S.summary_html(report)))
         # Fixes: one button per fix that applies, progress and cancel, the after-view.
-        self.fix_options = S.applicable_fixes(report)
+        self.fix_options = view.applicable_fixes(report)
         self.fix_buttons: dict[str, W.Button] = {}
         for opt in self.fix_options:
             b = W.Button(description=f"Try {opt.arg}", tooltip=f"{opt.title}: {opt.description}",
@@ -223,7 +223,7 @@ class Panel:
                 "of the step. The dashed line is the memory limit (or the device), ▼ the peak, ✖ where memory "
                 "ran out.</div>")
         else:
-            data, how = S.memory_by_module(tr)
+            data, how = view.memory_by_module(tr)
             self.memory_image.value = plots.memory_by_module_png(tr, data=(data, how))
             self.memory_note.value = _wrap(f'<div class="sub">Memory by module {esc(how)}.</div>')
 
@@ -239,7 +239,7 @@ class Panel:
         self._draw_graph()
 
     def _draw_graph(self) -> None:
-        from ..render.graph import legend_html
+        from ..render.graph_svg import legend_html
 
         g = self._graph
         self.graph_html.value = _wrap(legend_html() + f'<div class="graph">{g.render_svg(self._expanded)}</div>')
@@ -283,7 +283,7 @@ class Panel:
         group = self.ops_group.value
         rows = self._rows.get(group)
         if rows is None:
-            rows = self._rows[group] = S.op_rows(self.report.trace, group)
+            rows = self._rows[group] = view.op_rows(self.report.trace, group)
         self.ops_html.value = _wrap(S.ops_table_html(self.report.trace, group, self.ops_sort.value, limit=30,
                                                      rows=rows))
 
@@ -378,7 +378,7 @@ class Panel:
         if result is None:
             self.status.value = _wrap('<div class="exc">The fix run returned no result.</div>')
             return
-        cancelled = bool(S._get(result, "cancelled"))
+        cancelled = bool(view._get(result, "cancelled"))
         body = fix_after_html(result, with_code=False)
         if cancelled:
             body = '<div class="sub"><b>Cancelled.</b> The namespace was restored.</div>' + body
@@ -393,7 +393,7 @@ class Panel:
                 self.after_caption.value = _wrap("<div><b>Memory of the run with the fix</b></div>")
             except Exception:  # the comparison above already says what changed
                 self.after_image.layout.display = "none"
-        code = S._get(result, "code")
-        if code and S._get(result, "applied"):
+        code = view._get(result, "code")
+        if code and view._get(result, "applied"):
             self.keep.value = keep_html(code)
         self.status.value = ""

@@ -1,0 +1,19 @@
+"""Render: a :class:`~backward_doctor.report.Report` turned into text, HTML or plots.
+
+Importing this package registers the renderers (``report/renderers.py``): ``text``, ``json``
+(``text.py``), ``html`` and ``page`` (``html.py``). ``view.py`` is the view model every renderer
+and the panel read (verdict, offending op, memory by module, op rows, applicable fixes), ``style.py``
+the look, ``sections.py`` the HTML pieces, ``graph.py`` the autograd graph by module, ``plots.py`` the
+matplotlib figures (imported lazily).
+
+>>> from backward_doctor.report import Report
+>>> from backward_doctor.report.renderers import renderer
+>>> renderer("text").render(Report()).startswith("backward_doctor: OK")
+True
+"""
+from __future__ import annotations
+
+from . import html, text  # noqa: F401  (registers the renderers)
+from ..report.renderers import names, renderer
+
+__all__ = ["names", "renderer"]

@@ -15,9 +15,11 @@ from __future__ import annotations
 import base64
 from typing import TYPE_CHECKING, Any
 
-from . import sections as S
-from .sections import esc
+from . import sections as S, style, view
+from .style import esc
+from ..util.units import format_bytes
 
+from ..report.renderers import Renderer, register
 if TYPE_CHECKING:
     from ..report.report import Report
 
@@ -40,10 +42,9 @@ def memory_section(report: "Report") -> str:
     try:
         from . import plots
 
-        from .sections import memory_by_module
 
         timeline = plots.memory_timeline_png(tr)
-        data, how = memory_by_module(tr)
+        data, how = view.memory_by_module(tr)
         modules = plots.memory_by_module_png(tr, data=(data, how))
     except ImportError as exc:  # matplotlib missing: say so, keep the rest of the report
         return f'<div class="sub">Plots need matplotlib ({esc(exc)}).</div>'
@@ -53,7 +54,8 @@ def memory_section(report: "Report") -> str:
 
 
 def graph_section(report: "Report") -> str:
-    from .graph import build_graph, legend_html
+    from .graph import build_graph
+    from .graph_svg import legend_html
 
     g = build_graph(report.trace, report)
     expanded = g.auto_expanded()
@@ -74,7 +76,7 @@ def ops_section(report: "Report") -> str:
     tr = report.trace
     if not tr.ops:
         return '<div class="sub">No ops were recorded.</div>'
-    by_op = S.op_rows(tr, "op")
+    by_op = view.op_rows(tr, "op")
     return (S.ops_table_html(tr, "op", "time", 15, rows=by_op) +
             "<details><summary>Ops by memory allocated</summary>" + S.ops_table_html(tr, "op", "memory", 15, by_op) +
             "</details><details><summary>Modules by time</summary>" + S.ops_table_html(tr, "module", "time", 20) +
@@ -87,11 +89,11 @@ def fixes_section(report: "Report") -> str:
     result = getattr(report, "fix_result", None)
     if result is not None:
         out.append(fix_after_html(result))
-    opts = S.applicable_fixes(report)
+    opts = view.applicable_fixes(report)
     if opts:
         rows = []
         for o in opts:
-            pred = f"predicted peak ≥ {esc(S.format_bytes(o.predicted))}" if o.predicted else ""
+            pred = f"predicted peak ≥ {esc(format_bytes(o.predicted))}" if o.predicted else ""
             rows.append(f"<tr><td><code>{esc(o.arg)}</code></td><td><b>{esc(o.title)}</b><br>"
                         f'<span class="sub">{esc(o.description)}</span></td><td class="num">{pred}</td></tr>')
         out.append('<table class="t">' + "".join(rows) + "</table>")
@@ -106,13 +108,13 @@ def fixes_section(report: "Report") -> str:
 
 def fix_after_html(result: Any, with_code: bool = True) -> str:
     """The after-view of a fix: verdict, comparison table beside the bars, warnings, diff, code to keep."""
-    comp = S._get(result, "comparison") or {}
+    comp = view._get(result, "comparison") or {}
     plot = ""
     if comp.get("before") and comp.get("after"):
         try:
             from . import plots
 
-            original = S._get(result, "original")
+            original = view._get(result, "original")
             limit = (original.get("trace", {}).get("memory", {}).get("limit_bytes")
                      if isinstance(original, dict) else None)
             plot = _img(plots.comparison_png(comp["before"], comp["after"], limit=limit), "before and after")
@@ -121,11 +123,11 @@ def fix_after_html(result: Any, with_code: bool = True) -> str:
     head, table, diff = S.fix_result_parts(result)
     out = [head, '<div style="display:flex;flex-wrap:wrap;gap:16px;align-items:center">'
            f'<div style="flex:0 0 auto">{table}</div><div style="flex:1 1 380px;max-width:600px">{plot}</div></div>']
-    for w in S._get(result, "warnings") or []:
+    for w in view._get(result, "warnings") or []:
         out.append(f'<div class="sub">⚠ {esc(w)}</div>')
     if diff:
         out.append("<div><b>The change</b></div>" + diff)
-    code = S._get(result, "code")
+    code = view._get(result, "code")
     if code and with_code:
         out.append(f'<div><b>Code to keep</b></div><div class="src"><pre style="padding:6px 8px">{esc(code)}</pre></div>')
     return "".join(out)
@@ -134,7 +136,7 @@ def fix_after_html(result: Any, with_code: bool = True) -> str:
 def render_html(report: "Report") -> str:
     """The report as one HTML fragment (``<style>`` scoped to ``.bd``)."""
     tr = report.trace
-    parts = [f"<style>{S.CSS}</style>", '<div class="bd">',
+    parts = [f"<style>{style.CSS}</style>", '<div class="bd">',
              '<div class="muted" style="font-size:11px">backward_doctor report</div>', S.summary_html(report)]
     sections = [("Memory timeline", memory_section), ("Root cause" if report.findings else "Findings",
                                                       lambda r: S.findings_html(r)),
@@ -158,3 +160,23 @@ def render_page(report: "Report", title: str = "backward_doctor report") -> str:
             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{esc(title)}</title>"
             "<style>body{margin:16px;background:#fff}</style></head><body>"
             f"{render_html(report)}</body></html>\n")
+
+
+@register
+class HtmlRenderer(Renderer):
+    """``report.to_html()``: one self-contained fragment (what notebooks display)."""
+
+    name, suffix = "html", ".html"
+
+    def render(self, report: "Report") -> str:
+        return render_html(report)
+
+
+@register
+class PageRenderer(Renderer):
+    """``report.save_html(path)``: a whole HTML document."""
+
+    name, suffix = "page", ".html"
+
+    def render(self, report: "Report") -> str:
+        return render_page(report)

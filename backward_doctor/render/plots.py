@@ -19,7 +19,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ..analysis.findings import forward_where
-from .sections import CATEGORY_COLORS, CATEGORY_LABELS, memory_by_module
+from .style import CATEGORY_COLORS, CATEGORY_LABELS
+from .view import memory_by_module
 from ..trace.records import CATEGORIES, Trace
 from ..util.units import format_bytes
 

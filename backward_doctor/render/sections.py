@@ -12,263 +12,18 @@ True
 """
 from __future__ import annotations
 
-import difflib
-import html
-import linecache
 import os
 import re
-from collections import Counter, defaultdict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ..analysis.findings import Finding, forward_where
-from ..capture.stats import format_stats
-from ..trace.records import CATEGORIES, OpRecord, TensorMeta, Trace, Where
+from ..trace.records import CATEGORIES, TensorMeta, Trace
 from ..util.units import format_bytes, format_us
+from .style import CATEGORY_LABELS, COLORS, esc, sev_color
+from .view import OpRow, SORT_KEYS, _get, _line_label, applicable_fixes, make_diff, offending_record, op_rows, phase_counts, source_context, tensor_bytes, verdict_parts
 
 if TYPE_CHECKING:
     from ..report.report import Report
-
-COLORS = {"error": "#c62828", "warning": "#b26a00", "info": "#1565c0", "ok": "#2e7d32"}
-#: Colours of the memory categories (plots and HTML legends use the same).
-CATEGORY_COLORS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#76b7b2",
-                   "activations": "#e15759", "other": "#bab0ac"}
-CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
-                   "activations": "saved activations", "other": "other"}
-
-FIX_INFO = {
-    "accumulate": ("Gradient accumulation",
-                   "Split the batch into k micro-batches and step once: the same effective batch, "
-                   "about 1/k of the activations."),
-    "amp": ("Mixed precision (AMP)",
-            "Run forward under autocast: 16-bit activations, fp32 master weights."),
-    "checkpoint": ("Activation checkpointing",
-                   "Keep activations only at module boundaries and recompute the rest in backward."),
-    "sync": ("Synchronous replay",
-             "Re-run with synchronous kernel launches to find the op that really failed."),
-}
-
-CSS = """
-.bd{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;
- font-size:13px;line-height:1.45;color:#1f2328;background:#fff;max-width:1100px}
-.bd *{box-sizing:border-box}
-.bd h3{font-size:14px;margin:14px 0 6px;color:#1f2328;border-bottom:1px solid #e5e7eb;padding-bottom:3px}
-.bd code,.bd pre,.bd .mono{font-family:"SFMono-Regular",Menlo,Consolas,"DejaVu Sans Mono",monospace;font-size:12px}
-.bd pre{margin:0;white-space:pre-wrap;word-break:break-word}
-.bd .verdict{display:flex;align-items:flex-start;gap:10px;padding:10px 12px;border-radius:6px;
- border-left:6px solid var(--sev);background:#fafafa}
-.bd .badge{display:inline-block;padding:1px 8px;border-radius:10px;color:#fff;font-weight:600;
- font-size:11px;text-transform:uppercase;letter-spacing:.03em;background:var(--sev);white-space:nowrap}
-.bd .headline{font-size:15px;font-weight:600}
-.bd .sub{color:#57606a}
-.bd .facts{display:grid;grid-template-columns:repeat(auto-fit,minmax(190px,1fr));gap:8px;margin:10px 0}
-.bd .fact{border:1px solid #e5e7eb;border-radius:6px;padding:6px 10px;background:#fff}
-.bd .fact .k{color:#57606a;font-size:11px;text-transform:uppercase;letter-spacing:.04em}
-.bd .fact .v{font-size:15px;font-weight:600}
-.bd .gauge{height:6px;background:#eef0f3;border-radius:3px;margin-top:4px;overflow:hidden}
-.bd .gauge>div{height:6px;border-radius:3px}
-.bd .exc{background:#fff5f5;border:1px solid #f3c2c2;border-radius:6px;padding:6px 10px;margin:8px 0}
-.bd .chip{display:inline-block;border:1px solid #d0d7de;border-radius:12px;padding:1px 9px;margin:2px 4px 2px 0;
- background:#f6f8fa;font-size:12px}
-.bd .finding{border-left:4px solid var(--sev);padding:4px 10px;margin:8px 0;background:#fcfcfc}
-.bd .src{border:1px solid #e5e7eb;border-radius:6px;overflow:hidden;margin:6px 0}
-.bd .src .cap{background:#f6f8fa;color:#57606a;padding:2px 8px;font-size:11px;border-bottom:1px solid #e5e7eb}
-.bd .src .ln{display:flex;white-space:pre;font-family:"SFMono-Regular",Menlo,Consolas,"DejaVu Sans Mono",monospace;
- font-size:12px;padding:0 8px}
-.bd .src .ln .no{color:#8c959f;min-width:3.2em;text-align:right;padding-right:10px;user-select:none}
-.bd .src .ln.hit{background:#fff1c2;font-weight:600}
-.bd .src .ln.hit .no{color:#8a6d00}
-.bd table.t{border-collapse:collapse;margin:6px 0;width:100%}
-.bd table.t th{text-align:left;font-weight:600;color:#57606a;border-bottom:1px solid #d0d7de;padding:3px 8px;
- font-size:12px;white-space:nowrap}
-.bd table.t td{border-bottom:1px solid #f0f1f3;padding:3px 8px;vertical-align:top}
-.bd table.t td.num,.bd table.t th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
-.bd table.t tr.hit td{background:#fff1c2}
-.bd .bad{color:#c62828;font-weight:600}
-.bd .good{color:#2e7d32;font-weight:600}
-.bd .muted{color:#8c959f}
-.bd .diff{border:1px solid #e5e7eb;border-radius:6px;padding:4px 0;margin:6px 0;overflow-x:auto}
-.bd .diff div{white-space:pre;padding:0 8px;font-family:"SFMono-Regular",Menlo,Consolas,"DejaVu Sans Mono",monospace;
- font-size:12px}
-.bd .diff .add{background:#e6ffec}.bd .diff .del{background:#ffebe9}.bd .diff .hunk{color:#8250df;background:#f6f8fa}
-.bd .chain{margin:4px 0;padding-left:0;list-style:none}
-.bd .chain li{margin:2px 0}
-.bd .chain li:before{content:"\\2192 ";color:#8c959f}
-.bd .legend span{display:inline-block;margin-right:12px;font-size:12px}
-.bd .legend i{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px}
-.bd details>summary{cursor:pointer;color:#0b5cad;margin:4px 0}
-.bd .graph{overflow:auto;border:1px solid #e5e7eb;border-radius:6px;background:#fff;max-height:760px}
-.bd img.plot{max-width:100%;height:auto;display:block}
-"""
-
-
-def esc(text: Any) -> str:
-    """HTML-escape anything shown to the user (quotes too, for attributes)."""
-    return html.escape("" if text is None else str(text), quote=True)
-
-
-def sev_color(sev: str) -> str:
-    return COLORS.get(sev, COLORS["error"])
-
-
-# --------------------------------------------------------------------------- derivations
-def tensor_bytes(m: TensorMeta) -> int:
-    """Bytes of a tensor from its metadata (0 when the dtype is unknown)."""
-    n = 1
-    for s in m.shape:
-        n *= int(s)
-    return n * _ITEMSIZE.get(m.dtype, 4)
-
-
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
-             "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8}
-
-
-def first_sentence(text: str) -> str:
-    """The first sentence of a message (code spans in backticks are not split)."""
-    depth, out = False, []
-    for i, ch in enumerate(text):
-        if ch == "`":
-            depth = not depth
-        out.append(ch)
-        if ch in ".:" and not depth and (i + 1 == len(text) or text[i + 1] == " ") and i > 20:
-            break
-    s = "".join(out).strip()
-    return s[:-1] + "." if s.endswith(":") else s
-
-
-def phase_counts(trace: Trace) -> dict[str, int]:
-    return dict(Counter(op.phase for op in trace.ops))
-
-
-def offending_record(report: "Report") -> tuple[OpRecord | None, list[TensorMeta], list[TensorMeta]]:
-    """The op behind the top finding, with the richest inputs/outputs we have (stats when known)."""
-    tr = report.trace
-    f = report.root_cause
-    if f is None:
-        return None, [], []
-    if f.kind == "nonfinite":
-        ev = next((e for e in tr.nonfinite if e.is_origin and e.reached), None)
-        if ev is not None:
-            rec = tr.op(ev.index)
-            return rec, ev.inputs, [ev.output] if ev.output else (rec.outputs if rec else [])
-    if f.kind == "oom" and tr.exception and tr.exception.oom:
-        rec = tr.op(tr.exception.oom.get("index"))
-        if rec is not None:
-            return rec, rec.inputs, rec.outputs
-    failed = tr.failed_op
-    if failed is not None and (f.op is None or f.op == failed.op):
-        rec = tr.op(failed.index)
-        return rec, failed.inputs, rec.outputs if rec else []
-    if f.kind == "inplace":
-        idx = next((e.index for e in tr.inplace if e.op == f.op and e.where.line == f.line), None)
-        rec = tr.op(idx)
-        if rec is not None:
-            return rec, rec.inputs, rec.outputs
-    if f.op:
-        cands = [op for op in tr.ops if op.op == f.op]
-        hit = [op for op in cands if forward_where(tr, op).line == f.line] or cands
-        if hit:
-            return hit[0], hit[0].inputs, hit[0].outputs
-    return None, [], []
-
-
-def memory_by_module(trace: Trace) -> tuple[dict[str, int], str]:
-    """Bytes by module at the memory peak, and how they were obtained.
-
-    An OOM carries the ledger's exact breakdown. Otherwise tensors made in the
-    forward pass are attributed to the module that made them, counted live at the
-    peak when something used them at or after it (from the data flow; a lower
-    bound), next to the exact parameter, gradient and optimizer-state bytes; the
-    rest of the peak is shown as one remainder.
-    """
-    exc = trace.exception
-    if exc is not None and exc.oom and exc.oom.get("by_module"):
-        return dict(exc.oom["by_module"]), "at the out-of-memory point (exact, from the memory ledger)"
-    peak = trace.memory.peak_index
-    if peak is None or not trace.ops:
-        return {}, ""
-    made: dict[int, tuple[int, str, int]] = {}  # key -> (index made, module, bytes)
-    last_use: dict[int, int] = {}
-    for op in trace.ops:
-        for k in op.in_keys:
-            if k in made:
-                last_use[k] = op.index
-        if op.phase != "forward" or op.index > peak:
-            continue
-        for k, m in zip(op.out_keys, op.outputs):
-            if not k or k in op.in_keys or k in made and last_use.get(k, -1) >= op.index:
-                continue  # in place, a view, or the same storage again
-            made[k] = (op.index, op.where.module or "(outside modules)", tensor_bytes(m))
-            last_use[k] = op.index
-    out: dict[str, int] = defaultdict(int)
-    for k, (i, lab, nbytes) in made.items():
-        if i <= peak <= last_use.get(k, i):
-            out[lab] += nbytes
-    cats = trace.memory.peak_by_category or {}
-    for c in ("parameters", "gradients", "optimizer"):
-        if cats.get(c):
-            out[f"({CATEGORY_LABELS[c]})"] = cats[c]
-    rest = trace.memory.peak_bytes - sum(out.values())
-    if rest > 0:
-        out["(other live tensors)"] = rest
-    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
-    return out, "at the peak (forward tensors by module, estimated from data flow)"
-
-
-def _module_label(trace: Trace, op: OpRecord) -> str:
-    if op.phase == "backward":
-        w = forward_where(trace, op)
-        return f"{w.module} (gradients)" if w.module else "(gradients outside modules)"
-    if op.phase == "optimizer":
-        return "(optimizer step)"
-    return op.where.module or "(outside modules)"
-
-
-@dataclass
-class OpRow:
-    name: str
-    count: int
-    time_us: float
-    alloc_bytes: int
-    where: str = ""
-
-
-def op_rows(trace: Trace, group: str = "op") -> list[OpRow]:
-    """Ops grouped by op name, module or line: count, time, bytes newly allocated."""
-    rows: dict[str, OpRow] = {}
-    for op in trace.ops:
-        if group == "module":
-            key = _module_label(trace, op)
-        elif group == "line":
-            w = forward_where(trace, op)
-            key = _line_label(w) + (" (backward)" if op.phase == "backward" else "")
-        else:
-            key = op.op
-        row = rows.get(key)
-        if row is None:
-            row = rows[key] = OpRow(key, 0, 0.0, 0)
-        row.count += 1
-        row.time_us += op.duration_us
-        ins = set(op.in_keys)
-        row.alloc_bytes += sum(tensor_bytes(m) for k, m in zip(op.out_keys, op.outputs) if k and k not in ins)
-    if group == "op" and trace.ops_dropped:  # totals cover the ops dropped from the middle
-        for name, (count, total) in trace.op_totals.items():
-            row = rows.setdefault(name, OpRow(name, 0, 0.0, 0))
-            row.count, row.time_us = int(count), float(total)
-    return list(rows.values())
-
-
-def _line_label(w: Where) -> str:
-    if w.line is None:
-        return "(unknown line)"
-    return f"cell line {w.line}" if w.file is None else f"{os.path.basename(w.file)}:{w.line}"
-
-
-SORT_KEYS = {"time": lambda r: -r.time_us, "memory": lambda r: -r.alloc_bytes, "count": lambda r: -r.count,
-             "name": lambda r: r.name}
-
 
 def ops_table_html(trace: Trace, group: str = "op", sort: str = "time", limit: int = 25,
                    rows: list[OpRow] | None = None) -> str:
@@ -286,53 +41,6 @@ def ops_table_html(trace: Trace, group: str = "op", sort: str = "time", limit: i
     if len(rows) > limit:
         out.append(f'<div class="muted">{len(rows) - limit} more rows not shown</div>')
     return "".join(out)
-
-
-# --------------------------------------------------------------------------- fixes
-@dataclass
-class FixOption:
-    arg: str           # what run_fix / --fix takes: "accumulate:2"
-    name: str          # "accumulate"
-    title: str
-    description: str
-    predicted: int | None = None
-
-
-def applicable_fixes(report: "Report") -> list[FixOption]:
-    """One option per fix the findings name, with the predicted peak where the rules gave one."""
-    seen: list[FixOption] = []
-    names: set[str] = set()
-    for f in report.findings:
-        preds = f.evidence.get("predicted_peak") or {}
-        limit = f.evidence.get("limit")
-        for name in f.fixes:
-            if name in names:
-                continue
-            names.add(name)
-            arg, pred = name, preds.get(name)
-            if name == "accumulate":
-                ks = [k for k in (2, 4, 8) if f"accumulate:{k}" in preds]
-                k = next((k for k in ks if limit and preds[f"accumulate:{k}"] <= 0.9 * limit), ks[-1] if ks else None)
-                if k:
-                    arg, pred = f"accumulate:{k}", preds[f"accumulate:{k}"]
-            title, desc = FIX_INFO.get(name, (name, ""))
-            seen.append(FixOption(arg, name, title, desc, pred))
-    return seen
-
-
-# --------------------------------------------------------------------------- pieces
-def source_context(trace: Trace, line: int | None, file: str | None, around: int = 3) -> list[tuple[int, str]]:
-    """(number, text) of the lines around ``line`` in the cell or in ``file``."""
-    if line is None:
-        return []
-    if file is None:
-        lines = trace.source.splitlines()
-    else:
-        lines = [s.rstrip("\n") for s in linecache.getlines(file)]
-    if not 0 < line <= len(lines):
-        return []
-    lo, hi = max(1, line - around), min(len(lines), line + around)
-    return [(i, lines[i - 1]) for i in range(lo, hi + 1)]
 
 
 def source_html(trace: Trace, line: int | None, file: str | None, caption: str = "", around: int = 3) -> str:
@@ -373,20 +81,6 @@ def tensors_html(ins: list[TensorMeta], outs: list[TensorMeta]) -> str:
                        f'<td class="num">{esc(format_bytes(tensor_bytes(m)))}</td>{_stats_cells(m)}</tr>')
     out.append("</table>")
     return "".join(out)
-
-
-def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
-    """(severity, badge, headline, one sentence)."""
-    tr = report.trace
-    if report.ok:
-        return "ok", "OK", "The step ran and nothing looks wrong", ""
-    top = report.root_cause
-    if top is None:
-        what = "timed out" if tr.timed_out else "did not complete"
-        return "error", "problem", f"The step {what}", (report.exception or "").split("\n")[0]
-    title = top.title or top.kind.replace("_", " ")
-    return top.severity, top.severity if top.severity != "error" else "problem", \
-        f"{title} at {top.location()}", first_sentence(top.message)
 
 
 def summary_html(report: "Report") -> str:
@@ -551,19 +245,6 @@ def findings_html(report: "Report") -> str:
     return "".join(finding_html(report, f, detailed=i == 0) for i, f in enumerate(report.findings))
 
 
-def legend_html(categories: Iterable[str] = CATEGORIES) -> str:
-    return '<div class="legend">' + "".join(
-        f'<span><i style="background:{CATEGORY_COLORS[c]}"></i>{esc(CATEGORY_LABELS[c])}</span>'
-        for c in categories) + "</div>"
-
-
-# --------------------------------------------------------------------------- fix results
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
 def comparison_html(result: Any) -> str:
     """Before/after table of a fix result (``report.fix_result``)."""
     comp = _get(result, "comparison") or {}
@@ -607,10 +288,6 @@ def diff_html(diff: str) -> str:
     return f'<div class="diff">{"".join(rows)}</div>'
 
 
-def make_diff(before: str, after: str) -> str:
-    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), "cell", "cell (fixed)"))
-
-
 def fix_result_parts(result: Any) -> tuple[str, str, str]:
     """(verdict, comparison table, diff) of a fix result, as HTML."""
     name = _get(result, "name", "fix")
@@ -629,7 +306,3 @@ def fix_result_parts(result: Any) -> tuple[str, str, str]:
     return head, comparison_html(result), diff_html(diff)
 
 
-def fix_result_html(result: Any) -> str:
-    """The after-view: what was applied, the comparison, the diff."""
-    head, table, diff = fix_result_parts(result)
-    return head + table + ("<div><b>The change</b></div>" + diff if diff else "")

@@ -15,6 +15,7 @@ from ..analysis.findings import source_line
 from ..capture.stats import format_stats
 from ..util.units import format_bytes
 
+from ..report.renderers import Renderer, register
 if TYPE_CHECKING:
     from ..report.report import Report
 
@@ -118,3 +119,25 @@ def _fix_lines(fr) -> list[str]:  # noqa: ANN001 - a FixResult
         out.append("    code to keep:")
         out.extend(f"    | {line}" for line in fr.code.rstrip("\n").splitlines())
     return out
+
+
+@register
+class TextRenderer(Renderer):
+    """``str(report)``: the report as plain text."""
+
+    name, suffix = "text", ".txt"
+
+    def render(self, report: "Report") -> str:
+        return render_text(report)
+
+
+@register
+class JsonRenderer(Renderer):
+    """The report as JSON (``report.to_dict()``): what ``render`` reads back."""
+
+    name, suffix = "json", ".json"
+
+    def render(self, report: "Report") -> str:
+        import json
+
+        return json.dumps(report.to_dict())

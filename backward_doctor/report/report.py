@@ -14,6 +14,7 @@ from typing import Any
 
 from ..analysis.findings import Finding
 from .fix_result import FixResult
+from .renderers import renderer
 from ..trace.records import Trace
 
 
@@ -50,9 +51,7 @@ class Report:
                    fix_result=FixResult.from_dict(data["fix_result"]) if data.get("fix_result") else None)
 
     def __str__(self) -> str:
-        from ..render.text import render_text
-
-        return render_text(self)
+        return renderer("text").render(self)
 
     def __repr__(self) -> str:
         kinds = ", ".join(f.kind for f in self.findings) or "no findings"
@@ -60,16 +59,13 @@ class Report:
 
     def to_html(self) -> str:
         """The report as a self-contained HTML fragment: plots embedded, no script, user text escaped."""
-        from ..render.html import render_html
-
-        return render_html(self)
+        return renderer("html").render(self)
 
     def save_html(self, path: str) -> str:
         """Write the report as one self-contained HTML page to ``path``; returns the path."""
-        from ..render.html import render_page
-
+        page = renderer("page").render(self)
         with open(path, "w", encoding="utf-8") as fh:
-            fh.write(render_page(self))
+            fh.write(page)
         return path
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:

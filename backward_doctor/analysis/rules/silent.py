@@ -15,7 +15,8 @@ import math
 import os
 
 from ..findings import Finding, at, source_line
-from ...capture.stores import store_line
+from ...util.stores import store_line
+from ...trace.queries import skipped_amp_steps
 from ...trace.records import OpRecord, Trace, Where
 from ...util.units import format_bytes
 from .autograd import _data_site, _user_detach
@@ -224,24 +225,6 @@ def broadcast(trace: Trace) -> list[Finding]:
         return [at("broadcast", op.where, msg, op=op.op, title="Prediction and target broadcast",
                    evidence={"prediction": list(pred), "target": list(target), "broadcast": list(out)})]
     return []
-
-
-def skipped_amp_steps(trace: Trace) -> list[OpRecord]:
-    """GradScaler unscale ops not followed by an optimizer step before the scale update."""
-    steps = [s["index"] for s in trace.optimizer_steps]
-    skipped = []
-    pending = None
-    checked = None  # scaler.step reads found_inf with .item(): that op sits on the step line
-    for op in trace.ops:
-        if op.op == "aten::_amp_foreach_non_finite_check_and_unscale_":
-            pending, checked = op, None
-        elif op.op == "aten::_local_scalar_dense" and pending is not None:
-            checked = op
-        elif op.op == "aten::_amp_update_scale_" and pending is not None:
-            if not any(pending.index < s <= op.index for s in steps):
-                skipped.append(checked or pending)
-            pending = checked = None
-    return skipped
 
 
 def amp_skipped(trace: Trace) -> list[Finding]:

@@ -1,0 +1,166 @@
+"""The state of one capture, owned by one object: what the recorders write during the step and
+``finish`` reads after it.
+
+:class:`CaptureState` declares every field in one place (the per-op record arrays, the interned
+strings, the ledger, module and parameter registries, NaN/Inf origins); the per-op hot path
+(``record.py``, :class:`~backward_doctor.capture.record.OpRecorder`) fills it, the context manager
+(``context.py``) installs and removes the hooks around it, ``finish.py`` turns it into a trace.
+
+>>> s = CaptureState(source="x = 1")
+>>> s.trace.source, s.parameters()
+('x = 1', [])
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import weakref
+from array import array
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .frames import UserFrames
+from .memory import MemoryLedger, Timeline
+from .process import UndoStack
+from ..trace.records import Trace, Where
+
+if TYPE_CHECKING:
+    from .history import CellHistory
+
+_run_ids = itertools.count(1)
+_sequence_nr = torch._C._autograd._get_sequence_nr
+#: ints per kept op in ``_rec_ints`` (see record.py), and the phases their phase ids stand for
+REC_WIDTH = 10
+PHASES = ("forward", "backward", "optimizer")
+_NODE_BUDGET = 10_000  # backward ops per run whose autograd node is looked up (see record.dispatch)
+
+
+class CaptureState:
+    """Every field one capture records into (see the module doc); no hooks, nothing installed."""
+
+    def __init__(self, namespace: dict[str, Any] | None = None, *, cell_file: str = "<cell>",
+                 source: str = "", memory_limit: int | None = None, max_ops: int = 50_000,
+                 tail_ops: int = 10_000, check_indices: bool | None = None,
+                 history: "CellHistory | None" = None, detail: bool = True, cuda_history: bool = True) -> None:
+        self.namespace = namespace if namespace is not None else {}
+        self.memory_limit = memory_limit
+        self.check_indices = check_indices
+        #: True: screen every op's output for NaN/Inf (finds the origin). False: the cheap first
+        #: tier, which screens scalar outputs only and says when a detailed run is needed.
+        self.detail = detail
+        self.history = history
+        self.trace = Trace(source=source, cell_file=cell_file, torch_version=torch.__version__)
+        self.trace.memory.limit_bytes = memory_limit
+        self._run_id = next(_run_ids)
+        self.trace.run_id = self._run_id
+        self._frames = UserFrames(cell_file)
+        self._ledger = MemoryLedger()
+        self._ledger.on_free = self._on_free
+        self._timeline = Timeline()
+        # Per-op records as ints in flat arrays (see _record.py), turned into OpRecords by finish().
+        self._rec_ints, self._rec_io, self._rec_us = array("q"), array("q"), array("d")
+        self._n_kept = 0
+        self._names: list[str] = []
+        self._name_ids: dict[str, int] = {}
+        self._metas: list[tuple] = []      # (shape, dtype, device, requires_grad)
+        self._meta_ids: dict[tuple, int] = {}
+        self._wheres: list[Where] = []     # every Where a record points to (kept: ids stay valid)
+        self._where_ids: dict[int, int] = {}
+        self._where_intern: dict[tuple, Where] = {}  # one Where per (position, module stack)
+        self._max_ops, self._tail = max_ops, collections.deque(maxlen=tail_ops)
+        self._tail_count = 0  # records that went to the ring buffer (some since overwritten)
+        self._count = 0
+        self._unrecorded = 0  # ops whose results could not be recorded (they ran as usual)
+        self._op_totals: dict[str, list[float]] = {}
+        self._peak, self._peak_index, self._peak_by_category = 0, None, {}
+        self._seq_map: dict[int, int] = {}  # autograd sequence number -> forward op index
+        self._node_budget, self._budget_noted = _NODE_BUDGET, False
+        self._seq_start = self._last_seq = _sequence_nr()
+        self._handles: list[Any] = []  # hooks on parameters
+        self._undo = UndoStack()       # what start() installed, to undo in stop()
+        self._global_handles: list[Any] = []  # module and optimizer hooks (off while torch.compile compiles)
+        self._modules: dict[int, tuple[weakref.ref, str]] = {}
+        self._module_stack: list[int] = []
+        self._stack_key: tuple[int, ...] = ()
+        self._skip_codes: dict[Any, bool] = {}  # our frames and torch's wrappers around __torch_dispatch__
+        self._where_cache: dict[tuple, Where] = {}  # call site -> Where, within one backward()/step()
+        self._where_stacks: list[tuple[Where, tuple[int, ...]]] = []
+        self._params: dict[int, weakref.ref] = {}
+        self._got_grad: set[int] = set()  # ids of parameters autograd accumulated into
+        self._opt_depth = 0
+        self._writer: dict[int, int] = {}      # storage key -> last op that wrote it
+        self._nf_origin: dict[int, int] = {}   # storage key -> op index that first made its NaN/Inf
+        self._nf_by_index: dict[int, int] = {}
+        #: first tier: forward ops whose scalar output was NaN/Inf (op index -> where), the first few.
+        #: Only one that reached the loss or a variable of the cell calls for the detailed run: the
+        #: ``-inf`` scalars attention masks are built from are intended.
+        self._nf_scalars: dict[int, dict[str, Any]] = {}
+        self._detail_budget = 8  # non-finite origins that get full statistics
+        self._ns_names: dict[int, str] = {}    # storage key -> variable name (at start)
+        self._last_phase = "forward"
+        self._roots: list[int | None] = []  # forward op of each backward's root node
+        self._oom: dict[str, Any] | None = None
+        self._cuda = torch.cuda.is_available()
+        self._cuda_history_wanted = cuda_history
+        self._cuda_alloc = array("q")
+        self._t0 = self._t_last = 0.0  # start, and end of the latest op (what a failed step took)
+
+
+    def _on_free(self, key: int) -> None:
+        self._writer.pop(key, None)
+        self._nf_origin.pop(key, None)
+
+    def _register_module(self, mod: torch.nn.Module) -> None:
+        for sub in mod.modules():
+            if id(sub) in self._modules:
+                continue
+            self._modules[id(sub)] = (weakref.ref(sub), type(sub).__name__)
+            for p in sub.parameters(recurse=False):
+                self._register_param(p)
+
+    def _register_param(self, p: torch.Tensor) -> None:
+        if id(p) in self._params:
+            return
+        self._params[id(p)] = weakref.ref(p)
+        self._ledger.track(p, "parameters")
+        if p.grad is not None:
+            self._ledger.track(p.grad, "gradients")
+        # A parameter that is no longer a leaf (an in-place update with grad on attached a graph to it)
+        # gets no gradient and takes no hook: the rules report it (``nonleaf_param``).
+        if p.requires_grad and p.is_leaf and hasattr(p, "register_post_accumulate_grad_hook"):
+            self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self._got_grad.add(id(param))
+        if param.grad is not None:
+            self._ledger.reclassify(param.grad, "gradients")
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The live parameters seen during the run (strong refs only for the caller's use)."""
+        return [p for p in (r() for r in self._params.values()) if p is not None]
+
+    # ---------------------------------------------------------------- reading the records
+    def kept_records(self):
+        """Every kept op as (index, name, phase, fwd index or None, grad mode, Where, [(meta, key) of
+        inputs], [(meta, key) of outputs], live bytes, microseconds); meta = (shape, dtype, device,
+        requires_grad)."""
+        ints, io, us = self._rec_ints, self._rec_io, self._rec_us
+        names, wheres, metas = self._names, self._wheres, self._metas
+        for r in range(self._n_kept):
+            (index, name_id, phase, fwd, grad, where_id, n_in, n_out, off,
+             live) = ints[r * REC_WIDTH:(r + 1) * REC_WIDTH]
+            pairs = [(metas[io[off + 2 * j]], io[off + 2 * j + 1]) for j in range(n_in + n_out)]
+            yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],
+                   pairs[:n_in], pairs[n_in:], live, us[r])
+        for (index, name_id, phase, fwd, grad, where_id, n_in, flat, live, t) in self._tail:
+            pairs = [(metas[flat[2 * j]], flat[2 * j + 1]) for j in range(len(flat) // 2)]
+            yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],
+                   pairs[:n_in], pairs[n_in:], live, t)
+
+    def _op_name(self, index: int | None) -> str | None:
+        if index is None:
+            return None
+        if index < self._n_kept and self._rec_ints[index * REC_WIDTH] == index:
+            return self._names[self._rec_ints[index * REC_WIDTH + 1]]
+        return next((self._names[r[1]] for r in self._tail if r[0] == index), None)

@@ -1,0 +1,267 @@
+"""The view model of a report: what every renderer (text, HTML page, widget panel) shows, as plain
+data (no HTML, no widgets): the verdict, the offending op and its tensors, memory by module, the ops
+table's rows, the fixes that apply, the source lines around a place.
+
+>>> from backward_doctor.report import Report
+>>> verdict_parts(Report())[:2]
+('ok', 'OK')
+"""
+from __future__ import annotations
+
+import difflib
+import linecache
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..analysis.findings import forward_where
+from ..trace.records import OpRecord, TensorMeta, Trace, Where
+from .style import CATEGORY_LABELS
+
+if TYPE_CHECKING:
+    from ..report.report import Report
+
+
+FIX_INFO = {
+    "accumulate": ("Gradient accumulation",
+                   "Split the batch into k micro-batches and step once: the same effective batch, "
+                   "about 1/k of the activations."),
+    "amp": ("Mixed precision (AMP)",
+            "Run forward under autocast: 16-bit activations, fp32 master weights."),
+    "checkpoint": ("Activation checkpointing",
+                   "Keep activations only at module boundaries and recompute the rest in backward."),
+    "sync": ("Synchronous replay",
+             "Re-run with synchronous kernel launches to find the op that really failed."),
+}
+
+
+# --------------------------------------------------------------------------- derivations
+def tensor_bytes(m: TensorMeta) -> int:
+    """Bytes of a tensor from its metadata (0 when the dtype is unknown)."""
+    n = 1
+    for s in m.shape:
+        n *= int(s)
+    return n * _ITEMSIZE.get(m.dtype, 4)
+
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+             "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8}
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a message (code spans in backticks are not split)."""
+    depth, out = False, []
+    for i, ch in enumerate(text):
+        if ch == "`":
+            depth = not depth
+        out.append(ch)
+        if ch in ".:" and not depth and (i + 1 == len(text) or text[i + 1] == " ") and i > 20:
+            break
+    s = "".join(out).strip()
+    return s[:-1] + "." if s.endswith(":") else s
+
+
+def phase_counts(trace: Trace) -> dict[str, int]:
+    return dict(Counter(op.phase for op in trace.ops))
+
+
+def offending_record(report: "Report") -> tuple[OpRecord | None, list[TensorMeta], list[TensorMeta]]:
+    """The op behind the top finding, with the richest inputs/outputs we have (stats when known)."""
+    tr = report.trace
+    f = report.root_cause
+    if f is None:
+        return None, [], []
+    if f.kind == "nonfinite":
+        ev = next((e for e in tr.nonfinite if e.is_origin and e.reached), None)
+        if ev is not None:
+            rec = tr.op(ev.index)
+            return rec, ev.inputs, [ev.output] if ev.output else (rec.outputs if rec else [])
+    if f.kind == "oom" and tr.exception and tr.exception.oom:
+        rec = tr.op(tr.exception.oom.get("index"))
+        if rec is not None:
+            return rec, rec.inputs, rec.outputs
+    failed = tr.failed_op
+    if failed is not None and (f.op is None or f.op == failed.op):
+        rec = tr.op(failed.index)
+        return rec, failed.inputs, rec.outputs if rec else []
+    if f.kind == "inplace":
+        idx = next((e.index for e in tr.inplace if e.op == f.op and e.where.line == f.line), None)
+        rec = tr.op(idx)
+        if rec is not None:
+            return rec, rec.inputs, rec.outputs
+    if f.op:
+        cands = [op for op in tr.ops if op.op == f.op]
+        hit = [op for op in cands if forward_where(tr, op).line == f.line] or cands
+        if hit:
+            return hit[0], hit[0].inputs, hit[0].outputs
+    return None, [], []
+
+
+def memory_by_module(trace: Trace) -> tuple[dict[str, int], str]:
+    """Bytes by module at the memory peak, and how they were obtained.
+
+    An OOM carries the ledger's exact breakdown. Otherwise tensors made in the
+    forward pass are attributed to the module that made them, counted live at the
+    peak when something used them at or after it (from the data flow; a lower
+    bound), next to the exact parameter, gradient and optimizer-state bytes; the
+    rest of the peak is shown as one remainder.
+    """
+    exc = trace.exception
+    if exc is not None and exc.oom and exc.oom.get("by_module"):
+        return dict(exc.oom["by_module"]), "at the out-of-memory point (exact, from the memory ledger)"
+    peak = trace.memory.peak_index
+    if peak is None or not trace.ops:
+        return {}, ""
+    made: dict[int, tuple[int, str, int]] = {}  # key -> (index made, module, bytes)
+    last_use: dict[int, int] = {}
+    for op in trace.ops:
+        for k in op.in_keys:
+            if k in made:
+                last_use[k] = op.index
+        if op.phase != "forward" or op.index > peak:
+            continue
+        for k, m in zip(op.out_keys, op.outputs):
+            if not k or k in op.in_keys or k in made and last_use.get(k, -1) >= op.index:
+                continue  # in place, a view, or the same storage again
+            made[k] = (op.index, op.where.module or "(outside modules)", tensor_bytes(m))
+            last_use[k] = op.index
+    out: dict[str, int] = defaultdict(int)
+    for k, (i, lab, nbytes) in made.items():
+        if i <= peak <= last_use.get(k, i):
+            out[lab] += nbytes
+    cats = trace.memory.peak_by_category or {}
+    for c in ("parameters", "gradients", "optimizer"):
+        if cats.get(c):
+            out[f"({CATEGORY_LABELS[c]})"] = cats[c]
+    rest = trace.memory.peak_bytes - sum(out.values())
+    if rest > 0:
+        out["(other live tensors)"] = rest
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    return out, "at the peak (forward tensors by module, estimated from data flow)"
+
+
+def _module_label(trace: Trace, op: OpRecord) -> str:
+    if op.phase == "backward":
+        w = forward_where(trace, op)
+        return f"{w.module} (gradients)" if w.module else "(gradients outside modules)"
+    if op.phase == "optimizer":
+        return "(optimizer step)"
+    return op.where.module or "(outside modules)"
+
+
+@dataclass
+class OpRow:
+    name: str
+    count: int
+    time_us: float
+    alloc_bytes: int
+    where: str = ""
+
+
+def op_rows(trace: Trace, group: str = "op") -> list[OpRow]:
+    """Ops grouped by op name, module or line: count, time, bytes newly allocated."""
+    rows: dict[str, OpRow] = {}
+    for op in trace.ops:
+        if group == "module":
+            key = _module_label(trace, op)
+        elif group == "line":
+            w = forward_where(trace, op)
+            key = _line_label(w) + (" (backward)" if op.phase == "backward" else "")
+        else:
+            key = op.op
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = OpRow(key, 0, 0.0, 0)
+        row.count += 1
+        row.time_us += op.duration_us
+        ins = set(op.in_keys)
+        row.alloc_bytes += sum(tensor_bytes(m) for k, m in zip(op.out_keys, op.outputs) if k and k not in ins)
+    if group == "op" and trace.ops_dropped:  # totals cover the ops dropped from the middle
+        for name, (count, total) in trace.op_totals.items():
+            row = rows.setdefault(name, OpRow(name, 0, 0.0, 0))
+            row.count, row.time_us = int(count), float(total)
+    return list(rows.values())
+
+
+def _line_label(w: Where) -> str:
+    if w.line is None:
+        return "(unknown line)"
+    return f"cell line {w.line}" if w.file is None else f"{os.path.basename(w.file)}:{w.line}"
+
+
+SORT_KEYS = {"time": lambda r: -r.time_us, "memory": lambda r: -r.alloc_bytes, "count": lambda r: -r.count,
+             "name": lambda r: r.name}
+
+
+# --------------------------------------------------------------------------- fixes
+@dataclass
+class FixOption:
+    arg: str           # what run_fix / --fix takes: "accumulate:2"
+    name: str          # "accumulate"
+    title: str
+    description: str
+    predicted: int | None = None
+
+
+def applicable_fixes(report: "Report") -> list[FixOption]:
+    """One option per fix the findings name, with the predicted peak where the rules gave one."""
+    seen: list[FixOption] = []
+    names: set[str] = set()
+    for f in report.findings:
+        preds = f.evidence.get("predicted_peak") or {}
+        limit = f.evidence.get("limit")
+        for name in f.fixes:
+            if name in names:
+                continue
+            names.add(name)
+            arg, pred = name, preds.get(name)
+            if name == "accumulate":
+                ks = [k for k in (2, 4, 8) if f"accumulate:{k}" in preds]
+                k = next((k for k in ks if limit and preds[f"accumulate:{k}"] <= 0.9 * limit), ks[-1] if ks else None)
+                if k:
+                    arg, pred = f"accumulate:{k}", preds[f"accumulate:{k}"]
+            title, desc = FIX_INFO.get(name, (name, ""))
+            seen.append(FixOption(arg, name, title, desc, pred))
+    return seen
+
+
+# --------------------------------------------------------------------------- pieces
+def source_context(trace: Trace, line: int | None, file: str | None, around: int = 3) -> list[tuple[int, str]]:
+    """(number, text) of the lines around ``line`` in the cell or in ``file``."""
+    if line is None:
+        return []
+    if file is None:
+        lines = trace.source.splitlines()
+    else:
+        lines = [s.rstrip("\n") for s in linecache.getlines(file)]
+    if not 0 < line <= len(lines):
+        return []
+    lo, hi = max(1, line - around), min(len(lines), line + around)
+    return [(i, lines[i - 1]) for i in range(lo, hi + 1)]
+
+
+def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
+    """(severity, badge, headline, one sentence)."""
+    tr = report.trace
+    if report.ok:
+        return "ok", "OK", "The step ran and nothing looks wrong", ""
+    top = report.root_cause
+    if top is None:
+        what = "timed out" if tr.timed_out else "did not complete"
+        return "error", "problem", f"The step {what}", (report.exception or "").split("\n")[0]
+    title = top.title or top.kind.replace("_", " ")
+    return top.severity, top.severity if top.severity != "error" else "problem", \
+        f"{title} at {top.location()}", first_sentence(top.message)
+
+
+# --------------------------------------------------------------------------- fix results
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def make_diff(before: str, after: str) -> str:
+    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), "cell", "cell (fixed)"))

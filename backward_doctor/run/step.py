@@ -1,0 +1,109 @@
+"""The one orchestration of a run: every frontend (``diagnose()``, the magic, the CLI) and the fixes
+call :func:`run_step`.
+
+It picks the engine (``engine.py``), makes the capture, runs the cell under it (by ``exec``, or by a
+frontend's own ``execute``: the magic hands over IPython's ``run_cell``), replays a NaN/Inf from the
+rollback snapshot where the first run could not locate it (CUDA; ``snapshot.py``), applies the rules
+and keeps the report as the process's last one. The arguments every frontend accepts are checked here,
+once, before anything runs.
+
+>>> report = run_step("x = 1", {})
+>>> report.ok, last_report() is report
+(True, True)
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from ..analysis import analyze
+from ..capture.history import history_for
+from ..capture.runner import cell_filename, make_capture, run_source, run_under_capture
+from ..report import Report
+from ..trace import Trace
+from .engine import choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
+
+_last: list[Report | None] = [None]
+_MAX_TIMEOUT = 1e6
+
+
+def check_cell(source: Any, namespace: Any) -> None:
+    """``ValueError`` unless ``source`` is a cell's code and ``namespace`` a dict (or None)."""
+    if not isinstance(source, str):
+        raise ValueError(f"source must be the code of a cell as a string, not {type(source).__name__}")
+    if namespace is not None and not isinstance(namespace, dict):
+        raise ValueError(f"namespace must be a dict of globals, not {type(namespace).__name__}")
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """``timeout`` as seconds (None: no limit); ``ValueError`` for anything but a finite positive number.
+
+    >>> check_timeout(2)
+    2.0
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive finite number of seconds (or None for no limit), "
+                         f"not {timeout!r}")
+    if timeout > _MAX_TIMEOUT:  # threading's waits overflow past this
+        raise ValueError(f"timeout must be at most {_MAX_TIMEOUT:.0f} s (about 11 days), not {timeout!r}; "
+                         "None means no limit")
+    return float(timeout)
+
+
+def check_rollback(rollback: Any) -> bool:
+    """``rollback`` must be a bool (``"no"`` is truthy: refuse it rather than guess)."""
+    if not isinstance(rollback, bool):
+        raise ValueError(f"rollback must be True or False, not {rollback!r}")
+    return rollback
+
+
+def build_report(trace: Trace, fix: str | None = None) -> Report:
+    """Run the rules over ``trace`` and remember the result as the last report."""
+    exc = trace.exception.summary() if trace.exception else None
+    return remember(Report(findings=analyze(trace), exception=exc, trace=trace, fix=fix))
+
+
+def remember(report: Report) -> Report:
+    """Make ``report`` what :func:`last_report` returns (one item assignment: atomic, no lock a Ctrl-C
+    could leave held)."""
+    _last[0] = report
+    return report
+
+
+def last_report() -> Report | None:
+    """The latest report made in this process (by ``diagnose``, the magic, the CLI or a fix)."""
+    return _last[0]
+
+
+def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
+             memory_limit: int | None = None, engine: str = "auto", rollback: bool = True,
+             cell_file: str | None = None, execute: Callable[[], BaseException | None] | None = None,
+             build: bool = True, history: bool = True, detail: bool | None = None,
+             fix: str | None = None) -> Report:
+    """Run the cell ``source`` in ``namespace`` under a capture and diagnose it (arguments already
+    checked). ``execute``: runs the cell and returns its exception (default: ``exec`` of ``source``
+    compiled as ``cell_file``). ``build``: whether the native recorder may be built now (the magic
+    says no: a first cell must not wait ~40 s). ``history``: compare with the cell's earlier runs (stale
+    gradients, growing memory; a fix's rewritten cell has none). ``detail``: screen every op for
+    NaN/Inf in this run (default: where that is cheap, see ``engine.screens_every_op``). ``fix``: the name the report is labelled
+    with."""
+    chosen = choose_engine(engine, memory_limit=memory_limit, build=build)
+    if detail is None:  # one run, every op screened where that is cheap: no replay, no snapshot (engine.py)
+        detail = screens_every_op()
+    snapshot = snapshot_for(source, namespace) if rollback and not detail else None
+    past = history_for(source, namespace) if history else None
+    if execute is None:
+        trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
+                           history=past, detail=detail, engine=chosen)
+    else:
+        capture = make_capture(chosen, namespace, cell_file=cell_file or cell_filename(), source=source,
+                               memory_limit=memory_limit, history=past, detail=detail)
+        trace = run_under_capture(execute, capture, timeout)
+    if wants_replay(trace, snapshot):
+        # NaN/Inf seen: replay the step from the saved state with every op checked. The namespace
+        # ends as a plain run leaves it (the replay recomputes the same step).
+        trace = replay_in_detail(trace, source, namespace, snapshot, timeout=timeout, memory_limit=memory_limit)
+    del snapshot
+    return build_report(trace, fix)
