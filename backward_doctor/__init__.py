@@ -10,6 +10,8 @@ Importing this package imports neither IPython nor matplotlib.
 """
 from __future__ import annotations
 
+import logging
+
 from . import render  # noqa: F401  (registers the renderers the report looks up by name)
 from .analysis import Finding
 from .api import diagnose, last_report
@@ -19,6 +21,9 @@ from .trace import Trace
 
 __all__ = ["diagnose", "last_report", "Capture", "Finding", "Report", "Trace", "load_ipython_extension"]
 __version__ = "0.1.0"
+# A library logs, an application decides where that goes (errors the doctor swallows to keep the
+# user's step running are logged under "backward_doctor.*": `logging.basicConfig(level="DEBUG")`).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's API

@@ -166,3 +166,19 @@ def test_the_layers_match_the_folders():
     modules = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
     assert folders | modules == set(LAYERS), (folders | modules) ^ set(LAYERS)
     assert os.path.isfile(PKG.parent / "DEVELOPERS.md")
+
+
+def test_one_run_orchestration():
+    """Only ``run/`` (and the capture itself) assembles a run: the frontends, ``api`` and the fixes call
+    ``run.step.run_step`` (or ``diagnose``/``run_fix``), never the capture's pieces."""
+    pieces = {"run_source", "make_capture", "run_under_capture", "replay_in_detail", "snapshot_for", "wants_replay"}
+    bad = []
+    for name, path in MODULES.items():
+        if name.split(".", 1)[0] in {"capture", "run"}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                used = pieces & {a.name for a in node.names}
+                if used:
+                    bad.append(f"backward_doctor.{name}:{node.lineno} imports {sorted(used)}")
+    assert not bad, bad

@@ -71,8 +71,8 @@ def test_same_trace_as_the_python_tier(make):
     assert nat.memory.peak_bytes == py.memory.peak_bytes
     assert nat.memory.peak_by_category == py.memory.peak_by_category
     assert nat.backward_roots == py.backward_roots == ["NllLossBackward0"]
-    assert [(s["optimizer"], s["line"]) for s in nat.optimizer_steps] == \
-        [(s["optimizer"], s["line"]) for s in py.optimizer_steps]
+    assert [(s.optimizer, s.line) for s in nat.optimizer_steps] == \
+        [(s.optimizer, s.line) for s in py.optimizer_steps]
 
 
 def test_gradients_are_bit_identical_and_nothing_is_kept_alive():
@@ -310,7 +310,7 @@ def test_a_simulated_device_fails_the_allocation_inside_the_op_as_a_plain_run_al
     f = report.findings[0]
     assert f.kind == "oom" and f.line in (1, 3)
     oom = report.trace.exception.oom
-    assert oom["simulated"] and oom["live"] > 200_000 >= oom["live"] - oom["requested"]
+    assert oom.simulated and oom.live > 200_000 >= oom.live - oom.requested
     import gc
     gc.collect()
     # the memory of the failed allocation went back: the next plain step still works

@@ -14,12 +14,12 @@ import sys
 import textwrap
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 import backward_doctor as bd
+from backward_doctor.report import FixResult
 
 W = pytest.importorskip("ipywidgets")
 from backward_doctor.frontends import panel as panel_mod  # noqa: E402
@@ -159,17 +159,8 @@ def test_ops_table_sorts_and_groups(reports):
 
 
 # ------------------------------------------------------------------ fixes
-@dataclass
-class FakeResult:
-    name: str
-    applied: bool = True
-    message: str = "ran with the fix"
-    code: str = ""
-    diff: str = ""
-    comparison: dict = field(default_factory=dict)
-    original: Any = None
-    warnings: list = field(default_factory=list)
-    cancelled: bool = False
+def FakeResult(**kw: Any) -> FixResult:  # noqa: N802 - a made-up result of the real type
+    return FixResult(**{"applied": True, "message": "ran with the fix", **kw})
 
 
 def fake_runner(calls: list, *, block: threading.Event | None = None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..trace.parts import OptimizerSummary
 from ..trace.records import Trace
 
 _ELSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -159,24 +160,24 @@ _STATE = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta"
 _ADAM_LIKE = {"Adam", "AdamW", "NAdam", "RAdam", "Adamax"}
 
 
-def optimizer_step_extra(opt: dict[str, Any]) -> int:
+def optimizer_step_extra(opt: OptimizerSummary) -> int:
     """Bytes an optimizer step adds on top of parameters and gradients (see ``namespace.optimizer_summary``).
 
     State it creates on its first step (Adam: two moments), plus temporaries: the single-tensor
     implementations (the CPU default) make two of the largest parameter's size for Adam-like
     optimizers, one for others; the foreach ones (the CUDA default) one of all parameters.
 
-    >>> optimizer_step_extra({"type": "Adam", "param_bytes": 100, "largest": 60, "state_bytes": 0})
+    >>> optimizer_step_extra(OptimizerSummary(name="opt", type="Adam", param_bytes=100, largest=60, state_bytes=0))
     320
     """
-    kind, param_bytes = opt.get("type", ""), opt.get("param_bytes", 0)
-    factor = _STATE.get(kind, 1 if kind != "SGD" or opt.get("momentum") else 0)
-    new_state = factor * param_bytes if not opt.get("state_bytes") else 0
+    kind, param_bytes = opt.type, opt.param_bytes
+    factor = _STATE.get(kind, 1 if kind != "SGD" or opt.momentum else 0)
+    new_state = factor * param_bytes if not opt.state_bytes else 0
     if kind == "SGD":
         temps = 0
     else:
-        foreach = opt.get("foreach")
+        foreach = opt.foreach
         if foreach is None:
-            foreach = str(opt.get("device", "cpu")).startswith("cuda")
-        temps = param_bytes if foreach else (2 if kind in _ADAM_LIKE else 1) * opt.get("largest", 0)
+            foreach = opt.device.startswith("cuda")
+        temps = param_bytes if foreach else (2 if kind in _ADAM_LIKE else 1) * opt.largest
     return new_state + temps

@@ -12,9 +12,12 @@ context is still alive. The same function explains a CPU failure after the fact.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
@@ -77,4 +80,5 @@ def index_check(func: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     try:
         return check(args, kwargs)
     except Exception:  # evidence only: never fail because the check could not run
+        log.debug("index check could not run", exc_info=True)
         return None

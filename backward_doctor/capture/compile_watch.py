@@ -14,16 +14,22 @@ says how many compilations ran and how long they took.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
 from typing import Any, Callable
+
+from ..trace.parts import Compilation
+
+log = logging.getLogger(__name__)
 
 
 def _handler() -> Any:
     try:
         from torch._dynamo.callback import callback_handler
     except Exception:  # a torch without dynamo's callbacks: nothing to watch
+        log.info("torch.compile's callbacks unavailable: compiled code is not told apart", exc_info=True)
         return None
     return callback_handler
 
@@ -35,11 +41,11 @@ _HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 class CompileWatch:
     """Calls ``on_start``/``on_end`` around each compilation on the installing thread; keeps
-    ``events``: one dict per compilation (``trigger``, ``seconds``)."""
+    ``events``: one :class:`~backward_doctor.trace.parts.Compilation` per compilation."""
 
     def __init__(self, on_start: Callable[[], None], on_end: Callable[[], None]) -> None:
         self._on_start, self._on_end = on_start, on_end
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Compilation] = []
         self._thread: int | None = None
         self._t0: float | None = None
         self._installed = False
@@ -86,6 +92,6 @@ class CompileWatch:
     def _end(self, args: Any) -> None:
         if threading.get_ident() != self._thread or self._t0 is None:
             return
-        self.events.append({"trigger": self._trigger, "seconds": round(time.perf_counter() - self._t0, 3)})
+        self.events.append(Compilation(trigger=self._trigger, seconds=round(time.perf_counter() - self._t0, 3)))
         self._t0 = None
         self._on_end()

@@ -16,6 +16,7 @@ optimizer hooks, per-parameter hooks) is restored on exit, exceptions included.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ from .process import complete, interrupts_deferred
 from .mode import _DoctorMode
 from .record import OpRecorder
 from .memory import shape_of, storage_key
+from ..trace.parts import Carrier, OptimizerStep, StaleStep
 from ..trace.records import Trace, Where
 
 if TYPE_CHECKING:
@@ -181,8 +183,8 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
                 self._ns_names.setdefault(key, name)
             led.track(t, "other")
             if t.grad_fn is not None:
-                self.trace.carriers.append({"variable": name, "shape": list(shape_of(t)),
-                                            "grad_fn": type(t.grad_fn).__name__, "key": key or 0})
+                self.trace.carriers.append(Carrier(variable=name, shape=list(shape_of(t)),
+                                                   grad_fn=type(t.grad_fn).__name__, key=key or 0))
 
     def _forget_zeroed_grads(self) -> None:
         """Gradients zeroed since their step (e.g. by zero_grad in another cell) are not stale."""
@@ -214,14 +216,14 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
             for p in group["params"]:
                 self._register_param(p)
         where = self._frames.where(sys._getframe(1))
-        step = {"index": self._count, "optimizer": type(opt).__name__, "id": id(opt),
-                "line": where.line, "file": where.file, "cell_line": where.cell_line}
+        step = OptimizerStep(index=self._count, optimizer=type(opt).__name__, id=id(opt),
+                             line=where.line, file=where.file, cell_line=where.cell_line)
         self.trace.optimizer_steps.append(step)
         closure = any(callable(a) for a in list(args) + list(kwargs.values()))
         if self.history is not None and not closure:  # L-BFGS & co. zero grads inside the closure
             self._check_stale(opt, step)
 
-    def _check_stale(self, opt: torch.optim.Optimizer, step: dict[str, Any]) -> None:
+    def _check_stale(self, opt: torch.optim.Optimizer, step: OptimizerStep) -> None:
         """A gradient an earlier step already consumed, never cleared since: accumulation by accident."""
         marks = self.history.stepped_grads
         # Only gradients this run's backward added to: a step cell fed by another cell's backward
@@ -229,16 +231,16 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
         stale = [(p, marks[p.grad]) for g in opt.param_groups for p in g["params"]
                  if p.grad is not None and id(p) in self._got_grad and p.grad in marks]
         if stale:
-            self.trace.stale_steps.append({**step, "params": len(stale),
-                                           "since_run": min(m[0] for _, m in stale),
-                                           "previous_line": stale[0][1][1]})
+            self.trace.stale_steps.append(StaleStep(**dataclasses.asdict(step), params=len(stale),
+                                                    since_run=min(m[0] for _, m in stale),
+                                                    previous_line=stale[0][1][1]))
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._opt_depth = max(0, self._opt_depth - 1)
         for t in ns_mod.optimizer_state_tensors(opt):
             self._ledger.reclassify(t, "optimizer")
         if self.history is not None:
-            line = self.trace.optimizer_steps[-1]["line"] if self.trace.optimizer_steps else None
+            line = self.trace.optimizer_steps[-1].line if self.trace.optimizer_steps else None
             for g in opt.param_groups:
                 for p in g["params"]:
                     if p.grad is not None:

@@ -4,12 +4,15 @@ Everything here is feature-detected; on a CPU-only machine no function is called
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from .record import OpRecorder
+
+log = logging.getLogger(__name__)
 
 _HISTORY_ENTRIES = 100_000  # bounded: the allocator keeps at most this many events
 
@@ -40,7 +43,7 @@ def start(cap: "OpRecorder") -> None:
             torch.cuda.memory._record_memory_history(max_entries=_HISTORY_ENTRIES, stacks="python")
             cap._cuda_history = True
         except Exception:
-            pass
+            log.info("CUDA memory history unavailable", exc_info=True)
     cap.trace.memory.device_total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
@@ -49,7 +52,7 @@ def stop(cap: "OpRecorder") -> None:
         try:
             torch.cuda.memory._record_memory_history(enabled=None)
         except Exception:
-            pass
+            log.warning("CUDA memory history could not be switched off", exc_info=True)
     cap.trace.device = f"cuda:{torch.cuda.current_device()}"
     cap.trace.memory.cuda = {
         "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from .namespace import tensors as ns_tensors
 from .stats import screen_nonfinite
 from .stats import dtype_name
 from ..trace.queries import skipped_amp_steps
+from ..trace.parts import LossInfo, NonFiniteScalar, ParameterTotals, RunHistory
 from ..trace.records import CATEGORIES, ExceptionInfo, OpRecord, TensorMeta, Trace
 
 if TYPE_CHECKING:
@@ -51,9 +52,9 @@ def record_exception(cap: "OpRecorder", exc: BaseException) -> None:
                 modules.append(id(owner))
             elif isinstance(owner, torch.Tensor) and in_torch and code.co_name == "backward" and info.loss is None:
                 key = storage_key(owner)
-                info.loss = {"shape": list(shape_of(owner)), "requires_grad": bool(owner.requires_grad),
-                             "grad_fn": type(owner.grad_fn).__name__ if owner.grad_fn is not None else None,
-                             "key": key or 0, "writer": cap._writer.get(key) if key else None}
+                info.loss = LossInfo(shape=list(shape_of(owner)), requires_grad=bool(owner.requires_grad),
+                                     grad_fn=type(owner.grad_fn).__name__ if owner.grad_fn is not None else None,
+                                     key=key or 0, writer=cap._writer.get(key) if key else None)
         del frame
         tb = tb.tb_next
     if modules:
@@ -80,15 +81,16 @@ def _resolve_modules(cap: "OpRecorder") -> None:
             cache[stack] = name
         where.module = name
     oom = cap.trace.exception.oom if cap.trace.exception else None
-    if oom and "by_producer" in oom:
+    if oom is not None and cap._oom_producers is not None:
         by_module: dict[str, int] = {}
-        for producer, nbytes in oom.pop("by_producer").items():
+        producers, cap._oom_producers = cap._oom_producers, None
+        for producer, nbytes in producers.items():
             rec = cap.trace.op(producer) if producer >= 0 else None
             label = (rec.where.module or "(outside modules)") if rec else "(existing before the step)"
             if rec and rec.phase == "backward":
                 label = "(gradients in backward)"
             by_module[label] = by_module.get(label, 0) + nbytes
-        oom["by_module"] = dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
+        oom.by_module = dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
 
 
 def _timeline(cap: "OpRecorder") -> None:
@@ -199,7 +201,7 @@ def _nonfinite_reach(cap: "OpRecorder") -> None:
                 flags["loss"] = True
 
 
-def _scalar_that_mattered(cap: "OpRecorder") -> dict[str, Any] | None:
+def _scalar_that_mattered(cap: "OpRecorder") -> NonFiniteScalar | None:
     """First tier: the NaN/Inf scalar that was a loss backward started from, or that the cell kept in a
     variable (None when every one was an intermediate value, like a mask's ``-inf``)."""
     flagged = cap._nf_scalars
@@ -227,8 +229,8 @@ def _remember(cap: "OpRecorder") -> None:
                                stepped=bool(trace.optimizer_steps), amp_skipped=len(skipped_amp_steps(trace)),
                                exception=exc.type if exc else None))
     runs = cap.history.runs
-    trace.history = {"runs": len(runs), "live_bytes_end": cap.history.live_bytes(),
-                     "run_ids": [r.run_id for r in runs], "amp_skipped": [r.amp_skipped for r in runs]}
+    trace.history = RunHistory(runs=len(runs), live_bytes_end=cap.history.live_bytes(),
+                               run_ids=[r.run_id for r in runs], amp_skipped=[r.amp_skipped for r in runs])
 
 
 def _compiled_notes(trace: Trace) -> None:
@@ -247,7 +249,7 @@ def _compiled_notes(trace: Trace) -> None:
                            "kernels are not seen one by one, so memory and NaN/Inf inside them are seen only "
                            "at the region's edges")
     if trace.compiles:
-        total = sum(c["seconds"] for c in trace.compiles)
+        total = sum(c.seconds for c in trace.compiles)
         trace.notes.append(f"torch.compile compiled {len(trace.compiles)} time(s) during this step ({total:.1f} s); "
                            "the doctor stepped aside while it compiled (not part of the op trace)")
 
@@ -272,8 +274,8 @@ def finish(cap: "OpRecorder") -> Trace:
     if cap.history is not None:
         _remember(cap)
     params = cap.parameters()
-    trace.parameters = {"count": len(params), "trainable": sum(bool(p.requires_grad) for p in params),
-                        "bytes": sum(p.numel() * p.element_size() for p in params)}
+    trace.parameters = ParameterTotals(count=len(params), trainable=sum(bool(p.requires_grad) for p in params),
+                                       bytes=sum(p.numel() * p.element_size() for p in params))
     del params
     cap._ledger.close()
     cap._where_stacks.clear()

@@ -16,6 +16,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..trace.parts import OptimizerSummary
+
 _MAX_ITEMS = 64  # containers are looked into, but a list of 10k batches is not walked
 
 
@@ -81,16 +83,16 @@ def optimizer_state_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor
                     yield v
 
 
-def optimizer_summary(name: str, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_summary(name: str, opt: torch.optim.Optimizer) -> OptimizerSummary:
     """Sizes that decide an optimizer step's memory: its parameters, its state, the largest tensor.
 
     >>> opt = torch.optim.Adam(nn.Linear(3, 2).parameters())
-    >>> optimizer_summary("opt", opt)["param_bytes"], optimizer_summary("opt", opt)["state_bytes"]
+    >>> optimizer_summary("opt", opt).param_bytes, optimizer_summary("opt", opt).state_bytes
     (32, 0)
     """
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in params]
-    return {"name": name, "type": type(opt).__name__, "param_bytes": sum(sizes), "largest": max(sizes, default=0),
-            "state_bytes": sum(t.numel() * t.element_size() for t in optimizer_state_tensors(opt)),
-            "momentum": bool(opt.defaults.get("momentum")), "foreach": opt.defaults.get("foreach"),
-            "device": str(params[0].device) if params else "cpu"}
+    return OptimizerSummary(name=name, type=type(opt).__name__, param_bytes=sum(sizes), largest=max(sizes, default=0),
+                            state_bytes=sum(t.numel() * t.element_size() for t in optimizer_state_tensors(opt)),
+                            momentum=bool(opt.defaults.get("momentum")), foreach=opt.defaults.get("foreach"),
+                            device=str(params[0].device) if params else "cpu")

@@ -18,6 +18,7 @@ from .record import _CLEARING, _MAX_SCALARS
 from .state import PHASES
 from .memory import storage_key
 from .stats import dtype_name
+from ..trace.parts import NonFiniteScalar, OomInfo
 from ..trace.records import CATEGORIES, InplaceEvent, NonFiniteEvent, TensorMeta, Where
 
 _DTYPES: dict[int, torch.dtype] = {}
@@ -105,7 +106,7 @@ class NativeRecords:
             tot[0] += 1
             tot[1] += us
             if rec[18] and len(self._nf_scalars) < _MAX_SCALARS:
-                self._nf_scalars[index] = {"index": index, "line": where.line, "file": where.file}
+                self._nf_scalars[index] = NonFiniteScalar(index=index, line=where.line, file=where.file)
         self._count = out["count"]
         if self._count:  # the end of the last op (a failed step's time stops there, as on the Python tier)
             self._t_last = self._t0 + out["last_op_end_s"]
@@ -117,9 +118,9 @@ class NativeRecords:
                             PHASES[out["failed_phase"]])
         if "oom" in out:  # the simulated device ran out (an allocation failed inside this op)
             oom = out["oom"]
-            self._oom = {"index": oom["index"], "requested": oom["requested"], "live": oom["live"],
-                         "by_category": dict(zip(CATEGORIES, oom["totals"])),
-                         "by_producer": dict(oom["by_producer"]), "simulated": True}
+            self._oom = OomInfo(index=oom["index"], requested=oom["requested"], live=oom["live"],
+                                by_category=dict(zip(CATEGORIES, oom["totals"])), simulated=True)
+            self._oom_producers = dict(oom["by_producer"])
         self._inplace_events(inplace, tens, sizes, tw, idx_where)
         if "detail" in out:
             self._nonfinite_events(out["detail"], names, idx_where, idx_fwd)

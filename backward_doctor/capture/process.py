@@ -24,10 +24,13 @@ Only the main thread receives signals; elsewhere nothing needs holding.
 """
 from __future__ import annotations
 
+import logging
 import contextlib
 import signal
 import threading
 from typing import Any, Callable, Iterator
+
+log = logging.getLogger(__name__)
 
 
 class Hold:
@@ -162,6 +165,7 @@ class UndoStack:
                 undo()
             except Exception as exc:  # noqa: BLE001 - the other steps must still run
                 self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                log.warning("could not undo %s", name, exc_info=True)
 
 
 _owner_lock = threading.Lock()

@@ -25,6 +25,7 @@ from . import checks
 from .memory import shape_of, storage_key
 from .state import _NODE_BUDGET, PHASES, CaptureState
 from .stats import meta, screen_nonfinite
+from ..trace.parts import NonFiniteScalar, OomInfo
 from ..trace.records import FailedOp, InplaceEvent, NonFiniteEvent, Where
 from ..util.units import format_bytes
 
@@ -315,7 +316,7 @@ class OpRecorder(CaptureState):
         """First tier: a NaN/Inf scalar forward output; the detailed run is needed if it was the loss or a
         value the cell kept (decided in ``finish()``)."""
         if len(self._nf_scalars) < _MAX_SCALARS and screen_nonfinite(out):
-            self._nf_scalars[index] = {"index": index, "line": where.line, "file": where.file}
+            self._nf_scalars[index] = NonFiniteScalar(index=index, line=where.line, file=where.file)
 
     def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated) -> None:
         for o, k in zip(outs, out_keys):
@@ -357,17 +358,18 @@ class OpRecorder(CaptureState):
             index=index, op=name, phase=phase, inputs=[meta(t, with_stats=True) for t in ins], where=where,
             error=f"{type(exc).__name__}: {exc}".split("\n")[0][:500], fwd_index=fwd_index, index_check=idx)
 
-    def _memory_breakdown(self, index: int, requested: int | None) -> dict[str, Any]:
+    def _memory_breakdown(self, index: int, requested: int | None) -> OomInfo:
+        """Live bytes now by category; by producing op into ``_oom_producers`` (named by module at the end)."""
         by_producer: dict[int, int] = {}
         for producer, nbytes in self._ledger.bytes_by_producer().items():
             by_producer[producer if producer is not None else -1] = nbytes
-        return {"index": index, "requested": requested, "live": self._ledger.total,
-                "by_category": self._ledger.snapshot(), "by_producer": by_producer}
+        self._oom_producers = by_producer
+        return OomInfo(index=index, requested=requested, live=self._ledger.total, by_category=self._ledger.snapshot())
 
     def _raise_simulated_oom(self, index: int, name: str, requested: int) -> None:
         __tracebackhide__ = True
         self._oom = self._memory_breakdown(index, requested)
-        self._oom["simulated"] = True
+        self._oom.simulated = True
         limit = self.memory_limit or 0
         live = self._ledger.total
         if requested <= 0:  # nothing new: what already existed is more than the device holds

@@ -23,6 +23,7 @@ import torch
 from .frames import UserFrames
 from .memory import MemoryLedger, Timeline
 from .process import UndoStack
+from ..trace.parts import NonFiniteScalar, OomInfo
 from ..trace.records import Trace, Where
 
 if TYPE_CHECKING:
@@ -95,12 +96,15 @@ class CaptureState:
         #: first tier: forward ops whose scalar output was NaN/Inf (op index -> where), the first few.
         #: Only one that reached the loss or a variable of the cell calls for the detailed run: the
         #: ``-inf`` scalars attention masks are built from are intended.
-        self._nf_scalars: dict[int, dict[str, Any]] = {}
+        self._nf_scalars: dict[int, NonFiniteScalar] = {}
         self._detail_budget = 8  # non-finite origins that get full statistics
         self._ns_names: dict[int, str] = {}    # storage key -> variable name (at start)
         self._last_phase = "forward"
         self._roots: list[int | None] = []  # forward op of each backward's root node
-        self._oom: dict[str, Any] | None = None
+        self._oom: OomInfo | None = None
+        #: live bytes at the out-of-memory point by the op that made them (-1: before the step); ``finish``
+        #: turns them into ``OomInfo.by_module`` once modules have names
+        self._oom_producers: dict[int, int] | None = None
         self._cuda = torch.cuda.is_available()
         self._cuda_history_wanted = cuda_history
         self._cuda_alloc = array("q")

@@ -9,6 +9,7 @@ convention), so a single NaN does not hide the range of the rest.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch
 
 from .memory import shape_of
 from ..trace.records import TensorMeta
+
+log = logging.getLogger(__name__)
 
 _NO_DATA_DEVICES = ("meta",)
 
@@ -73,6 +76,7 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any] | None:
             out["mean"] = float(finite.double().mean())
         return out
     except Exception:  # statistics are evidence, never a reason to fail the user's step
+        log.debug("no statistics for a %s tensor", getattr(t, "layout", "?"), exc_info=True)
         return None
 
 
@@ -94,6 +98,7 @@ def screen_nonfinite(t: torch.Tensor) -> bool:
             return False
         return not bool(torch.isfinite(t).all())
     except Exception:
+        log.debug("no NaN/Inf screen for a %s tensor", getattr(t, "layout", "?"), exc_info=True)
         return False
 
 

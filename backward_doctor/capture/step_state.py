@@ -15,6 +15,7 @@ from torch import nn
 from . import namespace as ns_mod
 from .memory import shape_of, storage_key, storage_nbytes
 from ..util.stores import store_line_in_file
+from ..trace.parts import GraphHolder
 from ..trace.records import ParamInfo
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def param_infos(cap: "OpRecorder") -> list[ParamInfo]:
     for name, t in ns_mod.tensors(cap.namespace):  # e.g. logit_scale = nn.Parameter(...)
         if isinstance(t, nn.Parameter):
             names.setdefault(id(t), name)
-    stepped_opts = {s["id"] for s in cap.trace.optimizer_steps}
+    stepped_opts = {s.id for s in cap.trace.optimizer_steps}
     stepped: set[int] = set()
     for _, opt in ns_mod.optimizers(cap.namespace):
         if id(opt) in stepped_opts:
@@ -140,11 +141,11 @@ def _runs_in_graph(fn: Any, start: int, earlier: list[tuple[int, int, int]]) -> 
     return runs
 
 
-def graph_holders(cap: "OpRecorder") -> list[dict[str, Any]]:
+def graph_holders(cap: "OpRecorder") -> list[GraphHolder]:
     """Namespace tensors that still carry an autograd graph, with the earlier runs that graph holds."""
     start = cap._seq_start
     earlier = [(r.run_id, r.seq_start, r.seq_end) for r in cap.history.runs] if cap.history else []
-    out: list[dict[str, Any]] = []
+    out: list[GraphHolder] = []
     seen: set[int] = set()
     saved_keys: set[int] = set()
     for path, t, store in _holders(cap.namespace):
@@ -155,18 +156,18 @@ def graph_holders(cap: "OpRecorder") -> list[dict[str, Any]]:
         seq = fn._sequence_nr()
         own_index = cap._seq_map.get(seq) if seq >= start else None
         runs = sorted(_runs_in_graph(fn, start, earlier))
-        holder = {"path": path, "shape": list(shape_of(t)), "bytes": storage_nbytes(t),
-                  "grad_fn": type(fn).__name__, "contained": store["contained"], "earlier_runs": runs,
-                  "own_run": cap._run_id if seq >= start else None, "own_index": own_index,
-                  "module": store.get("module"), "store_file": None, "store_line": None, "store": "cell"}
+        holder = GraphHolder(path=path, shape=list(shape_of(t)), bytes=storage_nbytes(t), grad_fn=type(fn).__name__,
+                             contained=store["contained"], earlier_runs=runs,
+                             own_run=cap._run_id if seq >= start else None, own_index=own_index,
+                             module=store.get("module"))
         if runs:
-            holder["graph_bytes"] = _saved_bytes(fn, saved_keys)
+            holder.graph_bytes = _saved_bytes(fn, saved_keys)
             if "cell" in store:
-                holder["target"] = store["cell"]
+                holder.target = store["cell"]
             elif store.get("file"):
-                holder["store"] = "module" if "module" in store else "closure"
-                holder["store_file"] = store["file"]
-                holder["store_line"] = store_line_in_file(store["file"], store["target"], store.get("first", 0))
+                holder.store = "module" if "module" in store else "closure"
+                holder.store_file = store["file"]
+                holder.store_line = store_line_in_file(store["file"], store["target"], store.get("first", 0))
         out.append(holder)
         if len(out) >= _MAX_HOLDERS:
             break

@@ -5,6 +5,7 @@ code the report offers to keep is the code that was measured.
 """
 from __future__ import annotations
 
+import logging
 import dataclasses
 import difflib
 import warnings as _warnings
@@ -12,6 +13,7 @@ from typing import Any, Callable
 
 from ..capture.process import exclusive
 from ..report.report import Report
+from ..trace.parts import OomInfo
 from ..trace.records import Trace
 from ..util.units import format_bytes, parse_size
 from . import accumulate, amp, checkpoint, sync
@@ -21,6 +23,8 @@ from ..report.fix_result import FixResult
 from ..run.snapshot import Snapshot, available_ram, estimate_bytes
 from ..run.step import check_cell, check_timeout, remember, run_step
 from .spec import FixSpec, parse_fix
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[float, str], None]
 
@@ -39,6 +43,7 @@ def _safe(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception:  # a cell we cannot parse: no names, no loss
+        log.debug("cell analysis failed", exc_info=True)
         return None
 
 
@@ -176,13 +181,13 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         if not (oom and spec.kind == "accumulate" and spec.arg is None and snap is not None
                 and k is not None and k < rw.details["batch_size"] and len(tried) < 5):
             break
-        info = trace.exception.oom or {}
-        failed = trace.op(info.get("index"))
+        info = trace.exception.oom or OomInfo()
+        failed = trace.op(info.index)
         if failed is not None and failed.phase == "optimizer":
             result.warnings.append(f"{name} ran out of memory in the optimizer step, which more micro-batches do "
                                    "not shrink: parameters, gradients and optimizer state alone exceed the device")
             break
-        signature = (failed.op if failed else None, info.get("requested"))
+        signature = (failed.op if failed else None, info.requested)
         if tried and signature == last_failure and signature[1]:
             result.warnings.append(f"smaller micro-batches do not shrink the allocation that fails "
                                    f"({format_bytes(signature[1])} in {signature[0]})")

@@ -7,6 +7,7 @@ is displayed after it (HTML in Jupyter, text in a terminal).
 """
 from __future__ import annotations
 
+import logging
 import contextlib
 import traceback
 from typing import Any, Iterator
@@ -21,6 +22,8 @@ from ..capture.process import one_run_at_a_time
 from ..run.engine import ENGINES, choose_engine
 from ..run.step import run_step
 from ..util.units import parse_size
+
+log = logging.getLogger(__name__)
 
 
 @magics_class
@@ -125,6 +128,7 @@ def _show(shell: Any, report: Any, cell: str, limit: int | None, timeout: float 
     try:
         panel = Panel(report, cell, shell.user_ns, memory_limit=limit, timeout=timeout)
     except Exception as exc:  # never lose the diagnosis to a drawing problem
+        log.warning("the panel could not be built", exc_info=True)
         display(report)
         print(f"backward_doctor: the panel could not be built ({type(exc).__name__}: {exc})")
         return

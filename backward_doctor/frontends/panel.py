@@ -14,7 +14,7 @@ cell (see ``docs/panel.md`` for what was tried and what works in which front end
 """
 from __future__ import annotations
 
-import html
+import logging
 import threading
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
@@ -23,76 +23,24 @@ import ipywidgets as W
 
 from ..render import sections as S, style, view
 from ..render.style import esc
+from .keep_code import keep_html
 
 if TYPE_CHECKING:
     from ..report.report import Report
 
+log = logging.getLogger(__name__)
+
 _TABS = ("Memory", "Root cause", "Autograd graph", "Ops")
-
-#: Runs on click in the browser: inserts the code as a new cell below the panel's cell.
-#: Classic Notebook: ``Jupyter.notebook`` API. JupyterLab 4 / Notebook 7: the click has
-#: made the panel's cell active; the cell toolbar's "insert below" button adds the cell
-#: and a paste event puts the code into its editor. Anything else: copy to clipboard.
-KEEP_JS = r"""(function(btn){
-var box=btn.closest('.bd-keep'),code=box.querySelector('textarea').value,st=box.querySelector('.bd-keep-status');
-function say(m){st.textContent=m;}
-function copy(){try{if(navigator.clipboard){navigator.clipboard.writeText(code);return true;}}catch(e){}
- var ta=box.querySelector('textarea');ta.hidden=false;ta.select();var ok=false;try{ok=document.execCommand('copy');}catch(e){}
- ta.hidden=true;return ok;}
-function fallback(){say(copy()?'Copied: paste it into a cell (Ctrl+V / Cmd+V).':'Select the code above and copy it.');}
-var J=window.Jupyter;
-if(J&&J.notebook&&J.notebook.insert_cell_below){var el=btn.closest('.cell'),cs=J.notebook.get_cells(),idx=-1;
- for(var i=0;i<cs.length;i++)if(el&&cs[i].element[0]===el)idx=i;
- var c=J.notebook.insert_cell_below('code',idx>=0?idx:undefined);c.set_text(code);
- J.notebook.select(J.notebook.find_cell_index(c));return say('Inserted as a new cell below.');}
-var cell=btn.closest('.jp-Cell'),nb=cell&&cell.closest('.jp-Notebook'),ins=null;
-if(cell){ins=cell.querySelector('[data-command="notebook:insert-cell-below"]');
- var p=cell.closest('.jp-NotebookPanel');if(!ins&&p)ins=p.querySelector('[data-command="notebook:insert-cell-below"]');}
-if(!ins||!nb)return fallback();
-var before=Array.prototype.slice.call(nb.querySelectorAll('.jp-Cell'));ins.click();var t0=Date.now();
-(function wait(){var all=nb.querySelectorAll('.jp-Cell'),nc=null;
- for(var i=0;i<all.length;i++)if(before.indexOf(all[i])<0)nc=all[i];
- var cm=nc&&nc.querySelector('.cm-content');
- if(!cm){if(Date.now()-t0<3000)return setTimeout(wait,50);return fallback();}
- cm.focus();var dt=new DataTransfer();dt.setData('text/plain',code);
- cm.dispatchEvent(new ClipboardEvent('paste',{clipboardData:dt,bubbles:true,cancelable:true}));
- setTimeout(function(){var first=code.split('\n')[0].trim();
-  if((cm.textContent||'').indexOf(first)>=0)say('Inserted as a new cell below.');else fallback();},150);})();
-})(this)"""
-
-COPY_JS = r"""(function(btn){var box=btn.closest('.bd-keep'),code=box.querySelector('textarea').value,
-st=box.querySelector('.bd-keep-status');var done=function(){st.textContent='Copied.';};
-try{navigator.clipboard.writeText(code).then(done,function(){st.textContent='Select the code above and copy it.';});}
-catch(e){st.textContent='Select the code above and copy it.';}})(this)"""
-
-_BTN = ("border:1px solid #d0d7de;border-radius:6px;background:#f6f8fa;padding:3px 12px;margin:4px 6px 4px 0;"
-        "cursor:pointer;font-size:13px")
-
-
-def keep_html(code: str) -> str:
-    """Buttons that insert the code to keep into the notebook or copy it (pure front end), and the code."""
-    return (f'<div class="bd bd-keep"><div><b>Code to keep</b> <span class="sub">(the whole cell with the fix)'
-            f'</span></div>'
-            f'<button class="bd-insert" style="{_BTN};background:#1f883d;color:#fff;border-color:#1a7f37" '
-            f'onclick="{html.escape(KEEP_JS, quote=True)}">Insert as a new cell below</button>'
-            f'<button class="bd-copy" style="{_BTN}" onclick="{html.escape(COPY_JS, quote=True)}">Copy code</button>'
-            f'<span class="bd-keep-status" style="color:#57606a"></span>'
-            f'<details><summary>Show the code</summary><div class="src"><pre style="padding:6px 8px">{esc(code)}'
-            f"</pre></div></details><textarea hidden>{esc(code)}</textarea></div>")
-
 
 def _wrap(body: str) -> str:
     return f'<div class="bd">{body}</div>'
 
 
 def load_run_fix() -> Callable[..., Any]:
-    """``backward_doctor.fixes.run_fix``; ImportError/AttributeError when it is not there yet."""
-    from .. import fixes  # may not exist yet
+    """``backward_doctor.fixes.run_fix`` (imported when a fix button is first clicked: it pulls in the fixes)."""
+    from ..fixes import run_fix
 
-    fn = getattr(fixes, "run_fix", None)
-    if fn is None:
-        from ..fixes.apply import run_fix as fn  # noqa: N813
-    return fn
+    return run_fix
 
 
 class Panel:
@@ -197,7 +145,7 @@ class Panel:
         try:
             data["text/html"] = self.report.to_html()
         except Exception:  # noqa: BLE001 - the widget and the text still show
-            pass
+            log.warning("the report's HTML could not be drawn", exc_info=True)
         return data
 
     def _fill(self, index: int | None) -> None:
@@ -207,6 +155,7 @@ class Panel:
         try:
             [self._show_memory, self._show_findings, self._show_graph, self._show_ops][index]()
         except Exception as exc:  # a section that cannot be drawn must not break the panel
+            log.warning("panel section %d could not be drawn", index, exc_info=True)
             self._built.discard(index)
             target = [self.memory_note, self.findings, self.graph_html, self.ops_html][index]
             target.value = _wrap(f'<div class="bad">This section could not be drawn: {esc(type(exc).__name__)}: '
@@ -378,7 +327,7 @@ class Panel:
         if result is None:
             self.status.value = _wrap('<div class="exc">The fix run returned no result.</div>')
             return
-        cancelled = bool(view._get(result, "cancelled"))
+        cancelled = bool(result.cancelled)
         body = fix_after_html(result, with_code=False)
         if cancelled:
             body = '<div class="sub"><b>Cancelled.</b> The namespace was restored.</div>' + body
@@ -392,8 +341,9 @@ class Panel:
                 self.after_image.layout.display = "block"
                 self.after_caption.value = _wrap("<div><b>Memory of the run with the fix</b></div>")
             except Exception:  # the comparison above already says what changed
+                log.warning("the fixed run's memory plot could not be drawn", exc_info=True)
                 self.after_image.layout.display = "none"
-        code = view._get(result, "code")
-        if code and view._get(result, "applied"):
+        code = result.code
+        if code and result.applied:
             self.keep.value = keep_html(code)
         self.status.value = ""

@@ -12,12 +12,15 @@ True
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
 import time
 import warnings
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorder.cpp")
 _lock = threading.Lock()
@@ -83,6 +86,7 @@ def load(build: bool = True, retry: bool = False) -> Any:
         except Exception as exc:  # no compiler, no ninja, no headers: the Python tier does the work
             _reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
             _module = None
+            log.info("native recorder unavailable (%s); the Python tier records the ops", _reason)
         finally:
             notice.cancel()
         _build_s = time.perf_counter() - t

@@ -13,15 +13,19 @@ False
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Any
-
-from . import sections as S, style, view
-from .style import esc
-from ..util.units import format_bytes
+import logging
+from typing import TYPE_CHECKING
 
 from ..report.renderers import Renderer, register
+from ..util.units import format_bytes
+from . import sections as S, style, view
+from .style import esc
+
 if TYPE_CHECKING:
+    from ..report.fix_result import FixResult
     from ..report.report import Report
+
+log = logging.getLogger(__name__)
 
 #: Composite modules drawn open under the graph (their insides), at most.
 MAX_INNER_GRAPHS = 8
@@ -106,15 +110,15 @@ def fixes_section(report: "Report") -> str:
     return "".join(out)
 
 
-def fix_after_html(result: Any, with_code: bool = True) -> str:
+def fix_after_html(result: "FixResult", with_code: bool = True) -> str:
     """The after-view of a fix: verdict, comparison table beside the bars, warnings, diff, code to keep."""
-    comp = view._get(result, "comparison") or {}
+    comp = result.comparison or {}
     plot = ""
     if comp.get("before") and comp.get("after"):
         try:
             from . import plots
 
-            original = view._get(result, "original")
+            original = result.original
             limit = (original.get("trace", {}).get("memory", {}).get("limit_bytes")
                      if isinstance(original, dict) else None)
             plot = _img(plots.comparison_png(comp["before"], comp["after"], limit=limit), "before and after")
@@ -123,11 +127,11 @@ def fix_after_html(result: Any, with_code: bool = True) -> str:
     head, table, diff = S.fix_result_parts(result)
     out = [head, '<div style="display:flex;flex-wrap:wrap;gap:16px;align-items:center">'
            f'<div style="flex:0 0 auto">{table}</div><div style="flex:1 1 380px;max-width:600px">{plot}</div></div>']
-    for w in view._get(result, "warnings") or []:
+    for w in result.warnings or []:
         out.append(f'<div class="sub">⚠ {esc(w)}</div>')
     if diff:
         out.append("<div><b>The change</b></div>" + diff)
-    code = view._get(result, "code")
+    code = result.code
     if code and with_code:
         out.append(f'<div><b>Code to keep</b></div><div class="src"><pre style="padding:6px 8px">{esc(code)}</pre></div>')
     return "".join(out)
@@ -147,6 +151,7 @@ def render_html(report: "Report") -> str:
         try:
             body = fn(report)
         except Exception as exc:  # a section that cannot be drawn must not hide the others
+            log.warning("report section %r could not be drawn", title, exc_info=True)
             body = f'<div class="bad">This section could not be drawn: {esc(type(exc).__name__)}: {esc(exc)}</div>'
         parts.append(f"<h3>{esc(title)}</h3>{body}")
     parts.append(f'<div class="muted" style="margin-top:10px;font-size:11px">torch {esc(tr.torch_version)} · '

@@ -12,7 +12,7 @@ True
 from __future__ import annotations
 
 import io
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -151,14 +151,14 @@ def memory_timeline_png(trace: Trace, *, width: float = 10.0, height: float = 3.
             ax.plot([px], [py], marker="v", color="#1f2328", ms=7, zorder=6)
             frac = (px - xmin) / span_w if span_w else 0.5
             label = f"peak {format_bytes(mem.peak_bytes)}\n{_op_label(trace, px)}"
-            if oom and oom.get("index") == px:
+            if oom and oom.index == px:
                 label = f"out of memory: {format_bytes(mem.peak_bytes)}\n{_op_label(trace, px)}"
             ax.annotate(label, (px, py), xytext=(-8 if frac > 0.6 else 8, -4), textcoords="offset points",
                         ha="right" if frac > 0.6 else "left", va="top", fontsize=8, zorder=7,
                         bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#d0d7de", "alpha": 0.92})
-        if oom and oom.get("index") is not None:
-            ox = oom["index"]
-            oy = (oom.get("live") or mem.peak_bytes or 0) / scale
+        if oom and oom.index is not None:
+            ox = oom.index
+            oy = (oom.live or mem.peak_bytes or 0) / scale
             ax.plot([ox], [oy], marker="X", color="#c62828", ms=11, mec="white", mew=1.2, zorder=8,
                     label="out of memory")
         ax.set_xlim(xmin, xmax)
@@ -262,9 +262,3 @@ def comparison_png(before: dict[str, Any], after: dict[str, Any], *, limit: int 
         ax.legend(seen.values(), seen.keys(), loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
         fig.tight_layout()
         return _png(fig)
-
-
-def iter_plots(trace: Trace) -> Iterator[tuple[str, bytes]]:
-    """(name, PNG) of the report's plots, in display order."""
-    yield "memory timeline", memory_timeline_png(trace)
-    yield "memory by module", memory_by_module_png(trace)

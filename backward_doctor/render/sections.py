@@ -20,9 +20,11 @@ from ..analysis.findings import Finding, forward_where
 from ..trace.records import CATEGORIES, TensorMeta, Trace
 from ..util.units import format_bytes, format_us
 from .style import CATEGORY_LABELS, COLORS, esc, sev_color
-from .view import OpRow, SORT_KEYS, _get, _line_label, applicable_fixes, make_diff, offending_record, op_rows, phase_counts, source_context, tensor_bytes, verdict_parts
+from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, offending_record, op_rows, phase_counts,
+                   source_context, tensor_bytes, verdict_parts)
 
 if TYPE_CHECKING:
+    from ..report.fix_result import FixResult
     from ..report.report import Report
 
 def ops_table_html(trace: Trace, group: str = "op", sort: str = "time", limit: int = 25,
@@ -111,10 +113,9 @@ def summary_html(report: "Report") -> str:
             w = forward_where(tr, peak) if peak.phase == "backward" else peak.where
             sub += f" · at {peak.op} ({peak.phase}), {_line_label(w).replace('cell line', 'line')}"
         facts.append(("peak memory", format_bytes(mem.peak_bytes), sub, frac))
-    if tr.parameters.get("count"):
+    if tr.parameters.count:
         p = tr.parameters
-        facts.append(("parameters", format_bytes(p.get("bytes")),
-                      f"{p['count']} tensors, {p.get('trainable', 0)} trainable", None))
+        facts.append(("parameters", format_bytes(p.bytes), f"{p.count} tensors, {p.trainable} trainable", None))
     fixes = applicable_fixes(report)
     out.append('<div class="facts">')
     for k, v, sub, frac in facts:
@@ -245,9 +246,9 @@ def findings_html(report: "Report") -> str:
     return "".join(finding_html(report, f, detailed=i == 0) for i, f in enumerate(report.findings))
 
 
-def comparison_html(result: Any) -> str:
+def comparison_html(result: "FixResult") -> str:
     """Before/after table of a fix result (``report.fix_result``)."""
-    comp = _get(result, "comparison") or {}
+    comp = result.comparison or {}
     before, after = comp.get("before") or {}, comp.get("after") or {}
     rows = []
 
@@ -267,7 +268,7 @@ def comparison_html(result: Any) -> str:
             row(f"  {CATEGORY_LABELS[c]}", pb.get(c), pa.get(c), format_bytes)
     row("step time", before.get("step_s"), after.get("step_s"), lambda v: "—" if v is None else f"{v:.3f} s")
     row("loss", before.get("loss"), after.get("loss"), lambda v: "—" if v is None else f"{v:.6g}", better_lower=False)
-    err = comp.get("grad_max_rel_err", _get(result, "grad_max_rel_err"))
+    err = comp.get("grad_max_rel_err")
     out = ['<table class="t" style="width:auto;min-width:360px"><tr><th></th><th class="num">before</th>'
            '<th class="num">after</th></tr>', *rows, "</table>"]
     if err is not None:
@@ -288,21 +289,17 @@ def diff_html(diff: str) -> str:
     return f'<div class="diff">{"".join(rows)}</div>'
 
 
-def fix_result_parts(result: Any) -> tuple[str, str, str]:
+def fix_result_parts(result: "FixResult") -> tuple[str, str, str]:
     """(verdict, comparison table, diff) of a fix result, as HTML."""
-    name = _get(result, "name", "fix")
-    applied = _get(result, "applied", False)
-    msg = _get(result, "message", "")
-    cancelled = _get(result, "cancelled", False)
-    fits = _get(result, "fits", None)
+    name = result.name
+    applied = result.applied
+    msg = result.message
+    cancelled = result.cancelled
+    fits = result.fits
     color = COLORS["ok"] if applied and fits is not False else COLORS["warning"]
     badge = "cancelled" if cancelled else "after the fix" if applied else "not applied"
     head = (f'<div class="verdict" style="--sev:{color}"><span class="badge">{esc(badge)}</span><div>'
             f'<div class="headline">{esc(name)}</div><div class="sub">{esc(msg)}</div></div></div>')
-    diff = _get(result, "diff") or ""
-    original = _get(result, "original")
-    if not diff and _get(result, "code") and isinstance(original, str):
-        diff = make_diff(original, _get(result, "code"))
-    return head, comparison_html(result), diff_html(diff)
+    return head, comparison_html(result), diff_html(result.diff)
 
 

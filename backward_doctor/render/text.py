@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import textwrap
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from ..analysis.findings import source_line
 from ..capture.stats import format_stats
-from ..util.units import format_bytes
-
 from ..report.renderers import Renderer, register
+from ..util.units import format_bytes
+from .view import phase_counts
+
 if TYPE_CHECKING:
+    from ..report.fix_result import FixResult
     from ..report.report import Report
 
 _WIDTH = 100
@@ -28,7 +29,7 @@ def _wrap(text: str, indent: str) -> list[str]:
 
 def summary_line(report: "Report") -> str:
     tr = report.trace
-    phases = Counter(op.phase for op in tr.ops)
+    phases = phase_counts(tr)
     parts = [f"{tr.op_count} ops in {tr.duration_s:.2f} s"]
     if phases:
         parts[-1] += " (" + ", ".join(f"{p} {n}" for p, n in phases.items()) + ")"
@@ -93,7 +94,7 @@ def render_text(report: "Report") -> str:
     return "\n".join(out)
 
 
-def _fix_lines(fr) -> list[str]:  # noqa: ANN001 - a FixResult
+def _fix_lines(fr: "FixResult") -> list[str]:
     """The fix section: verdict, before/after numbers, the code to keep."""
     if fr.cancelled:
         state = "cancelled"

@@ -8,12 +8,11 @@ table's rows, the fixes that apply, the source lines around a place.
 """
 from __future__ import annotations
 
-import difflib
 import linecache
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..analysis.findings import forward_where
 from ..trace.records import OpRecord, TensorMeta, Trace, Where
@@ -79,7 +78,7 @@ def offending_record(report: "Report") -> tuple[OpRecord | None, list[TensorMeta
             rec = tr.op(ev.index)
             return rec, ev.inputs, [ev.output] if ev.output else (rec.outputs if rec else [])
     if f.kind == "oom" and tr.exception and tr.exception.oom:
-        rec = tr.op(tr.exception.oom.get("index"))
+        rec = tr.op(tr.exception.oom.index)
         if rec is not None:
             return rec, rec.inputs, rec.outputs
     failed = tr.failed_op
@@ -109,8 +108,8 @@ def memory_by_module(trace: Trace) -> tuple[dict[str, int], str]:
     rest of the peak is shown as one remainder.
     """
     exc = trace.exception
-    if exc is not None and exc.oom and exc.oom.get("by_module"):
-        return dict(exc.oom["by_module"]), "at the out-of-memory point (exact, from the memory ledger)"
+    if exc is not None and exc.oom and exc.oom.by_module:
+        return dict(exc.oom.by_module), "at the out-of-memory point (exact, from the memory ledger)"
     peak = trace.memory.peak_index
     if peak is None or not trace.ops:
         return {}, ""
@@ -257,11 +256,3 @@ def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
 
 
 # --------------------------------------------------------------------------- fix results
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
-def make_diff(before: str, after: str) -> str:
-    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), "cell", "cell (fixed)"))

@@ -16,12 +16,15 @@ True
 """
 from __future__ import annotations
 
+import logging
 import contextlib
 import io
 import warnings
 from typing import Any
 
 from ..trace.records import Trace
+
+log = logging.getLogger(__name__)
 
 
 def snapshot_for(source: str, namespace: dict[str, Any]) -> Any:
@@ -33,6 +36,7 @@ def snapshot_for(source: str, namespace: dict[str, Any]) -> Any:
         cell = Cell(source)
         rebinds = stored_names(cell.stmts)
     except Exception:  # a cell we cannot parse: the run will report the SyntaxError
+        log.debug("no snapshot: the cell does not parse", exc_info=True)
         return None
     need, avail = estimate_bytes(namespace, rebinds), available_ram()
     if avail is not None and need > 0.8 * avail:

@@ -8,8 +8,12 @@ True
 """
 from __future__ import annotations
 
+from .parts import (Carrier, Compilation, GraphHolder, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
+                    OptimizerSummary, ParameterTotals, RunHistory, StaleStep)
 from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, FrameInfo, InplaceEvent, MemoryTimeline,
                       NonFiniteEvent, OpRecord, ParamInfo, TensorMeta, ThreadStack, Trace, Where)
 
-__all__ = ["CATEGORIES", "PHASES", "ExceptionInfo", "FailedOp", "FrameInfo", "InplaceEvent", "MemoryTimeline",
-           "NonFiniteEvent", "OpRecord", "ParamInfo", "TensorMeta", "ThreadStack", "Trace", "Where"]
+__all__ = ["CATEGORIES", "PHASES", "Carrier", "Compilation", "ExceptionInfo", "FailedOp", "FrameInfo", "GraphHolder",
+           "InplaceEvent", "LossInfo", "MemoryTimeline", "NonFiniteEvent", "NonFiniteScalar", "OomInfo", "OpRecord",
+           "OptimizerStep", "OptimizerSummary", "ParamInfo", "ParameterTotals", "RunHistory", "StaleStep", "TensorMeta",
+           "ThreadStack", "Trace", "Where"]

@@ -11,7 +11,7 @@ from .records import OpRecord, Trace
 
 def skipped_amp_steps(trace: Trace) -> list[OpRecord]:
     """GradScaler unscale ops not followed by an optimizer step before the scale update."""
-    steps = [s["index"] for s in trace.optimizer_steps]
+    steps = [s.index for s in trace.optimizer_steps]
     skipped = []
     pending = None
     checked = None  # scaler.step reads found_inf with .item(): that op sits on the step line

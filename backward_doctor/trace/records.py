@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..util.serde import from_dict, to_dict
+from .parts import (Carrier, Compilation, GraphHolder, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
+                    OptimizerSummary, ParameterTotals, RunHistory, StaleStep)
 
 #: Memory categories, in the order they are stacked in reports and plots.
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -161,8 +163,8 @@ class ExceptionInfo:
     frames: list[FrameInfo] = field(default_factory=list)
     where: Where = field(default_factory=Where)
     in_backward: bool = False
-    loss: dict[str, Any] | None = None
-    oom: dict[str, Any] | None = None
+    loss: LossInfo | None = None  # a failing backward(): the tensor it was called on
+    oom: OomInfo | None = None    # out of memory: live bytes where it ran out
 
     def summary(self) -> str:
         return f"{self.type}: {self.message}"
@@ -204,23 +206,23 @@ class Trace:
     timed_out: bool = False
     timeout_s: float | None = None
     threads: list[ThreadStack] = field(default_factory=list)
-    carriers: list[dict[str, Any]] = field(default_factory=list)
+    carriers: list[Carrier] = field(default_factory=list)  # namespace tensors holding a graph at the start
     backward_calls: list[Where] = field(default_factory=list)
     backward_roots: list[str] = field(default_factory=list)  # autograd node each backward started at
-    optimizer_steps: list[dict[str, Any]] = field(default_factory=list)
-    optimizers: list[dict[str, Any]] = field(default_factory=list)  # in the namespace at the start (sizes)
-    parameters: dict[str, Any] = field(default_factory=dict)
+    optimizer_steps: list[OptimizerStep] = field(default_factory=list)
+    optimizers: list[OptimizerSummary] = field(default_factory=list)  # in the namespace at the start (sizes)
+    parameters: ParameterTotals = field(default_factory=ParameterTotals)
     notes: list[str] = field(default_factory=list)
     run_id: int = 0
     needs_detail: str | None = None  # the cheap first tier found something only a detailed run can place
     engine: str = "python"  # what recorded the ops: "python" (dispatch mode) or "native" (C++ observer)
-    nonfinite_hint: dict[str, Any] | None = None  # first tier: the first NaN/Inf scalar (the loss) it saw
+    nonfinite_hint: NonFiniteScalar | None = None  # first tier: the first NaN/Inf scalar (the loss) it saw
     params: list[ParamInfo] = field(default_factory=list)
-    graph_holders: list[dict[str, Any]] = field(default_factory=list)
-    stale_steps: list[dict[str, Any]] = field(default_factory=list)
-    history: dict[str, Any] = field(default_factory=dict)  # earlier runs of this cell, in numbers
-    #: torch.compile compilations during the step ({"trigger", "seconds"} each): not recorded as ops
-    compiles: list[dict[str, Any]] = field(default_factory=list)
+    graph_holders: list[GraphHolder] = field(default_factory=list)
+    stale_steps: list[StaleStep] = field(default_factory=list)
+    history: RunHistory = field(default_factory=RunHistory)  # earlier runs of this cell, in numbers
+    #: torch.compile compilations during the step: not recorded as ops
+    compiles: list[Compilation] = field(default_factory=list)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

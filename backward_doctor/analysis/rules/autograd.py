@@ -159,10 +159,10 @@ def backward_twice(trace: Trace) -> list[Finding]:
     if exc is None or "backward through the graph a second time" not in exc.message:
         return []
     used = {k for op in trace.ops if op.phase == "forward" for k in op.in_keys}
-    carriers = [c for c in trace.carriers if c.get("key") in used] or trace.carriers
+    carriers = [c for c in trace.carriers if c.key in used] or trace.carriers
     if carriers:
-        names = ", ".join(f"`{c['variable']}`" for c in carriers)
-        var = carriers[0]["variable"]
+        names = ", ".join(f"`{c.variable}`" for c in carriers)
+        var = carriers[0].variable
         msg = (f"{names} still carried the autograd graph of an earlier run of this cell (it was computed "
                "from tensors that required grad and never detached). This run's loss depends on it, so "
                "`backward()` walked into the old graph, whose saved tensors the previous backward already "
@@ -177,7 +177,7 @@ def backward_twice(trace: Trace) -> list[Finding]:
                "(`(loss_a + loss_b).backward()`), or compute the second loss from a fresh forward pass; "
                "use `retain_graph=True` on the first call only if you truly need both.")
     return [at("backward_twice", exc.where, msg, title="Backward through a freed graph",
-               evidence={"carriers": [c["variable"] for c in carriers]})]
+               evidence={"carriers": [c.variable for c in carriers]})]
 
 
 def _user_detach(trace: Trace, key: int, before: int, writer: OpRecord | None) -> OpRecord | None:
@@ -283,7 +283,7 @@ _WHY = {
 
 def _leaf_loss(trace: Trace) -> list[Finding]:
     """backward() on a fresh leaf (``torch.tensor(loss.item(), requires_grad=True)``): silent, no grads."""
-    if "torch::autograd::AccumulateGrad" not in trace.backward_roots or not trace.parameters.get("trainable"):
+    if "torch::autograd::AccumulateGrad" not in trace.backward_roots or not trace.parameters.trainable:
         return []
     start = next((c for c, r in zip(trace.backward_calls, trace.backward_roots)
                   if r == "torch::autograd::AccumulateGrad"), None)
@@ -314,8 +314,7 @@ def no_grad_path(trace: Trace) -> list[Finding]:
         return _leaf_loss(trace)
     if "does not require grad and does not have a grad_fn" not in exc.message:
         return []
-    loss = exc.loss or {}
-    params = trace.parameters
+    loss = dataclasses.asdict(exc.loss) if exc.loss is not None else {}  # the evidence keeps it a plain dict
     used = {k for op in trace.ops if op.phase == "forward" for k in op.in_keys}
     used_params = [p for p in trace.params if p.key in used]
     if used_params and not any(p.requires_grad for p in used_params):  # every weight the step used is frozen
@@ -329,8 +328,8 @@ def no_grad_path(trace: Trace) -> list[Finding]:
                "there is nothing to backpropagate. Unfreeze what you want to train "
                "(`for p in model.head.parameters(): p.requires_grad_(True)`) before building the optimizer.")
         return [at("no_grad_path", where, msg, op=first.op if first else None, title="All parameters frozen",
-                   evidence={"parameters": params.get("count")})]
-    found = _cut(trace, loss.get("writer"))
+                   evidence={"parameters": trace.parameters.count})]
+    found = _cut(trace, exc.loss.writer if exc.loss is not None else None)
     if found is None:
         msg = ("The loss does not require grad: it was computed from tensors that are not connected to any "
                "parameter. Make sure the loss is computed from the model's output inside the step, "

@@ -65,7 +65,7 @@ def graph_ops(trace: Trace, start: int | None, cuts: bool = False) -> set[int]:
 def loss_op(trace: Trace) -> int | None:
     """The forward op that made the tensor the failing ``backward()`` started from."""
     exc = trace.exception
-    writer = (exc.loss or {}).get("writer") if exc is not None else None
+    writer = exc.loss.writer if exc is not None and exc.loss is not None else None
     if writer is not None:
         return writer
     found, previous = None, None

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..findings import Finding, at, forward_where
+from ...trace.parts import OomInfo
 from ...trace.records import Trace
 from ...util.units import format_bytes
 
@@ -74,14 +75,14 @@ def _step_facts(trace: Trace, by_module: dict[str, int]) -> dict[str, Any]:
     facts: dict[str, Any] = {"grads_at_start": grads[0]}
     params = getattr(trace, "params", None) or []
     numel = sum(p.numel for p in params)
-    if numel and trace.parameters.get("bytes"):
-        facts["grads_full"] = trace.parameters["bytes"] * sum(p.numel for p in params if p.requires_grad) // numel
+    if numel and trace.parameters.bytes:
+        facts["grads_full"] = trace.parameters.bytes * sum(p.numel for p in params if p.requires_grad) // numel
     from ..fix_plan import amp_factor, checkpoint_estimate, optimizer_step_extra
 
     facts["checkpoint"] = checkpoint_estimate(trace, by_module)
     facts["amp_factor"] = amp_factor(trace)
     if "step(" in trace.source:  # the cell steps an optimizer (its own state and temporaries count)
-        facts["step_extra"] = sum(optimizer_step_extra(o) for o in getattr(trace, "optimizers", []))
+        facts["step_extra"] = sum(optimizer_step_extra(o) for o in trace.optimizers)
     return facts
 
 
@@ -90,19 +91,19 @@ def oom(trace: Trace) -> list[Finding]:
     exc = trace.exception
     if exc is None or not (exc.type == "OutOfMemoryError" or "out of memory" in exc.message.lower()):
         return []
-    info: dict[str, Any] = exc.oom or {}
-    rec = trace.op(info.get("index"))
+    info = exc.oom or OomInfo()  # none: memory ran out outside the capture's ledger
+    rec = trace.op(info.index)
     where = rec.where if rec is not None else exc.where
     if rec is not None and rec.phase == "backward":
         fwd = forward_where(trace, rec)
         where = type(where)(line=where.line, file=where.file, cell_line=where.cell_line, module=fwd.module)
-    cats = info.get("by_category", {})
-    by_module = info.get("by_module", {})
-    requested = info.get("requested") or 0
+    cats = info.by_category
+    by_module = info.by_module
+    requested = info.requested or 0
     limit = trace.memory.limit_bytes or trace.memory.device_total_bytes
     preds = predict(cats, by_module, requested, **_step_facts(trace, by_module))
     fixed = sum(cats.get(c, 0) for c in _FIXED)
-    live = info.get("live", sum(cats.values()))
+    live = info.live
     phase = rec.phase if rec is not None else "the step"
     breakdown = ", ".join(f"{c} {format_bytes(v)}" for c, v in cats.items() if v)
     msg = (f"Memory ran out during {phase} at line {where.line}"
@@ -138,5 +139,5 @@ def oom(trace: Trace) -> list[Finding]:
     return [at("oom", where, msg, op=rec.op if rec else None, fixes=fixes, title="Out of memory",
                evidence={"by_category": cats, "by_module": by_module, "requested": requested,
                          "limit": limit, "predicted_peak": preds, "predicted_peak_text": preds_text,
-                         "simulated": bool(info.get("simulated")),
+                         "simulated": info.simulated,
                          "lower_bound": rec is None or rec.phase == "forward"})]

@@ -46,9 +46,9 @@ def _without_origin(trace: Trace) -> list[Finding]:
     """First tier only (no rollback, so no detailed replay): say that NaN/Inf happened and where it showed."""
     if trace.needs_detail != "nonfinite":
         return []
-    hint = trace.nonfinite_hint or {}
+    hint = trace.nonfinite_hint
     reached = [k for k, v in trace.nonfinite_reached.items() if v] or ["loss"]
-    where = Where(line=hint.get("line"), file=hint.get("file"), cell_line=hint.get("line"))
+    where = Where(line=hint.line, file=hint.file, cell_line=hint.line) if hint is not None else Where()
     msg = (f"NaN/Inf reached the {', '.join(reached)}"
            f"{' (first seen in a scalar at line ' + str(where.line) + ')' if where.line else ''}. "
            "The cheap first pass does not check every op, and without a rollback snapshot the step could not "

@@ -201,9 +201,9 @@ def orphan_params(trace: Trace) -> list[Finding]:
     if line is not None:
         where = Where(line=line, file=None, cell_line=line, module=module)
     else:
-        where = Where(line=step.get("line"), file=step.get("file"), cell_line=step.get("cell_line"), module=module)
+        where = Where(line=step.line, file=step.file, cell_line=step.cell_line, module=module)
     code = source_line(trace, where.line, where.file)
-    step_code = source_line(trace, step.get("line"), step.get("file")) or "optimizer.step()"
+    step_code = source_line(trace, step.line, step.file) or "optimizer.step()"
     how = (f"line {line} (`{code}`) replaced them after the optimizer was built"
            if line is not None else "they were replaced (a parametrization such as `weight_norm`, a new layer or a "
            "re-created model) after the optimizer was built")
@@ -215,4 +215,4 @@ def orphan_params(trace: Trace) -> list[Finding]:
            "ones: `opt.add_param_group({'params': [...]})`).")
     return [at("orphan_params", where, msg, title="Optimizer holds replaced parameters",
                evidence={"orphaned": [p.name for p in old], "not_stepped": names,
-                         "step_line": step.get("line"), "values": sum(p.numel for p in old)})]
+                         "step_line": step.line, "values": sum(p.numel for p in old)})]

@@ -23,15 +23,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..findings import Finding, at, source_line
+from ...trace.parts import OptimizerStep
 from ...trace.records import OpRecord, Trace, Where
 from .flow import graph_ops, loss_op, numel, owner
 
 
-def _step_of(trace: Trace, index: int) -> dict[str, Any] | None:
+def _step_of(trace: Trace, index: int) -> OptimizerStep | None:
     """The optimizer step whose ops include op ``index`` (steps start at their recorded ``index``)."""
     best = None
     for s in trace.optimizer_steps:
-        if s.get("index") is not None and s["index"] <= index and (best is None or s["index"] > best["index"]):
+        if s.index <= index and (best is None or s.index > best.index):
             best = s
     return best
 
@@ -94,13 +95,12 @@ def optimizer_write(trace: Trace, shape: list[int] | None) -> dict[str, Any] | N
 def optimizer_finding(trace: Trace, found: dict[str, Any], evidence: dict[str, Any]) -> Finding:
     """The ``inplace`` finding for :func:`optimizer_write`: located at the step, not the backward."""
     step, op, reader = found["step"], found["op"], found["read_by"]
-    where = Where(line=step.get("line"), file=step.get("file"), cell_line=step.get("cell_line"),
-                  module=owner([found["parameter"]]))
-    code = source_line(trace, where.line, where.file) or f"{step.get('optimizer', 'optimizer')}.step()"
+    where = Where(line=step.line, file=step.file, cell_line=step.cell_line, module=owner([found["parameter"]]))
+    code = source_line(trace, where.line, where.file) or f"{step.optimizer}.step()"
     bwd = trace.exception.where if trace.exception is not None else Where()
     fwd_line = reader.where.cell_line or reader.where.line if reader is not None else None
     evidence.update(op=op.op, parameters=found["parameters"], step_line=where.line, code=code,
-                    optimizer=step.get("optimizer"), forward_line=fwd_line)
+                    optimizer=step.optimizer, forward_line=fwd_line)
     shown = ", ".join(f"`{n}`" for n in found["parameters"][:4])
     msg = (f"`{code}` (line {where.line}) updated {shown} in place (`{op.op}`) after the forward pass at line "
            f"{fwd_line} had used {'it' if len(found['parameters']) == 1 else 'them'} to build the graph that "
@@ -192,8 +192,8 @@ def _unseen_step(trace: Trace) -> list[Finding]:
         return []
     names = {p.key: p.name for p in trace.params}
     read = list(dict.fromkeys(names[writes[n][1]] for n, _ in hits))
-    where = Where(line=step.get("line"), file=step.get("file"), cell_line=step.get("cell_line"), module=owner(read))
-    code = source_line(trace, where.line, where.file) or f"{step.get('optimizer', 'optimizer')}.step()"
+    where = Where(line=step.line, file=step.file, cell_line=step.cell_line, module=owner(read))
+    code = source_line(trace, where.line, where.file) or f"{step.optimizer}.step()"
     fwd_line = fwd.where.cell_line or fwd.where.line
     shown = ", ".join(f"`{n}`" for n in read[:4]) + (f" and {len(read) - 4} more" if len(read) > 4 else "")
     msg = (f"`{code}` (line {where.line}) updated {shown} in place (`{op.op}`) after the forward pass at line "
@@ -203,5 +203,5 @@ def _unseen_step(trace: Trace) -> list[Finding]:
            "that goes through a model before that model's optimizer steps, or recompute the forward after the "
            "step (in a GAN: the generator loss from a fresh `D(fake)` after `opt_D.step()`).")
     return [at("inplace", where, msg, op=op.op, title="Optimizer step changed weights a graph had saved",
-               evidence={"parameters": read, "optimizer": step.get("optimizer"), "forward_line": fwd_line,
+               evidence={"parameters": read, "optimizer": step.optimizer, "forward_line": fwd_line,
                          "code": code})]

@@ -43,41 +43,41 @@ def graph_leak(trace: Trace) -> list[Finding]:
     """Tensors from earlier runs, graph and all, still reachable from the namespace."""
     if trace.exception is not None:
         return []  # a failed run may never reach the line that rebinds a variable: no verdict on leaks
-    leaks = [h for h in trace.graph_holders if h["earlier_runs"]]
+    leaks = [h for h in trace.graph_holders if h.earlier_runs]
     if not leaks:
         return []
     first = leaks[0]
-    var = _root(first["path"])
+    var = _root(first.path)
     where = Where()
-    if first.get("store") in ("module", "closure"):
-        where = Where(line=first.get("store_line"), file=first.get("store_file"), module=first.get("module"))
+    if first.store in ("module", "closure"):
+        where = Where(line=first.store_line, file=first.store_file, module=first.module)
     else:
-        line = store_line(trace.source, first.get("target") or [var])
+        line = store_line(trace.source, first.target or [var])
         if line is not None:
             where = Where(line=line, cell_line=line)
-        elif first["own_run"] == trace.run_id and first["own_index"] is not None:
-            rec = trace.op(first["own_index"])
+        elif first.own_run == trace.run_id and first.own_index is not None:
+            rec = trace.op(first.own_index)
             where = rec.where if rec is not None else where
-    nbytes = sum(h["bytes"] + h.get("graph_bytes", 0) for h in leaks)
-    runs = sorted({r for h in leaks for r in h["earlier_runs"]})
-    series = trace.history.get("live_bytes_end", [])
+    nbytes = sum(h.bytes + h.graph_bytes for h in leaks)
+    runs = sorted({r for h in leaks for r in h.earlier_runs})
+    series = trace.history.live_bytes_end
     growth = ""
     if len(series) >= 2 and series[-1] > series[0]:
         growth = (" Live memory at the end of the step grew run after run: "
                   + " -> ".join(format_bytes(b) for b in series[-4:]) + ".")
     code = _code(trace, where.line, where.file)
-    if "+=" in code or ("=" in code and var in code.split("=", 1)[-1] and first.get("store") == "cell"):
+    if "+=" in code or ("=" in code and var in code.split("=", 1)[-1] and first.store == "cell"):
         fix = f"accumulate a number: `{var} += loss.item()`"
     elif ".append(" in code or ".extend(" in code:
         fix = "append a number: `.append(loss.item())`, or `.detach()` if you need the tensor"
     else:
         fix = "store `.detach()` (or `.item()` for a number) instead of the tensor itself"
-    paths = ", ".join(f"`{h['path']}`" for h in leaks[:4]) + (" ..." if len(leaks) > 4 else "")
+    paths = ", ".join(f"`{h.path}`" for h in leaks[:4]) + (" ..." if len(leaks) > 4 else "")
     msg = (f"`{var}` keeps tensors that still carry the autograd graph of {len(runs)} earlier run(s) of this "
            f"step ({paths}): {format_bytes(nbytes)} kept alive, tensors and the activations their graphs saved. "
            f"Every run adds one more, so memory creeps up until it runs out.{growth} Fix: {fix}.")
     return [at("graph_leak", where, msg, severity="warning", title="Graphs of earlier steps kept alive",
-               evidence={"variable": var, "holders": [h["path"] for h in leaks], "bytes": nbytes,
+               evidence={"variable": var, "holders": [h.path for h in leaks], "bytes": nbytes,
                          "graphs": len(runs), "live_bytes_end": series})]
 
 
@@ -85,15 +85,15 @@ def stale_grad(trace: Trace) -> list[Finding]:
     """optimizer.step() on gradients that an earlier step already used: zero_grad() is missing."""
     out = []
     for s in trace.stale_steps[:1]:
-        where = Where(line=s["line"], file=s["file"], cell_line=s["cell_line"])
+        where = Where(line=s.line, file=s.file, cell_line=s.cell_line)
         code = _code(trace, where.line, where.file)
         msg = (f"`{code or 'optimizer.step()'}` used gradients that still contain the gradients of an earlier "
-               f"run ({s['params']} parameters): `zero_grad()` was never called since the previous step, so "
+               f"run ({s.params} parameters): `zero_grad()` was never called since the previous step, so "
                "backward() keeps adding into `.grad` and every step follows the sum of all past gradients - "
                "gradient accumulation by accident. Call `optimizer.zero_grad()` at the start of the step "
                "(before `loss.backward()`), or right after `optimizer.step()`.")
         out.append(at("stale_grad", where, msg, title="Gradients were never zeroed", severity="error",
-                      evidence={"parameters": s["params"], "since_run": s["since_run"]}))
+                      evidence={"parameters": s.params, "since_run": s.since_run}))
     return out
 
 
@@ -232,7 +232,7 @@ def amp_skipped(trace: Trace) -> list[Finding]:
     skipped = skipped_amp_steps(trace)
     if not skipped:
         return []
-    total = sum(trace.history.get("amp_skipped", [])) or len(skipped)
+    total = sum(trace.history.amp_skipped) or len(skipped)
     where = skipped[0].where
     msg = (f"GradScaler skipped `optimizer.step()` ({len(skipped)} this run, {total} so far in this cell) because "
            "the scaled gradients contained inf/NaN. A few skips while the scale settles are normal; if it "

@@ -1,0 +1,142 @@
+"""The smaller records a :class:`~backward_doctor.trace.records.Trace` holds: one typed dataclass per
+fact the capture writes and the rules, renderers and fixes read (optimizer steps, graphs kept alive,
+the out-of-memory breakdown, ...).
+
+Field names are the JSON keys (``util/serde.py`` converts by the type hints), so a report saved when
+these were plain dicts loads into them unchanged.
+
+>>> from backward_doctor.util.serde import from_dict, to_dict
+>>> from_dict(Compilation, {"trigger": "dynamo", "seconds": 1.5})
+Compilation(trigger='dynamo', seconds=1.5)
+>>> to_dict(StaleStep(index=3, optimizer="SGD", id=1, line=4, params=2, since_run=1))["params"]
+2
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OptimizerStep:
+    """One ``optimizer.step()`` during the run, where the cell called it."""
+
+    index: int          # op count when the step started: its ops are those from here on
+    optimizer: str      # the optimizer's class name (``Adam``)
+    id: int             # ``id()`` of the optimizer object during the run (which steps are the same optimizer)
+    line: int | None = None
+    file: str | None = None
+    cell_line: int | None = None
+
+
+@dataclass
+class StaleStep(OptimizerStep):
+    """An optimizer step on gradients an earlier run's step had already used (``zero_grad()`` missing)."""
+
+    params: int = 0                   # how many of its parameters had such a gradient
+    since_run: int = 0                # the earliest run whose step used them
+    previous_line: int | None = None  # the line of that earlier step
+
+
+@dataclass
+class OptimizerSummary:
+    """An optimizer in the namespace at the start, in the sizes that decide its step's memory."""
+
+    name: str           # its variable in the namespace
+    type: str           # its class name (``Adam``)
+    param_bytes: int = 0  # its trainable parameters' bytes
+    largest: int = 0      # the bytes of its largest parameter
+    state_bytes: int = 0  # its state (moments, momentum buffers) before the step
+    momentum: bool = False
+    foreach: bool | None = None  # ``foreach=`` as given (None: PyTorch picks, foreach on CUDA)
+    device: str = "cpu"          # its first parameter's device
+
+
+@dataclass
+class Carrier:
+    """A namespace tensor that already carried an autograd graph when the run started."""
+
+    variable: str
+    shape: list[int]
+    grad_fn: str        # the class name of its ``grad_fn`` node
+    key: int = 0        # its storage key (0: none), to tell whether this run's ops read it
+
+
+@dataclass
+class GraphHolder:
+    """A tensor reachable from the namespace after the run that still carries an autograd graph."""
+
+    path: str                     # how to reach it: ``history[3]``, ``model.cache``, ``f.<closure h>``
+    shape: list[int]
+    bytes: int                    # its own storage's bytes
+    grad_fn: str                  # the class name of its ``grad_fn`` node
+    contained: bool = False       # held inside a container or an object, not bound to a variable itself
+    earlier_runs: list[int] = field(default_factory=list)  # run ids of this cell whose nodes its graph holds
+    own_run: int | None = None    # this run's id when this run made its grad_fn
+    own_index: int | None = None  # the forward op that made its grad_fn (this run only)
+    module: str | None = None     # the module whose attribute holds it
+    store_file: str | None = None  # where the statement storing it is, outside the cell
+    store_line: int | None = None
+    store: str = "cell"           # what stored it: "cell", "module" (an attribute) or "closure"
+    graph_bytes: int = 0          # bytes its graph still saves for a backward (only with earlier_runs)
+    target: list[str] | None = None  # the cell variable to look for the storing line (only with earlier_runs)
+
+
+@dataclass
+class Compilation:
+    """One ``torch.compile`` compilation during the step (not recorded as ops)."""
+
+    trigger: str        # what compiled: "dynamo" (a frame) or a lazily compiled backward
+    seconds: float
+
+
+@dataclass
+class NonFiniteScalar:
+    """First tier: a forward op whose scalar output was NaN/Inf (its line, not yet its origin)."""
+
+    index: int
+    line: int | None = None
+    file: str | None = None
+
+
+@dataclass
+class ParameterTotals:
+    """Every parameter the capture knew of (modules and optimizers in the namespace), in totals."""
+
+    count: int = 0
+    trainable: int = 0  # of them, those with requires_grad
+    bytes: int = 0
+
+
+@dataclass
+class RunHistory:
+    """The cell's runs so far in this namespace (this one last), in numbers; empty without a history."""
+
+    runs: int = 0
+    live_bytes_end: list[int] = field(default_factory=list)  # live tensor bytes at the end of each run
+    run_ids: list[int] = field(default_factory=list)
+    amp_skipped: list[int] = field(default_factory=list)     # optimizer steps GradScaler skipped, per run
+
+
+@dataclass
+class LossInfo:
+    """The tensor a failing ``backward()`` was called on."""
+
+    shape: list[int]
+    requires_grad: bool
+    grad_fn: str | None = None  # the class name of its ``grad_fn`` node (None: a leaf, or no graph)
+    key: int = 0                # its storage key (0: none)
+    writer: int | None = None   # the op that last wrote its storage: where the loss was made
+
+
+@dataclass
+class OomInfo:
+    """Live tensor bytes where memory ran out, from the capture's ledger."""
+
+    index: int | None = None        # the op during which it ran out (None: outside any recorded op)
+    requested: int | None = None    # bytes the failing allocation asked for, when known
+    live: int = 0                   # live tensor bytes then (requested included for a simulated device)
+    by_category: dict[str, int] = field(default_factory=dict)  # CATEGORIES -> bytes
+    #: open-ended: module path -> bytes made by its ops, plus labels in parentheses for the rest
+    #: ("(existing before the step)", "(gradients in backward)", "(outside modules)"); largest first
+    by_module: dict[str, int] = field(default_factory=dict)
+    simulated: bool = False         # ``memory_limit`` ran out, not a device
