@@ -105,7 +105,7 @@ def test_failing_op_evidence_matches_the_python_tier():
     assert (nat.failed_op.op, nat.failed_op.phase, nat.failed_op.where.line) == \
         (py.failed_op.op, py.failed_op.phase, py.failed_op.where.line)
     assert [m.shape for m in nat.failed_op.inputs] == [m.shape for m in py.failed_op.inputs]
-    assert nat.failed_op.index_check["bad"] == py.failed_op.index_check["bad"] == [12]
+    assert nat.failed_op.index_check.bad == py.failed_op.index_check.bad == [12]
     assert [f.kind for f in reports["native"].findings] == [f.kind for f in reports["python"].findings]
     assert reports["native"].findings[0].kind == "index_out_of_range"
 

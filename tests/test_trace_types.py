@@ -19,10 +19,7 @@ from backward_doctor.trace import (Carrier, ExceptionInfo, GraphHolder, LossInfo
 
 #: Fields whose type still contains ``Any``, each with the reason. Nothing else may.
 UNTYPED = {
-    "TensorMeta.stats": "value statistics (numel, nan/posinf/neginf counts, min/max/mean when finite values "
-                        "exist): not yet typed, read by capture.stats.format_stats and the renderers",
     "MemoryTimeline.cuda": "allocator figures plus an NVML dict (or its error): CUDA only, not yet typed",
-    "FailedOp.index_check": "the index range check's evidence (argument, valid range, bad values): not yet typed",
 }
 #: Maps with arbitrary keys stay dicts (typed values, no ``Any``): documented where they are declared.
 OPEN_ENDED = {

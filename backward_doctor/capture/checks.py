@@ -7,7 +7,7 @@ context is still alive. The same function explains a CPU failure after the fact.
 
 >>> import torch
 >>> w, idx = torch.zeros(5, 3), torch.tensor([1, 7])
->>> index_check(torch.ops.aten.embedding.default, (w, idx), {})["bad"]
+>>> index_check(torch.ops.aten.embedding.default, (w, idx), {}).bad
 [7]
 """
 from __future__ import annotations
@@ -17,13 +17,15 @@ from typing import Any, Callable
 
 import torch
 
+from ..trace.records import IndexCheck
+
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
 
 def _range_check(values: torch.Tensor, lo: int, hi: int, argument: str, what: str,
-                 ignore: int | None = None) -> dict[str, Any] | None:
+                 ignore: int | None = None) -> IndexCheck | None:
     if values.device.type == "meta" or values.numel() == 0:
         return None
     v = values.detach().reshape(-1)
@@ -36,8 +38,8 @@ def _range_check(values: torch.Tensor, lo: int, hi: int, argument: str, what: st
     if not n_bad:
         return None
     bad = torch.unique(v[bad_mask])[:8].tolist()
-    return {"argument": argument, "what": what, "valid": [lo, hi], "bad": bad, "bad_count": n_bad,
-            "min": int(v.min()), "max": int(v.max())}
+    return IndexCheck(argument=argument, what=what, valid=[lo, hi], bad=bad, bad_count=n_bad, min=int(v.min()),
+                      max=int(v.max()))
 
 
 def _embedding(args, kwargs):

@@ -19,7 +19,7 @@ from .state import PHASES
 from .memory import storage_key
 from .stats import dtype_name
 from ..trace.parts import NonFiniteScalar, OomInfo
-from ..trace.records import CATEGORIES, InplaceEvent, NonFiniteEvent, TensorMeta, Where
+from ..trace.records import CATEGORIES, InplaceEvent, NonFiniteEvent, TensorMeta, TensorStats, Where
 
 _DTYPES: dict[int, torch.dtype] = {}
 _DEVICE_TYPES: dict[int, str] = {}
@@ -140,9 +140,9 @@ class NativeRecords:
                            dev if dev_index < 0 else f"{dev}:{dev_index}", bool(rg))
             if st >= 0:
                 numel, nan, pinf, ninf, has_finite, lo, hi, mean = stats[st:st + 8]
-                t.stats = {"numel": int(numel), "nan": int(nan), "posinf": int(pinf), "neginf": int(ninf)}
+                t.stats = TensorStats(numel=int(numel), nan=int(nan), posinf=int(pinf), neginf=int(ninf))
                 if has_finite:
-                    t.stats.update(min=lo, max=hi, mean=mean)
+                    t.stats.min, t.stats.max, t.stats.mean = lo, hi, mean
             return t
 
         for e in range(len(ev) // 6):

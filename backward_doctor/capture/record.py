@@ -290,8 +290,8 @@ class OpRecorder(CaptureState):
         __tracebackhide__ = True
         bad = checks.index_check(func, args, kwargs)
         if bad is not None:
-            raise IndexError(f"{name}: {bad['argument']} value(s) {bad['bad']} out of range "
-                             f"[{bad['valid'][0]}, {bad['valid'][1]}] ({bad['what']}); "
+            raise IndexError(f"{name}: {bad.argument} value(s) {bad.bad} out of range "
+                             f"[{bad.valid[0]}, {bad.valid[1]}] ({bad.what}); "
                              "checked by backward_doctor before the kernel ran")
 
     def _record_inplace(self, index: int, name: str, args: tuple, mutated: tuple[int, ...], where: Where) -> None:

@@ -4,19 +4,18 @@ Statistics are over finite values, with explicit NaN/Inf counts (the lovely-tens
 convention), so a single NaN does not hide the range of the rest.
 
 >>> import torch
->>> tensor_stats(torch.tensor([1.0, float("nan"), 3.0]))["nan"]
+>>> tensor_stats(torch.tensor([1.0, float("nan"), 3.0])).nan
 1
 """
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import torch
 
 from .memory import shape_of
-from ..trace.records import TensorMeta
+from ..trace.records import TensorMeta, TensorStats
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ def meta(t: torch.Tensor, with_stats: bool = False) -> TensorMeta:
 
 
 @torch.no_grad()
-def tensor_stats(t: torch.Tensor) -> dict[str, Any] | None:
+def tensor_stats(t: torch.Tensor) -> TensorStats | None:
     """min/max/mean over finite values plus NaN/+Inf/-Inf counts (None if unreadable)."""
     if not _has_data(t):
         return None
@@ -60,20 +59,20 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any] | None:
         if x.dtype == torch.bool:
             x = x.to(torch.uint8)
         numel = x.numel()
-        out: dict[str, Any] = {"numel": int(numel), "nan": 0, "posinf": 0, "neginf": 0}
+        out = TensorStats(numel=int(numel))
         finite = x
         if x.is_floating_point():
             mask = torch.isfinite(x)
             n_finite = int(mask.sum())
             if n_finite != numel:  # only then count what kind of non-finite it is
-                out["nan"] = int(torch.isnan(x).sum())
-                out["posinf"] = int((x == float("inf")).sum())
-                out["neginf"] = numel - n_finite - out["nan"] - out["posinf"]
+                out.nan = int(torch.isnan(x).sum())
+                out.posinf = int((x == float("inf")).sum())
+                out.neginf = numel - n_finite - out.nan - out.posinf
                 finite = x[mask]
         if finite.numel():
             lo, hi = torch.aminmax(finite)
-            out["min"], out["max"] = float(lo), float(hi)
-            out["mean"] = float(finite.double().mean())
+            out.min, out.max = float(lo), float(hi)
+            out.mean = float(finite.double().mean())
         return out
     except Exception:  # statistics are evidence, never a reason to fail the user's step
         log.debug("no statistics for a %s tensor", getattr(t, "layout", "?"), exc_info=True)
@@ -102,19 +101,19 @@ def screen_nonfinite(t: torch.Tensor) -> bool:
         return False
 
 
-def format_stats(s: dict[str, Any] | None) -> str:
+def format_stats(s: TensorStats | None) -> str:
     """``min=-1.2 max=3.4 mean=0.1 nan!3 inf!1`` for reports."""
     if not s:
         return ""
     parts = []
-    if "min" in s:
-        parts.append(f"min={s['min']:.4g} max={s['max']:.4g} mean={s['mean']:.4g}")
+    if s.min is not None:
+        parts.append(f"min={s.min:.4g} max={s.max:.4g} mean={s.mean:.4g}")
     else:
         parts.append("no finite values")
-    if s.get("nan"):
-        parts.append(f"nan!{s['nan']}")
-    if s.get("posinf"):
-        parts.append(f"+inf!{s['posinf']}")
-    if s.get("neginf"):
-        parts.append(f"-inf!{s['neginf']}")
+    if s.nan:
+        parts.append(f"nan!{s.nan}")
+    if s.posinf:
+        parts.append(f"+inf!{s.posinf}")
+    if s.neginf:
+        parts.append(f"-inf!{s.neginf}")
     return " ".join(parts)

@@ -60,12 +60,12 @@ def _stats_cells(m: TensorMeta) -> str:
     s = m.stats
     if not s:
         return '<td class="num muted" colspan="5">not recorded</td>'
-    if "min" in s:
-        vals = "".join(f'<td class="num">{s[k]:.4g}</td>' for k in ("min", "max", "mean"))
+    if s.min is not None:
+        vals = "".join(f'<td class="num">{v:.4g}</td>' for v in (s.min, s.max, s.mean))
     else:
         vals = '<td class="num muted" colspan="3">no finite values</td>'
-    inf = (s.get("posinf") or 0) + (s.get("neginf") or 0)
-    nan = s.get("nan") or 0
+    inf = s.posinf + s.neginf
+    nan = s.nan
     return (vals + f'<td class="num{" bad" if nan else ""}">{nan:,}</td>'
             f'<td class="num{" bad" if inf else ""}">{inf:,}</td>')
 
@@ -199,8 +199,8 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
                 out.append(_nan_chain(tr, ev.origin))
         if f.kind == "index_out_of_range" and tr.failed_op and tr.failed_op.index_check:
             ic = tr.failed_op.index_check
-            out.append(f'<div>bad values <code>{esc(ic.get("bad"))}</code>, valid range '
-                       f'<code>{esc(ic.get("valid"))}</code> ({esc(ic.get("what"))})</div>')
+            out.append(f'<div>bad values <code>{esc(ic.bad)}</code>, valid range '
+                       f'<code>{esc(ic.valid)}</code> ({esc(ic.what)})</div>')
     out.append(f'<div style="margin-top:6px">{_message_html(f.message)}</div>')
     ev = f.evidence
     if f.kind == "oom" and ev.get("predicted_peak_text"):

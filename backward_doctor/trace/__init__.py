@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from .parts import (Carrier, Compilation, GraphHolder, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
                     OptimizerSummary, ParameterTotals, RunHistory, StaleStep)
-from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, FrameInfo, InplaceEvent, MemoryTimeline,
-                      NonFiniteEvent, OpRecord, ParamInfo, TensorMeta, ThreadStack, Trace, Where)
+from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, FrameInfo, IndexCheck, InplaceEvent, MemoryTimeline,
+                      NonFiniteEvent, OpRecord, ParamInfo, TensorMeta, TensorStats, ThreadStack, Trace, Where)
 
 __all__ = ["CATEGORIES", "PHASES", "Carrier", "Compilation", "ExceptionInfo", "FailedOp", "FrameInfo", "GraphHolder",
            "InplaceEvent", "LossInfo", "MemoryTimeline", "NonFiniteEvent", "NonFiniteScalar", "OomInfo", "OpRecord",

@@ -23,6 +23,24 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 @dataclass(slots=True)
+class TensorStats:
+    """A tensor's values in a few numbers, lovely-tensors style: counts of NaN/+Inf/-Inf, and min/max/mean
+    over the finite values only (None when there are none), so one NaN does not hide the range."""
+
+    numel: int
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    min: float | None = None
+    max: float | None = None
+    mean: float | None = None
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+
+@dataclass(slots=True)
 class TensorMeta:
     """Shape, dtype and device of one tensor argument, optionally with value statistics."""
 
@@ -30,7 +48,7 @@ class TensorMeta:
     dtype: str
     device: str
     requires_grad: bool = False
-    stats: dict[str, Any] | None = None
+    stats: TensorStats | None = None
 
     def short(self) -> str:
         """``float32[4, 10]`` (device added when it is not the CPU)."""
@@ -123,6 +141,20 @@ class InplaceEvent:
 
 
 @dataclass
+class IndexCheck:
+    """An index argument outside its valid range: which argument, the valid range and why (``what``),
+    the first few bad values, how many there were, and the range observed."""
+
+    argument: str
+    what: str
+    valid: list[int]
+    bad: list[int]
+    bad_count: int
+    min: int
+    max: int
+
+
+@dataclass
 class FailedOp:
     """The op that raised inside the dispatcher, with evidence taken before unwinding."""
 
@@ -133,7 +165,7 @@ class FailedOp:
     where: Where
     error: str
     fwd_index: int | None = None
-    index_check: dict[str, Any] | None = None
+    index_check: IndexCheck | None = None
 
 
 @dataclass

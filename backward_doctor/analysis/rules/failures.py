@@ -9,6 +9,7 @@ its inputs' shapes, dtypes, devices and, for index ops, the offending values.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from ..findings import Finding, at, forward_where, same_exception, source_line
@@ -130,13 +131,13 @@ def index_out_of_range(trace: Trace) -> list[Finding]:
     where, failed = _failed_where(trace)
     check = failed.index_check if failed else None
     op = failed.op if failed else None
-    ev: dict = dict(check or {})
+    ev: dict = dataclasses.asdict(check) if check else {}
     if check:
-        lo, hi = check["valid"]
-        bad = ", ".join(str(b) for b in check["bad"])
-        msg = (f"`{op}` was given {check['argument']} value(s) {bad} ({check['bad_count']} in all; "
-               f"observed range {check['min']}..{check['max']}) but only {lo}..{hi} is valid "
-               f"({check['what']}). ")
+        lo, hi = check.valid
+        bad = ", ".join(str(b) for b in check.bad)
+        msg = (f"`{op}` was given {check.argument} value(s) {bad} ({check.bad_count} in all; "
+               f"observed range {check.min}..{check.max}) but only {lo}..{hi} is valid "
+               f"({check.what}). ")
     else:
         msg = f"An index was out of range: {exc.message.splitlines()[0]}. "
     if op and "nll_loss" in op:
