@@ -1,4 +1,4 @@
-"""Small ``nn.Module``s used by the test scenarios in ``tests/scenarios.py``.
+"""Small ``nn.Module``s used by the test scenarios in ``tests/scenarios/``.
 
 This file plays the part of a user's own ``models.py`` that a notebook imports:
 for the "file-side" scenarios the bug lives *here*, not in the notebook cell,
@@ -7,7 +7,7 @@ so backward_doctor must report ``file`` = the absolute path of this file and
 
 Every buggy statement carries a trailing ``# BUG:<name>`` marker.  Tests never
 hard-code line numbers: they call :func:`bug_line` (or
-``scenarios.bug_line``) which reads this file and finds the marker.  Each
+``scenario_kit.bug_line``) which reads this file and finds the marker.  Each
 marker sits on the line that the diagnoser is expected to report, i.e. the
 innermost line of this file that was running when the offending op ran.
 
@@ -414,7 +414,7 @@ class NormalizedMLP(nn.Module):
 
 
 # ===========================================================================
-# Correct reference models (no bugs; used by scenarios.CORRECT)
+# Correct reference models (no bugs; used by scenarios.CORRECT, tests/scenarios/correct.py)
 # ===========================================================================
 
 

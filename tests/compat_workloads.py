@@ -449,3 +449,17 @@ def nested_jagged():
     ns = {"F": F, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
           "seqs": [torch.randn(n, 6) for n in (3, 5, 2, 4)], "y": torch.randint(0, 5, (4,))}
     return ns, "opt.zero_grad()\nloss = F.cross_entropy(model(seqs), y)\nloss.backward()\nopt.step()\n"
+
+
+def bits(t: torch.Tensor) -> tuple:
+    """A tensor's exact content (NaN-safe, any dtype, sparse too) for equality."""
+    t = t.detach()
+    if t.is_nested:
+        t = t.to_padded_tensor(0.0)
+    elif t.layout != torch.strided:
+        t = t.coalesce().to_dense() if t.is_sparse else t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    flat = t.contiguous().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.numel() and flat.dtype != torch.bool else flat
+    return (str(t.dtype), tuple(t.shape), raw.clone())

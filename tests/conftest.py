@@ -1,13 +1,11 @@
 """Shared fixtures. The GPU tier is marked ``gpu`` and skipped without CUDA."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(1)  # deterministic, and fair on a shared 2-core machine
 
 

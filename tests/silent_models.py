@@ -1,4 +1,4 @@
-"""Models and training helpers for the *silent* scenarios in ``tests/silent_scenarios.py``.
+"""Models and training helpers for the *silent* scenarios in ``tests/scenarios/`` (``scenarios.silent``).
 
 Like ``tests/buggy_models.py`` this file plays the part of a user's own
 ``models.py`` that a notebook imports: for the file-side scenarios the bug lives

@@ -14,7 +14,7 @@ from torch import nn
 import backward_doctor as bd
 from backward_doctor.capture.native_capture import native_available
 
-from tests.compat_workloads import WORKLOADS
+from compat_workloads import WORKLOADS, bits as _bits
 
 ENGINES = ["native", "python"]
 CELL = "<compat-cell>"
@@ -25,20 +25,6 @@ def _engine_or_skip(engine: str) -> None:
         from backward_doctor import native
 
         pytest.skip(f"native recorder unavailable: {native.status()['reason']}")
-
-
-def _bits(t: torch.Tensor) -> tuple:
-    """A tensor's exact content (NaN-safe, any dtype, sparse too) for equality."""
-    t = t.detach()
-    if t.is_nested:
-        t = t.to_padded_tensor(0.0)
-    elif t.layout != torch.strided:
-        t = t.coalesce().to_dense() if t.is_sparse else t.to_dense()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    flat = t.contiguous().reshape(-1)
-    raw = flat.view(torch.uint8) if flat.numel() and flat.dtype != torch.bool else flat
-    return (str(t.dtype), tuple(t.shape), raw.clone())
 
 
 def _optimizers(value, seen) -> list[torch.optim.Optimizer]:

@@ -11,7 +11,7 @@ import torch
 import backward_doctor as bd
 from backward_doctor.capture.native_capture import native_available
 
-from tests.compat_workloads import WORKLOADS, _lm_batch
+from compat_workloads import WORKLOADS, _lm_batch
 
 ENGINES = ["native", "python"]
 

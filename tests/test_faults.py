@@ -17,7 +17,7 @@ import torch
 import backward_doctor as bd
 from backward_doctor.capture.native_capture import native_available
 
-from tests import fault_injection as fi
+import fault_injection as fi
 
 ENGINES = ["native", "python"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -269,9 +269,9 @@ def test_failed_fix_rolls_back_to_before_the_fix(mlp_peak):
 
 
 def test_rollback_skipped_with_a_warning_when_ram_is_short(monkeypatch):
-    from backward_doctor.fixes import apply as run_mod
+    from backward_doctor.run import snapshot as snapshot_mod
 
-    monkeypatch.setattr(run_mod, "available_ram", lambda: 1000)
+    monkeypatch.setattr(snapshot_mod, "available_ram", lambda: 1000)
     with pytest.warns(RuntimeWarning, match="rollback skipped"):
         fr = run_fix(STEP, wide_mlp(), "accumulate:2").fix_result
     assert any("rollback skipped" in w for w in fr.warnings)

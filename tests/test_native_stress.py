@@ -14,7 +14,7 @@ import torch
 import backward_doctor as bd
 from backward_doctor.capture.native_capture import native_available
 
-from tests.test_compat import _bits
+from compat_workloads import bits as _bits
 
 SETUP = """
 import torch, torch.nn as nn, torch.nn.functional as F

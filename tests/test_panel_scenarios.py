@@ -1,23 +1,15 @@
 """The panel and the static HTML draw every kind of report in the scenario suite.
 
-One or two scenarios of each kind (tests/scenarios.py) are diagnosed as the findings
+One or two scenarios of each kind (tests/scenarios/) are diagnosed as the findings
 tests do; then every tab of the panel is opened and the static HTML is rendered. No
 section may fail to draw, and the verdict names the root-cause location.
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 import backward_doctor as bd
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from tests import scenarios as S  # noqa: E402
+import scenarios as S
 
 pytest.importorskip("ipywidgets")
 from backward_doctor.frontends.panel import Panel  # noqa: E402

@@ -2,7 +2,7 @@
 
     report = bd.diagnose(source, namespace)   # same source + same dict = the same cell again
 
-* ``FAILING`` scenarios (tests/silent_scenarios.py): after ``runs`` runs of the
+* ``FAILING`` scenarios (tests/scenarios/, ``scenarios.silent``): after ``runs`` runs of the
   cell in one namespace, the last report holds a finding of the scenario's kind
   whose line / file / module (and op, when named) are the expected ones, whose
   message names the variable / parameters / shapes involved and the fix, and no
@@ -22,19 +22,15 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import backward_doctor as bd  # noqa: E402
-from tests import silent_scenarios as S  # noqa: E402
+import backward_doctor as bd
+from scenarios import silent as S
+from scenarios._setups import _setup_classifier
 
 
 def _params(scenarios, aspect):
@@ -57,7 +53,7 @@ def describe(report) -> str:
     return "\n".join(lines)
 
 
-def run_cell(sc: S.SilentScenario, runs: int | None = None):
+def run_cell(sc: S.Scenario, runs: int | None = None):
     """All reports of ``runs`` (default ``sc.runs``) runs of the cell in one fresh namespace."""
     ns = sc.setup()
     return [bd.diagnose(sc.source, ns, **sc.kwargs) for _ in range(runs or sc.runs)]
@@ -69,7 +65,7 @@ def finding_of(report, kind):
     return found[0]
 
 
-def without_quoted_code(message: str, sc: S.SilentScenario, f) -> str:
+def without_quoted_code(message: str, sc: S.Scenario, f) -> str:
     """The message minus the source lines it quotes: a name must be *said*, not just quoted."""
     lines = [t.strip() for t in sc.source.splitlines()]
     if f.file is not None and f.line is not None:
@@ -313,7 +309,7 @@ optimizer.step()
 )
 def test_zero_grad_in_another_cell_is_not_stale(args):
     """A notebook split in two cells (zero_grad + backward | clip + step), run alternately."""
-    ns = S._setup_classifier()
+    ns = _setup_classifier()
     backward_cell = _BACKWARD_CELL.format(args=args)
     for run in range(1, 4):
         for cell in (backward_cell, _STEP_CELL):

@@ -107,6 +107,7 @@ class CaptureState:
         self._oom_producers: dict[int, int] | None = None
         self._cuda = torch.cuda.is_available()
         self._cuda_history_wanted = cuda_history
+        self._cuda_history = False  # the allocator's history is being recorded (cuda.start)
         self._cuda_alloc = array("q")
         self._t0 = self._t_last = 0.0  # start, and end of the latest op (what a failed step took)
 

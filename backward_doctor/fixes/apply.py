@@ -20,7 +20,7 @@ from . import accumulate, amp, checkpoint, sync
 from ..util.cell import Cell, NotApplicable, stored_names
 from .compare import GradProbe, Watch, grad_max_rel_err, loss_value, run_numbers
 from ..report.fix_result import FixResult
-from ..run.snapshot import Snapshot, available_ram, estimate_bytes
+from ..run.snapshot import Snapshot, take_if_it_fits
 from ..run.step import check_cell, check_timeout, remember, run_step
 from .spec import FixSpec, parse_fix
 
@@ -94,19 +94,11 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     snap: Snapshot | None = None
     if rollback:
         say(0.0, "saving the training state (rollback snapshot)")
-        need, avail = estimate_bytes(ns, rebinds), available_ram()
-        if avail is not None and need > 0.8 * avail:
-            text = (f"rollback skipped: the snapshot needs {format_bytes(need)} of RAM and only "
-                    f"{format_bytes(avail)} is available; the fix runs on top of the original run's state")
+        snap, why_not = take_if_it_fits(ns, rebinds)
+        if snap is None:
+            text = f"rollback skipped: {why_not}; the fix runs on top of the original run's state"
             _warnings.warn(text, RuntimeWarning, stacklevel=2)
             result.warnings.append(text)
-        else:
-            try:
-                snap = Snapshot.take(ns, rebinds)
-            except Exception as exc:  # never lose the diagnosis to the snapshot
-                text = f"rollback skipped: the state could not be copied ({type(exc).__name__}: {exc})"
-                _warnings.warn(text, RuntimeWarning, stacklevel=2)
-                result.warnings.append(text)
     else:
         result.warnings.append("rollback off: the fix runs on the state the original run left")
 

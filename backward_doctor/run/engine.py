@@ -30,25 +30,18 @@ log = logging.getLogger(__name__)
 def snapshot_for(source: str, namespace: dict[str, Any]) -> Any:
     """The rollback snapshot of what ``source`` may change (None when it cannot or should not be taken)."""
     from ..util.cell import Cell, stored_names
-    from .snapshot import Snapshot, available_ram, estimate_bytes
+    from .snapshot import take_if_it_fits
 
     try:
-        cell = Cell(source)
-        rebinds = stored_names(cell.stmts)
+        rebinds = stored_names(Cell(source).stmts)
     except Exception:  # a cell we cannot parse: the run will report the SyntaxError
         log.debug("no snapshot: the cell does not parse", exc_info=True)
         return None
-    need, avail = estimate_bytes(namespace, rebinds), available_ram()
-    if avail is not None and need > 0.8 * avail:
-        warnings.warn(f"backward_doctor: no rollback snapshot ({need} bytes needed, {avail} available); "
-                      "a NaN/Inf origin cannot be replayed in detail", RuntimeWarning, stacklevel=3)
-        return None
-    try:
-        return Snapshot.take(namespace, rebinds)
-    except Exception as exc:  # never lose the diagnosis to the snapshot
-        warnings.warn(f"backward_doctor: no rollback snapshot ({type(exc).__name__}: {exc})", RuntimeWarning,
-                      stacklevel=3)
-        return None
+    snapshot, why_not = take_if_it_fits(namespace, rebinds)
+    if snapshot is None:
+        warnings.warn(f"backward_doctor: no rollback snapshot ({why_not}); a NaN/Inf origin cannot be replayed "
+                      "in detail", RuntimeWarning, stacklevel=3)
+    return snapshot
 
 
 ENGINES = ("auto", "native", "python")

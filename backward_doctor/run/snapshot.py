@@ -237,3 +237,18 @@ def _copy_value(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return _cpu_copy(v)
     return v
+
+
+def take_if_it_fits(namespace: dict[str, Any], rebinds: set[str] = frozenset()) -> tuple[Snapshot | None, str]:
+    """The rollback snapshot of ``namespace`` (and the names the cell rebinds), or None and why not: the
+    copy would take more than 80% of the free RAM, or the state could not be copied. The one place both
+    the NaN replay (``engine.snapshot_for``) and the fixes (``fixes.apply``) take theirs."""
+    from ..util.units import format_bytes
+
+    need, avail = estimate_bytes(namespace, rebinds), available_ram()
+    if avail is not None and need > 0.8 * avail:
+        return None, f"the snapshot needs {format_bytes(need)} of RAM and only {format_bytes(avail)} is available"
+    try:
+        return Snapshot.take(namespace, rebinds), ""
+    except Exception as exc:  # never lose the diagnosis to the snapshot
+        return None, f"the state could not be copied ({type(exc).__name__}: {exc})"
