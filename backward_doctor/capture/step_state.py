@@ -6,6 +6,7 @@ tensors in the namespace still carry an autograd graph and from which runs.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -51,7 +52,8 @@ def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dic
     """(path, tensor, where it is stored) for tensors reachable from the namespace.
 
     The third item says where to look for the statement that stores it: the cell
-    (``{"cell": [name]}``), a module's source (``{"file", "target": ["self", attr], "module"}``)
+    (``{"cell": [name]}``), a module's class, whose source is read only when needed
+    (``{"cls", "target": ["self", attr], "module"}``)
     or a closure's function (``{"file", "first", "target": [freevar]}``).
     """
     for path, value in ns_mod.user_items(namespace, depth=2):
@@ -60,18 +62,13 @@ def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dic
     for root, mod in ns_mod.modules(namespace):
         for sub_name, sub in mod.named_modules():
             mod_path = f"{root}.{sub_name}" if sub_name else root
-            try:
-                file = inspect.getsourcefile(type(sub))
-                first = inspect.getsourcelines(type(sub))[1]
-            except (TypeError, OSError):
-                file, first = None, 0
             attrs = [(a, v) for a, v in vars(sub).items() if not a.startswith("_") and not isinstance(v, nn.Parameter)]
             attrs += [(a, v) for a, v in sub._buffers.items() if v is not None]  # buffers can hold graphs too
             for attr, value in attrs:
                 for path, item in ns_mod._children(f"{mod_path}.{attr}", value, 1):
                     if isinstance(item, torch.Tensor):
-                        yield path, item, {"file": file, "first": first, "target": ["self", attr],
-                                           "module": mod_path, "contained": True}
+                        yield path, item, {"cls": type(sub), "target": ["self", attr], "module": mod_path,
+                                           "contained": True}
     for name, value in list(namespace.items()):
         code = getattr(value, "__code__", None)
         cells = getattr(value, "__closure__", None)
@@ -89,6 +86,17 @@ def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dic
 
 
 _SAVED_ATTRS: dict[type, list[str]] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _class_source(cls: type) -> tuple[str | None, int]:
+    """(file, first line) of a module class's source. Looked up only for a holder that keeps an earlier
+    run's graph: ``inspect.getsourcelines`` reads and tokenizes the whole file (a ``transformers`` modeling
+    file is thousands of lines), far too slow to do for every submodule on every run."""
+    try:
+        return inspect.getsourcefile(cls), inspect.getsourcelines(cls)[1]
+    except (TypeError, OSError):
+        return None, 0
 
 
 def _nodes(fn: Any) -> Iterator[Any]:
@@ -164,10 +172,12 @@ def graph_holders(cap: "OpRecorder") -> list[GraphHolder]:
             holder.graph_bytes = _saved_bytes(fn, saved_keys)
             if "cell" in store:
                 holder.target = store["cell"]
-            elif store.get("file"):
-                holder.store = "module" if "module" in store else "closure"
-                holder.store_file = store["file"]
-                holder.store_line = store_line_in_file(store["file"], store["target"], store.get("first", 0))
+            else:
+                file, first = _class_source(store["cls"]) if "cls" in store else (store.get("file"), store.get("first", 0))
+                if file:
+                    holder.store = "module" if "module" in store else "closure"
+                    holder.store_file = file
+                    holder.store_line = store_line_in_file(file, store["target"], first)
         out.append(holder)
         if len(out) >= _MAX_HOLDERS:
             break
