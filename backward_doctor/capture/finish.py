@@ -13,6 +13,7 @@ from torch import nn
 
 from .memory import shape_of, storage_key
 from .namespace import module_paths
+from .state import PHASES, REC_WIDTH
 from .namespace import tensors as ns_tensors
 from .stats import screen_nonfinite
 from .stats import dtype_name
@@ -125,10 +126,21 @@ def _build_ops(cap: "OpRecorder") -> None:
     trace = cap.trace
     ops = trace.ops
     shared: dict[tuple, TensorMeta] = {}
-    for (index, name, phase, fwd, grad, where, ins, outs, live, us) in cap.kept_records():
+    metas = [_meta(m, shared) for m in cap._metas]  # by meta id
+    names, wheres = cap._names, cap._wheres
+    ints, io, us = cap._rec_ints, cap._rec_io, cap._rec_us
+    for r in range(cap._n_kept):  # the flat arrays read directly (kept_records() makes tuples per op)
+        (index, name_id, phase, fwd, grad, where_id, n_in, n_out, off,
+         live) = ints[r * REC_WIDTH:(r + 1) * REC_WIDTH]
+        pairs = io[off:off + 2 * (n_in + n_out)]
+        mids, keys = pairs[0::2], pairs[1::2]
+        ops.append(OpRecord(index, names[name_id], PHASES[phase], [metas[m] for m in mids[:n_in]],
+                            [metas[m] for m in mids[n_in:]], wheres[where_id], None if fwd < 0 else fwd,
+                            us[r], bool(grad), keys[:n_in].tolist(), keys[n_in:].tolist(), live))
+    for (index, name, phase, fwd, grad, where, ins, outs, live, t) in cap.tail_records():
         ops.append(OpRecord(index=index, op=name, phase=phase, inputs=[_meta(m, shared) for m, _ in ins],
                             outputs=[_meta(m, shared) for m, _ in outs], where=where, fwd_index=fwd,
-                            duration_us=us, grad_enabled=grad, in_keys=[k for _, k in ins],
+                            duration_us=t, grad_enabled=grad, in_keys=[k for _, k in ins],
                             out_keys=[k for _, k in outs], live_bytes=live))
     cap._rec_ints, cap._rec_io, cap._rec_us, cap._tail = None, None, None, None
     cap._n_kept = 0

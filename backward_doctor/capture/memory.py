@@ -200,6 +200,19 @@ class Timeline:
         if self._in_bucket >= self.stride:
             self._close_bucket()
 
+    def extend(self, index: array, flat: array, width: int = 5) -> None:
+        """:meth:`add` for many samples (``width`` totals each, one after the other in ``flat``); the
+        total of each is the sum of its totals."""
+        if self.stride == 1 and len(self.index) + len(index) < self.capacity:
+            self.index.extend(index)
+            self._flat.extend(flat)
+            if len(index):
+                self._width = width
+            return
+        for i, at in enumerate(index):
+            totals = list(flat[i * width:(i + 1) * width])
+            self.add(at, totals, sum(totals))
+
     def _row(self, i: int) -> list[int]:
         w = self._width
         return list(self._flat[i * w:(i + 1) * w])

@@ -44,69 +44,86 @@ class NativeRecords:
     """Mixin: ``_convert(out)`` with ``out`` from the recorder's ``stop()``."""
 
     def _convert(self, out: dict[str, Any]) -> None:
-        """The recorder's buffers -> the Python tier's records, timeline, peak and events."""
+        """The recorder's buffers -> the Python tier's records, timeline, peak and events.
+
+        One pass over the ops with plain int indexing: the recorder has already interned what
+        repeats (stacks, tensor descriptions, names), so each distinct one becomes a Python object
+        once, and the records go straight into the flat arrays ``finish()`` reads."""
         recs, tens, sizes, inplace = (array("q", out[k]) for k in ("recs", "tensors", "sizes", "inplace"))
         codes, lastis, names = out["codes"], out["lastis"], out["names"]
         width, tw = out["width"], out["tensor_width"]
         roots = iter(out["roots"])
+        n_recs = len(recs) // width
+        if self._n_kept + n_recs > self._max_ops:  # (never with the recorder's own bound: kept for safety)
+            raise RuntimeError("native records past max_ops")
+        meta_ids = self._native_metas(out)
+        name_ids = [self._intern_name(n) for n in names]
         seq_map: dict[int, int] = {}
-        where_cache: dict[tuple, Where] = {}
-        metas: dict[tuple, tuple] = {}
-        last_phase = "forward"
+        where_cache: dict[tuple[int, int, int], int] = {}
+        stack_of, wheres, where_ids = self._stacks, self._wheres, self._where_ids
+        backward_calls, backward_roots = self.trace.backward_calls, self.trace.backward_roots
+        last_phase = 0
         idx_where: dict[int, Where] = {}
         idx_fwd: dict[int, tuple[str, int | None]] = {}  # op index -> (phase, forward op index)
-        stack_of = self._stacks
-        for r in range(len(recs) // width):
-            rec = recs[r * width:(r + 1) * width]
-            index, name = rec[0], names[rec[1]]
-            phase = PHASES[rec[2]]
-            if phase == "forward":
-                for s in range(rec[4], rec[5]):
+        rec_ints, rec_io, rec_us, writer = self._rec_ints, self._rec_io, self._rec_us, self._writer
+        counts, times = [0] * len(names), [0.0] * len(names)
+        tl_index, tl_flat = array("q"), array("q")
+        peak, peak_at = self._peak, -1
+        for b in range(0, n_recs * width, width):
+            index, name_id, phase = recs[b], recs[b + 1], recs[b + 2]
+            if phase == 0:
+                for s in range(recs[b + 4], recs[b + 5]):
                     seq_map[s] = index
-                fwd = None
+                fwd = -1
             else:
-                fwd = seq_map.get(rec[3]) if phase == "backward" else None
-            fkey = tuple(zip(map(id, codes[rec[10]:rec[10] + rec[11]]), lastis[rec[10]:rec[10] + rec[11]]))
-            stack = stack_of[rec[19]] if phase == "forward" else ()
-            wkey = (fkey, stack)
-            where = where_cache.get(wkey)
-            if where is None:
-                where = where_cache[wkey] = self._frames.where_recorded(codes, lastis, rec[10], rec[11])
-                if stack:
-                    self._where_stacks.append((where, stack))
-            if phase == "backward" and last_phase != "backward":
-                self.trace.backward_calls.append(where)
-                self.trace.backward_roots.append(next(roots, "").split("evaluate_function: ")[-1])
-                self._roots.append(fwd)
+                fwd = seq_map.get(recs[b + 3], -1) if phase == 1 else -1
+            stack_id = recs[b + 19] if phase == 0 else 0
+            wkey = (recs[b + 10], recs[b + 11], stack_id)
+            where_id = where_cache.get(wkey)
+            if where_id is None:
+                where = self._frames.where_recorded(codes, lastis, wkey[0], wkey[1])
+                if stack_id:
+                    self._where_stacks.append((where, stack_of[stack_id]))
+                where_id = where_cache[wkey] = where_ids[id(where)] = len(wheres)
+                wheres.append(where)
+            where = wheres[where_id]
+            if phase == 1 and last_phase != 1:
+                backward_calls.append(where)
+                backward_roots.append(next(roots, "").split("evaluate_function: ")[-1])
+                self._roots.append(None if fwd < 0 else fwd)
             last_phase = phase
             idx_where[index] = where
-            idx_fwd[index] = (phase, fwd)
-            ins, outs = [], []
-            for j in range(rec[8] + rec[9]):
-                t = tens[(rec[7] + j) * tw:(rec[7] + j + 1) * tw]
-                key, dtype, dev_type, dev_index, rg, ndim, off = t[0], t[1], t[2], t[3], t[4], t[5], t[6]
-                shape = tuple(sizes[off:off + ndim])
-                mkey = (shape, dtype, dev_type, dev_index, rg)
-                m = metas.get(mkey)
-                if m is None:
-                    dev = _DEVICE_TYPES.get(dev_type, "cpu")
-                    device = torch.device(dev if dev_index < 0 else f"{dev}:{dev_index}")
-                    m = metas[mkey] = (torch.Size(shape), _DTYPES.get(dtype, torch.float32), device, bool(rg))
-                (ins if j < rec[8] else outs).append((m, key))
-            live = rec[12]
-            totals = list(rec[13:18])
-            us = rec[17] / 1e3
-            self._append(index, name, phase, fwd, bool(rec[6]), where, [m for m, _ in ins + outs],
-                         [k for _, k in ins + outs], len(ins), live, us)
-            for _, k in outs:
-                if k:
-                    self._writer[k] = index
-            self._sample(index, totals, live)
-            tot = self._op_totals.setdefault(name, [0, 0.0])
-            tot[0] += 1
-            tot[1] += us
-            if rec[18] and len(self._nf_scalars) < _MAX_SCALARS:
+            idx_fwd[index] = (PHASES[phase], None if fwd < 0 else fwd)
+            t0, n_in, n = recs[b + 7], recs[b + 8], recs[b + 8] + recs[b + 9]
+            live = recs[b + 12]
+            us = recs[b + 17] / 1e3
+            rec_ints.extend((index, name_ids[name_id], phase, fwd, recs[b + 6], where_id, n_in, n - n_in,
+                             len(rec_io), live))
+            for j in range(t0 * tw, (t0 + n) * tw, tw):
+                rec_io.append(meta_ids[tens[j + 8]])
+                rec_io.append(tens[j])
+            for j in range((t0 + n_in) * tw, (t0 + n) * tw, tw):
+                if tens[j]:
+                    writer[tens[j]] = index
+            rec_us.append(us)
+            tl_index.append(index)
+            tl_flat.extend(recs[b + 13:b + 18])
+            if live > peak:
+                peak, peak_at = live, b
+            counts[name_id] += 1
+            times[name_id] += us
+            if recs[b + 18] and len(self._nf_scalars) < _MAX_SCALARS:
                 self._nf_scalars[index] = NonFiniteScalar(index=index, line=where.line, file=where.file)
+        self._n_kept += n_recs
+        self._timeline.extend(tl_index, tl_flat, len(CATEGORIES))
+        if peak_at >= 0:
+            self._peak, self._peak_index = peak, recs[peak_at]
+            self._peak_by_category = dict(zip(CATEGORIES, recs[peak_at + 13:peak_at + 18]))
+        for name_id, count in enumerate(counts):
+            if count:
+                tot = self._op_totals.setdefault(names[name_id], [0, 0.0])
+                tot[0] += count
+                tot[1] += times[name_id]
         self._count = out["count"]
         if self._count:  # the end of the last op (a failed step's time stops there, as on the Python tier)
             self._t_last = self._t0 + out["last_op_end_s"]
@@ -125,6 +142,29 @@ class NativeRecords:
         if "detail" in out:
             self._nonfinite_events(out["detail"], names, idx_where, idx_fwd)
         self._ledger.adopt(out["totals"], out["by_producer"])
+
+    def _native_metas(self, out: dict[str, Any]) -> list[int]:
+        """The recorder's tensor descriptions as the records' meta ids (each distinct one made once)."""
+        table, sizes = array("q", out["metas"]), out["meta_sizes"]
+        ids, known, metas = [], self._meta_ids, self._metas
+        for i in range(0, len(table), 6):
+            dtype, dev_type, dev_index, rg, ndim, off = table[i:i + 6]
+            dev = _DEVICE_TYPES.get(dev_type, "cpu")
+            m = (torch.Size(sizes[off:off + ndim]), _DTYPES.get(dtype, torch.float32),
+                 torch.device(dev if dev_index < 0 else f"{dev}:{dev_index}"), bool(rg))
+            mid = known.get(m)
+            if mid is None:
+                mid = known[m] = len(metas)
+                metas.append(m)
+            ids.append(mid)
+        return ids
+
+    def _intern_name(self, name: str) -> int:
+        name_id = self._name_ids.get(name)
+        if name_id is None:
+            name_id = self._name_ids[name] = len(self._names)
+            self._names.append(name)
+        return name_id
 
     def _nonfinite_events(self, d: dict[str, Any], names: list[str], idx_where: dict, idx_fwd: dict) -> None:
         """Detail: the recorder's NaN/Inf events (as ``_record.OpRecorder._screen`` makes them)."""

@@ -158,6 +158,11 @@ class CaptureState:
             pairs = [(metas[io[off + 2 * j]], io[off + 2 * j + 1]) for j in range(n_in + n_out)]
             yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],
                    pairs[:n_in], pairs[n_in:], live, us[r])
+        yield from self.tail_records()
+
+    def tail_records(self):
+        """:meth:`kept_records` of the ring buffer of ops past ``max_ops`` only."""
+        names, wheres, metas = self._names, self._wheres, self._metas
         for (index, name_id, phase, fwd, grad, where_id, n_in, flat, live, t) in self._tail:
             pairs = [(metas[flat[2 * j]], flat[2 * j + 1]) for j in range(len(flat) // 2)]
             yield (index, names[name_id], PHASES[phase], None if fwd < 0 else fwd, bool(grad), wheres[where_id],

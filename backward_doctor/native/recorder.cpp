@@ -86,6 +86,14 @@ struct Open {  // a RecordFunction still running on this thread
 
 struct Entry { int64_t nbytes; int cat; int64_t producer; int64_t data; };
 
+struct VecHash {
+  size_t operator()(const std::vector<int64_t>& v) const {
+    size_t h = v.size();
+    for (int64_t x : v) h ^= std::hash<int64_t>()(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+
 // Per visible op, kWidth ints: index, name id, phase (0 fwd, 1 bwd, 2 optimizer), node seq (bwd),
 // seq before, seq after (fwd), grad mode, tensor offset, inputs, outputs, frame offset, frames,
 // live total, 5 category totals, duration ns, non-finite scalar (1), module stack id (set from Python).
@@ -137,6 +145,12 @@ struct State {
   std::vector<int64_t> recs, tensors, sizes, inplace;  // inplace: op index, key, version, producer, tensor off
   std::vector<PyObject*> codes;
   std::vector<int64_t> lastis;
+  // Interning, so that Python turns each distinct stack and tensor description into objects once (a
+  // loop repeats the same ones): a stack seen before shares the frames of its first op (rec[10]); every
+  // tensor record carries the id of its (dtype, device, requires_grad, sizes) in the meta table.
+  std::unordered_map<std::vector<int64_t>, int64_t, VecHash> sites, metas;
+  std::vector<int64_t> site_key, meta_key;
+  std::vector<int64_t> meta_table, meta_sizes;  // per meta: dtype, device type, device index, rg, ndim, size offset
   std::vector<Open> open;
   std::unordered_map<const void*, OpInfo> infos;  // by (name pointer ^ overload pointer)
   std::vector<std::string> names;
@@ -231,8 +245,24 @@ int64_t note_storage(const at::Tensor& t, int cat, int64_t producer) {
   return key;
 }
 
-// One tensor: key, dtype, device type, device index, requires_grad, ndim, size offset, impl.
-constexpr int kTensorWidth = 8;
+// One tensor: key, dtype, device type, device index, requires_grad, ndim, size offset, impl, meta id.
+constexpr int kTensorWidth = 9;
+constexpr int kMetaTableWidth = 6;
+
+int64_t meta_id(const at::Tensor& t, bool rg) {
+  auto sz = t.sizes();
+  auto& key = S->meta_key;
+  key.assign({(int64_t)t.scalar_type(), (int64_t)t.device().type(), (int64_t)t.device().index(), (int64_t)rg});
+  key.insert(key.end(), sz.begin(), sz.end());
+  auto it = S->metas.find(key);
+  if (it != S->metas.end()) return it->second;
+  int64_t id = (int64_t)S->meta_table.size() / kMetaTableWidth;
+  S->meta_table.insert(S->meta_table.end(), {key[0], key[1], key[2], key[3], (int64_t)sz.size(),
+                                             (int64_t)S->meta_sizes.size()});
+  S->meta_sizes.insert(S->meta_sizes.end(), sz.begin(), sz.end());
+  S->metas.emplace(key, id);
+  return id;
+}
 
 // Records t. An input first seen here was made before the step and not registered from Python
 // ("other"); an output is counted under cat as made by op index. inputs: first tensor record and
@@ -251,7 +281,7 @@ void add_tensor(const at::Tensor& t, bool output, int64_t in_first, int64_t n_in
   auto sz = t.sizes();
   S->tensors.insert(S->tensors.end(), {key, (int64_t)t.scalar_type(), (int64_t)t.device().type(),
                                        (int64_t)t.device().index(), (int64_t)rg, (int64_t)sz.size(),
-                                       (int64_t)S->sizes.size(), impl});
+                                       (int64_t)S->sizes.size(), impl, meta_id(t, rg)});
   S->sizes.insert(S->sizes.end(), sz.begin(), sz.end());
 }
 
@@ -276,6 +306,7 @@ void add_frames(int64_t* rec) {
   rec[11] = 0;
   if (!S->frames_on || !Py_IsInitialized()) return;
   PyGILState_STATE g = PyGILState_Ensure();
+  size_t first = S->codes.size();
   PyFrameObject* f = PyEval_GetFrame();
   Py_XINCREF(f);
   int n = 0;
@@ -299,6 +330,22 @@ void add_frames(int64_t* rec) {
   }
   Py_XDECREF(f);
   rec[11] = n;
+  // The same stack as an earlier op's (a loop, a layer called again): share that op's frames.
+  auto& key = S->site_key;
+  key.clear();
+  for (size_t i = first; i < S->codes.size(); ++i) {
+    key.push_back(reinterpret_cast<int64_t>(S->codes[i]));
+    key.push_back(S->lastis[i]);
+  }
+  auto it = S->sites.find(key);
+  if (it != S->sites.end()) {
+    for (size_t i = first; i < S->codes.size(); ++i) Py_DECREF(S->codes[i]);  // the first op's hold them
+    S->codes.resize(first);
+    S->lastis.resize(first);
+    rec[10] = it->second;
+  } else {
+    S->sites.emplace(key, (int64_t)first);
+  }
   PyGILState_Release(g);
 }
 
@@ -889,9 +936,11 @@ py::dict stop() {
   for (const auto& kv : s->light_totals) light_totals[kv.first] = {kv.second.first, kv.second.second};
   out["light_totals"] = light_totals;
   int64_t held = (int64_t)((s->recs.capacity() + s->tensors.capacity() + s->sizes.capacity() +
-                            s->inplace.capacity() + s->lastis.capacity() + s->light_tl.capacity()) * sizeof(int64_t) +
+                            s->inplace.capacity() + s->lastis.capacity() + s->light_tl.capacity() +
+                            s->meta_table.capacity() + s->meta_sizes.capacity()) * sizeof(int64_t) +
                            s->codes.capacity() * sizeof(PyObject*) +
-                           s->live.size() * (sizeof(Entry) + 32) + s->by_data.size() * 32);
+                           s->live.size() * (sizeof(Entry) + 32) + s->by_data.size() * 32 +
+                           (s->sites.size() + s->metas.size()) * 64);
   out["buffer_bytes"] = held;  // what the recorder held at the end of the step (for benchmarks/)
   out["recs"] = py::bytes(reinterpret_cast<const char*>(s->recs.data()), s->recs.size() * sizeof(int64_t));
   out["tensors"] = py::bytes(reinterpret_cast<const char*>(s->tensors.data()), s->tensors.size() * sizeof(int64_t));
@@ -908,6 +957,8 @@ py::dict stop() {
   out["totals"] = tot;
   out["width"] = kWidth;
   out["tensor_width"] = kTensorWidth;
+  out["metas"] = py::bytes(reinterpret_cast<const char*>(s->meta_table.data()), s->meta_table.size() * sizeof(int64_t));
+  out["meta_sizes"] = s->meta_sizes;
   delete s;
   return out;
 }
