@@ -188,6 +188,24 @@ def test_detail_screening_finds_the_same_origins_as_the_python_tier(src):
     assert traces["native"].nonfinite_reached == traces["python"].nonfinite_reached
 
 
+@pytest.mark.parametrize("dtype,big", [(torch.float32, 3e38), (torch.float64, 1e308), (torch.float16, 6e4),
+                                       (torch.bfloat16, 3e38)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_the_screen_reads_every_value_of_every_float_dtype(dtype, big, layout):
+    """The detail screen reads contiguous CPU tensors bit by bit (no reduction dispatched): one value that
+    overflows, anywhere, in any IEEE dtype, is found; a tensor without one is not flagged."""
+    x = torch.ones(37, 53, dtype=dtype)
+    x[29, 41] = big
+    if layout == "transposed":
+        x = x.t()
+    src = "ok = x * 1\nbad = x * 4\n"
+    with NativeCapture({"x": x}, cell_file=CELL, detail=True) as cap:
+        exec(compile(src, CELL, "exec"), {"x": x})
+    events = cap.finish().nonfinite
+    assert [(e.op, e.where.line, e.is_origin) for e in events] == [("aten::mul", 2, True)]
+    assert events[0].output.stats.posinf == 1 and events[0].output.stats.nan == 0
+
+
 def test_a_long_step_is_kept_bounded():
     """Past max_ops the recorder only counts: per-name totals, a bounded timeline, the peak."""
     x = torch.ones(256)

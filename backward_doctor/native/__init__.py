@@ -81,7 +81,7 @@ def load(build: bool = True, retry: bool = False) -> Any:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 _module = _load(name="backward_doctor_native", sources=[_SOURCE], build_directory=_build_dir(),
-                                extra_cflags=["-O2", "-DNDEBUG"], verbose=False)
+                                extra_cflags=["-O3", "-DNDEBUG"], verbose=False)
             _reason = None
         except Exception as exc:  # no compiler, no ninja, no headers: the Python tier does the work
             _reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"

@@ -520,8 +520,29 @@ inline bool has_data(const at::Tensor& t) {
 
 // One reduction screens a tensor (NaN/Inf anywhere makes the sum non-finite); only then the exact
 // element-wise check (a sum can also overflow), as stats.screen_nonfinite does.
+// NaN/Inf anywhere in n IEEE values: some value's exponent bits are all ones (integer work only, so the
+// loop vectorises and stops nothing; no op dispatched, nothing allocated).
+template <typename U>
+bool any_nonfinite_bits(const void* data, int64_t n, U exponent) {
+  const U* p = static_cast<const U*>(data);
+  U hit = 0;
+  for (int64_t i = 0; i < n; ++i) hit |= static_cast<U>((p[i] & exponent) == exponent);
+  return hit != 0;
+}
+
 bool nonfinite(const at::Tensor& t) {
   if (!t.is_floating_point() || !has_data(t)) return false;
+  if (t.device().is_cpu() && t.is_contiguous()) {  // the common case, read in place
+    const void* d = t.const_data_ptr();
+    int64_t n = t.numel();
+    switch (t.scalar_type()) {
+      case at::kFloat: return any_nonfinite_bits<uint32_t>(d, n, 0x7F800000u);
+      case at::kDouble: return any_nonfinite_bits<uint64_t>(d, n, 0x7FF0000000000000ull);
+      case at::kHalf: return any_nonfinite_bits<uint16_t>(d, n, 0x7C00u);
+      case at::kBFloat16: return any_nonfinite_bits<uint16_t>(d, n, 0x7F80u);
+      default: break;
+    }
+  }
   Quiet q;
   bool low = t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
   double sum = (low ? t.sum(at::kFloat) : t.sum()).item<double>();

@@ -20,6 +20,8 @@ backward op, for a node created before the write, that read the same storage.
 """
 from __future__ import annotations
 
+import bisect
+
 from typing import Any
 
 from ..findings import Finding, at, source_line
@@ -124,11 +126,27 @@ def _late_reads(trace: Trace, writes: list[tuple[int, int, int]]) -> list[tuple[
             for k in op.in_keys:
                 if k in keys:
                     readers.setdefault(k, []).append(op)
+    # Per storage, its readers in op order and the earliest forward op among each suffix of them: a
+    # write none of whose later readers has a forward before it is skipped at once (a training loop
+    # writes and reads every parameter once per iteration: pairing all of them is quadratic).
+    order: dict[int, tuple[list[int], list[int]]] = {}
+    for k, ops in readers.items():
+        low, m = [0] * len(ops), float("inf")
+        for i in range(len(ops) - 1, -1, -1):
+            m = min(m, ops[i].fwd_index)
+            low[i] = m
+        order[k] = ([b.index for b in ops], low)
     out = []
     for n, (index, key, made) in enumerate(writes):
-        for b in readers.get(key, ()):
+        if key not in order:
+            continue
+        at_index, low = order[key]
+        start = bisect.bisect_right(at_index, index)
+        if start == len(at_index) or low[start] >= index:
+            continue
+        for b in readers[key][start:]:
             fwd = trace.op(b.fwd_index)
-            if b.index <= index or not made < b.fwd_index < index or fwd is None:
+            if not made < b.fwd_index < index or fwd is None:
                 continue
             # The node's forward op used this storage as part of the graph, with gradients on.
             if fwd.grad_enabled and any(k == key and m.requires_grad for k, m in zip(fwd.in_keys, fwd.inputs)):
