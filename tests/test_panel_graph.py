@@ -109,7 +109,7 @@ def test_finding_inside_a_block_is_highlighted():
 
 def test_cuda_memory_view_draws_allocator_lines():
     """On CUDA the timeline adds the allocator's allocated line and reserved maximum (synthetic figures)."""
-    from backward_doctor.render import plots
+    from backward_doctor.render import svg_plots
 
     report = bd.diagnose("import torch\nx = torch.randn(256, 256, requires_grad=True)\n(x @ x).sum().backward()")
     tr = report.trace
@@ -117,5 +117,5 @@ def test_cuda_memory_view_draws_allocator_lines():
     tr.memory.cuda = {"allocated": 1, "reserved": 2, "max_allocated": tr.memory.peak_bytes,
                       "max_reserved": int(tr.memory.peak_bytes * 1.5),
                       "allocated_per_op": [int(v * 1.1) for v in (sum(c) for c in zip(*tr.memory.by_category.values()))]}
-    png = plots.memory_timeline_png(tr)
-    assert png[:4] == b"\x89PNG" and len(png) > 10_000
+    svg = svg_plots.memory_timeline_svg(tr)
+    assert "<title>CUDA allocated</title>" in svg and "device" in svg

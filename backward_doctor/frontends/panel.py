@@ -87,21 +87,21 @@ class Panel:
                                    layout=W.Layout(display="none", align_items="center"))
         self.status = W.HTML("")
         self.after = W.HTML("")
-        self.after_image = W.Image(format="png", layout=W.Layout(display="none", max_width="1000px"))
-        self.after_image.add_class("bd-after-plot")
+        self.after_plot = W.HTML(layout=W.Layout(display="none", max_width="1000px"))
+        self.after_plot.add_class("bd-after-plot")
         self.keep = W.HTML("")
         fix_label = W.HTML('<div class="bd"><b>Fixes</b> <span class="sub">(re-run the cell with the fix and '
                            'compare)</span></div>' if self.fix_options else "")
         self.after_caption = W.HTML("")
         self.fix_box = W.VBox([fix_label, W.HBox(list(self.fix_buttons.values())), self.progress_box, self.status,
-                               self.after, self.keep, self.after_caption, self.after_image],
+                               self.after, self.keep, self.after_caption, self.after_plot],
                               layout=W.Layout(display="flex" if self.fix_options else "none"))
         self.fix_box.add_class("bd-fix-box")
         # Tabs, filled when first shown.
         self.memory_toggle = W.ToggleButtons(options=["timeline", "by module"], value="timeline",
                                              style={"button_width": "100px"})
-        self.memory_image = W.Image(format="png", layout=W.Layout(max_width="1000px"))
-        self.memory_image.add_class("bd-memory-plot")
+        self.memory_plot = W.HTML(layout=W.Layout(max_width="1000px"))
+        self.memory_plot.add_class("bd-memory-plot")
         self.memory_note = W.HTML("")
         self.memory_toggle.observe(lambda _c: self._show_memory(), names="value")
         self.findings = W.HTML("")
@@ -120,7 +120,7 @@ class Panel:
         self.ops_html = W.HTML("")
         self.ops_group.observe(lambda _c: self._show_ops(), names="value")
         self.ops_sort.observe(lambda _c: self._show_ops(), names="value")
-        pages = [W.VBox([self.memory_toggle, self.memory_image, self.memory_note]),
+        pages = [W.VBox([self.memory_toggle, self.memory_plot, self.memory_note]),
                  W.VBox([self.findings]),
                  W.VBox([W.HBox([self.graph_open, self.graph_close, self.graph_reset]), self.graph_html]),
                  W.VBox([self.ops_group, self.ops_sort, self.ops_html])]
@@ -162,18 +162,18 @@ class Panel:
                                  f"{esc(exc)}</div>")
 
     def _show_memory(self) -> None:
-        from ..render import plots
+        from ..render import svg_plots
 
         tr = self.report.trace
         if self.memory_toggle.value == "timeline":
-            self.memory_image.value = plots.memory_timeline_png(tr)
+            self.memory_plot.value = _wrap(svg_plots.memory_timeline_svg(tr))
             self.memory_note.value = _wrap(
                 '<div class="sub">Live tensor bytes after each op, by category; shaded bands are the phases '
                 "of the step. The dashed line is the memory limit (or the device), ▼ the peak, ✖ where memory "
                 "ran out.</div>")
         else:
             data, how = view.memory_by_module(tr)
-            self.memory_image.value = plots.memory_by_module_png(tr, data=(data, how))
+            self.memory_plot.value = _wrap(svg_plots.memory_by_module_svg(tr, data=(data, how)))
             self.memory_note.value = _wrap(f'<div class="sub">Memory by module {esc(how)}.</div>')
 
     def _show_findings(self) -> None:
@@ -259,7 +259,7 @@ class Panel:
         self.after.value = ""
         self.keep.value = ""
         self.after_caption.value = ""
-        self.after_image.layout.display = "none"
+        self.after_plot.layout.display = "none"
         self.progress.value = 0.0
         self.progress.bar_style = ""
         self.progress_text.value = f"<span>running the cell with <code>{esc(fix)}</code>…</span>"
@@ -335,14 +335,14 @@ class Panel:
         tr = after.trace
         if tr.memory.op_index:
             try:
-                from ..render import plots
+                from ..render import svg_plots
 
-                self.after_image.value = plots.memory_timeline_png(tr, height=3.0)
-                self.after_image.layout.display = "block"
+                self.after_plot.value = _wrap(svg_plots.memory_timeline_svg(tr, height=300))
+                self.after_plot.layout.display = "block"
                 self.after_caption.value = _wrap("<div><b>Memory of the run with the fix</b></div>")
             except Exception:  # the comparison above already says what changed
                 log.warning("the fixed run's memory plot could not be drawn", exc_info=True)
-                self.after_image.layout.display = "none"
+                self.after_plot.layout.display = "none"
         code = result.code
         if code and result.applied:
             self.keep.value = keep_html(code)

@@ -3,8 +3,8 @@
 Importing this package registers the renderers (``report/renderers.py``): ``text``, ``json``
 (``text.py``), ``html`` and ``page`` (``html.py``). ``view.py`` is the view model every renderer
 and the panel read (verdict, offending op, memory by module, op rows, applicable fixes), ``style.py``
-the look, ``sections.py`` the HTML pieces, ``graph.py`` the autograd graph by module, ``plots.py`` the
-matplotlib figures (imported lazily).
+the look, ``sections.py`` the HTML pieces, ``graph.py`` the autograd graph by module, ``svg_plots.py`` the
+memory plots (inline SVG), ``plots.py`` a fix's before/after bars (matplotlib, imported lazily).
 
 >>> from backward_doctor.report import Report
 >>> from backward_doctor.report.renderers import renderer

@@ -43,18 +43,11 @@ def memory_section(report: "Report") -> str:
     tr = report.trace
     if not tr.memory.op_index:
         return '<div class="sub">No memory was recorded (no op ran).</div>'
-    try:
-        from . import plots
+    from . import svg_plots
 
-
-        timeline = plots.memory_timeline_png(tr)
-        data, how = view.memory_by_module(tr)
-        modules = plots.memory_by_module_png(tr, data=(data, how))
-    except ImportError as exc:  # matplotlib missing: say so, keep the rest of the report
-        return f'<div class="sub">Plots need matplotlib ({esc(exc)}).</div>'
-
-    return (_img(timeline, "memory timeline") +
-            f'<details><summary>Memory by module {esc(how)}</summary>{_img(modules, "memory by module")}</details>')
+    data, how = view.memory_by_module(tr)
+    return (svg_plots.memory_timeline_svg(tr) + f'<details><summary>Memory by module {esc(how)}</summary>'
+            f"{svg_plots.memory_by_module_svg(tr, data=(data, how))}</details>")
 
 
 def graph_section(report: "Report") -> str:
