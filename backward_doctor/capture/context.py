@@ -133,16 +133,27 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
 
     def _add_global_hooks(self) -> None:
         self._global_handles = [
-            _nn_module.register_module_forward_pre_hook(self._module_pre),
-            _nn_module.register_module_forward_hook(self._module_post, always_call=True),
             _optim.register_optimizer_step_pre_hook(self._optim_pre),
             _optim.register_optimizer_step_post_hook(self._optim_post),
         ]
+        self._add_module_hooks()
+
+    def _add_module_hooks(self) -> None:
+        self._module_handles = [
+            _nn_module.register_module_forward_pre_hook(self._module_pre),
+            _nn_module.register_module_forward_hook(self._module_post, always_call=True),
+        ]
+
+    def _remove_module_hooks(self) -> None:
+        handles, self._module_handles = self._module_handles, []
+        for h in handles:
+            h.remove()
 
     def _remove_global_hooks(self) -> None:
         handles, self._global_handles = self._global_handles, []
         for h in handles:
             h.remove()
+        self._remove_module_hooks()
 
     def _compile_started(self) -> None:
         """torch.compile starts compiling (dynamo tracing a frame, or a backward compiled lazily): the

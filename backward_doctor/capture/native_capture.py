@@ -102,8 +102,15 @@ class NativeCapture(NativeRecords, Capture):
     """:class:`Capture` with the per-op records taken in C++; ``detail=True`` screens every op's outputs
     for NaN/Inf there too (the replay that finds where it was born)."""
 
-    def __init__(self, *args: Any, detail: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, detail: bool = False, sample_iterations: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, detail=detail, **kwargs)
+        #: A training loop in the cell is sampled (``sampled``): iterations 0-2 and each power of two are
+        #: recorded, the others run with the recorder off. Not under a simulated memory limit, which the
+        #: recorder enforces op by op.
+        self._sampling = sample_iterations and self.memory_limit is None
+        self._asleep = False
+        self._compiling = 0
+        self._last_step_line: int | None = None
         if self.check_indices:
             raise ValueError("NativeCapture: check_indices needs the Python tier (Capture)")
         self._ext = native.load()
@@ -172,16 +179,27 @@ class NativeCapture(NativeRecords, Capture):
 
     def finish(self):
         self._converted()
+        its = self.trace.iterations
+        if its.skipped:
+            shown = ", ".join(map(str, its.recorded[:12])) + (", ..." if len(its.recorded) > 12 else "")
+            self.trace.notes.append(
+                f"training loop: {its.steps} optimizer steps; {len(its.recorded)} iterations recorded op by op "
+                f"({shown}), the other {its.skipped} ran with the recorder off (their ops and memory are not in "
+                "the trace). `every_iteration=True` (`--every-iteration`) records them all, at 2-4x a plain step.")
         return super().finish()
 
     # ---------------------------------------------------------------- hooks
     def _compile_started(self) -> None:
+        self._compiling += 1
         super()._compile_started()
         self._ext.pause()  # what torch.compile runs while it compiles is not the step's work
 
     def _compile_ended(self) -> None:
+        self._compiling = max(0, self._compiling - 1)
         self._ext.resume()
         super()._compile_ended()
+        if self._asleep:
+            self._remove_module_hooks()
 
     def _set_stack(self) -> None:
         sid = self._stack_ids.get(self._stack_key)
@@ -201,14 +219,61 @@ class NativeCapture(NativeRecords, Capture):
         return sid
 
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._asleep:  # an unsampled iteration: only its end is counted
+            self._opt_depth += 1
+            return
         self._count = self._ext.op_count()
         super()._optim_pre(opt, args, kwargs)
         self._ext.set_optimizer_depth(self._opt_depth)
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        super()._optim_post(opt, args, kwargs)
-        self._ext.set_optimizer_depth(self._opt_depth)
-        self._post_counts.append(self._ext.op_count())
+        if self._asleep:
+            self._opt_depth = max(0, self._opt_depth - 1)
+            if self.history is not None:  # the next run must know these gradients were consumed
+                for g in opt.param_groups:
+                    for p in g["params"]:
+                        if p.grad is not None:
+                            self.history.stepped_grads[p.grad] = (self._run_id, self._last_step_line)
+        else:
+            super()._optim_post(opt, args, kwargs)
+            self._ext.set_optimizer_depth(self._opt_depth)
+            self._post_counts.append(self._ext.op_count())
+            if self.trace.optimizer_steps:
+                self._last_step_line = self.trace.optimizer_steps[-1].line
+        if self._opt_depth == 0:
+            self._iteration_ended()
+
+    # ---------------------------------------------------------------- a long loop, sampled
+    def _iteration_ended(self) -> None:
+        """An optimizer step ended: the next iteration is recorded if it is a sampled one."""
+        its = self.trace.iterations
+        if not its.recorded:
+            its.recorded.append(0)
+            its.starts.append(0)
+        its.steps += 1
+        nxt = its.steps
+        sampled = not self._sampling or nxt < 3 or nxt & (nxt - 1) == 0
+        if sampled:
+            if self._asleep:
+                self._wake()
+            its.recorded.append(nxt)
+            its.starts.append(self._ext.op_count())
+        elif not self._asleep and self._opt_depth == 0 and not self._compiling and self._ext.sleep():
+            self._asleep = True
+            self._remove_module_hooks()  # (no module stack to keep while nothing is recorded)
+
+    def _wake(self) -> None:
+        self._ext.wake()
+        self._asleep = False
+        self._module_stack.clear()
+        self._stack_key = ()
+        self._set_stack()
+        if not self._compiling:
+            self._add_module_hooks()
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if not self._asleep:
+            super()._accumulated(param)
 
     # ---------------------------------------------------------------- after the step
     def record_exception(self, exc: BaseException) -> None:

@@ -111,12 +111,13 @@ class Watchdog:
             self._old_handler = None
 
 
-def make_capture(engine: str, namespace: dict[str, Any], **kwargs: Any) -> Capture:
-    """A :class:`Capture` for ``engine`` ("python" or "native"; see ``tiers.choose_engine``)."""
+def make_capture(engine: str, namespace: dict[str, Any], *, every_iteration: bool = False, **kwargs: Any) -> Capture:
+    """A :class:`Capture` for ``engine`` ("python" or "native"; see ``tiers.choose_engine``); the native
+    one samples a loop's iterations unless ``every_iteration``."""
     if engine == "native":
         from .native_capture import NativeCapture
 
-        return NativeCapture(namespace, **kwargs)
+        return NativeCapture(namespace, sample_iterations=not every_iteration, **kwargs)
     return Capture(namespace, **kwargs)
 
 
@@ -194,7 +195,8 @@ def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture
 
 def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
                memory_limit: int | None = None, filename: str | None = None,
-               history: CellHistory | None = None, detail: bool = True, engine: str = "python") -> Trace:
+               history: CellHistory | None = None, detail: bool = True, engine: str = "python",
+               every_iteration: bool = False) -> Trace:
     """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace.
 
     ``engine``: ``"python"`` (the dispatch-mode :class:`Capture`) or ``"native"``
@@ -204,7 +206,7 @@ def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None 
     # Register the source so tracebacks and reports can show the cell's lines.
     _register_source(filename, source)
     capture = make_capture(engine, namespace, cell_file=filename, source=source, memory_limit=memory_limit,
-                           history=history, detail=detail)
+                           history=history, detail=detail, every_iteration=every_iteration)
 
     def run() -> BaseException | None:
         code = compile(source, filename, "exec")

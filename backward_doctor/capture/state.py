@@ -80,7 +80,8 @@ class CaptureState:
         self._seq_start = self._last_seq = _sequence_nr()
         self._handles: list[Any] = []  # hooks on parameters
         self._undo = UndoStack()       # what start() installed, to undo in stop()
-        self._global_handles: list[Any] = []  # module and optimizer hooks (off while torch.compile compiles)
+        self._global_handles: list[Any] = []  # optimizer hooks (off while torch.compile compiles)
+        self._module_handles: list[Any] = []  # module hooks (off while compiling, and in unsampled iterations)
         self._modules: dict[int, tuple[weakref.ref, str]] = {}
         self._module_stack: list[int] = []
         self._stack_key: tuple[int, ...] = ()

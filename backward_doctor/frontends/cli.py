@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --fix: do not restore the training state between the original and the fixed run")
     p.add_argument("--engine", default="auto", choices=("auto", "native", "python"),
                    help="what records the ops (default auto: the native recorder where it can be used)")
+    p.add_argument("--every-iteration", action="store_true",
+                   help="record every iteration of a training loop (default: 0, 1, 2 and powers of two)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
     p.add_argument("--html", default=None, metavar="OUT",
                    help="also write the report as one self-contained HTML page to OUT")
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     os._exit = _exit_with_report(real_exit, args)
     try:
         report = diagnose(source, namespace, timeout=args.timeout, memory_limit=limit, fix=args.fix,
-                          engine=args.engine, rollback=not args.no_rollback)
+                          engine=args.engine, rollback=not args.no_rollback, every_iteration=args.every_iteration)
     finally:
         os._exit = real_exit
         sys.path.remove(os.path.dirname(path))

@@ -40,6 +40,8 @@ class BackwardDoctorMagics(Magics):
     @magic_arguments.argument("--no-rollback", action="store_true",
                               help="with --fix: do not restore the training state between the original and fixed runs")
     @magic_arguments.argument("--quiet", action="store_true", help="do not display the report when all is well")
+    @magic_arguments.argument("--every-iteration", action="store_true",
+                              help="record every iteration of a training loop (default: 0, 1, 2 and powers of two)")
     @magic_arguments.argument("--engine", default="auto", metavar="NAME",
                               help=f"what records the ops: {', '.join(ENGINES)} (default auto: the native "
                                    "recorder when it is built, else the Python dispatch mode)")
@@ -88,7 +90,8 @@ class BackwardDoctorMagics(Magics):
             return error
 
         report = run_step(cell, shell.user_ns, timeout=timeout, memory_limit=limit, engine=engine,
-                          rollback=not args.no_rollback, cell_file=filename, execute=run, build=False, fix=args.fix)
+                          rollback=not args.no_rollback, cell_file=filename, execute=run, build=False, fix=args.fix,
+                          every_iteration=args.every_iteration)
         if report.trace.exception is not None and report.trace.exception.type == "OutOfMemoryError":
             _release_failed_frames(outer)
         if args.quiet and report.ok:

@@ -105,6 +105,7 @@ struct State {
   bool frames_on = true;
   int optimizer_depth = 0;
   int paused = 0;  // > 0 while torch.compile compiles: its ops on fake tensors are not the step's
+  bool asleep = false;  // the observer is disabled (a training loop's iteration not sampled): zero cost
   // A simulated device of `limit` bytes (-1: none): an allocation that would take the live bytes
   // (storages counted so far, as the timeline counts them) past it fails, inside the op that asks for
   // it, as a real device's would. (Temporaries an op frees before it ends are not added up, as the
@@ -861,6 +862,22 @@ void set_stack(int64_t stack_id) { if (mine()) S->stack_id = stack_id; }
 
 void pause_recording() { if (mine()) S->paused++; }
 
+// Between two optimizer steps of a long loop: no op at all is observed until wake() (the callback is
+// disabled, so PyTorch does not even box the arguments). Only where no observed op is open (its end would
+// be missed); returns whether it sleeps.
+bool sleep_recording() {
+  if (!mine() || S->asleep || !S->open.empty()) return false;
+  at::disableCallback(S->handle);
+  S->asleep = true;
+  return true;
+}
+
+void wake_recording() {
+  if (!mine() || !S->asleep) return;
+  at::reenableCallback(S->handle);
+  S->asleep = false;
+}
+
 void resume_recording() { if (mine() && S->paused > 0) S->paused--; }
 
 int64_t op_count() { return S ? S->count : 0; }
@@ -997,6 +1014,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("totals", &totals);
   m.def("set_stack", &set_stack);
   m.def("pause", &pause_recording);
+  m.def("sleep", &sleep_recording);
+  m.def("wake", &wake_recording);
   m.def("resume", &resume_recording);
   m.def("op_count", &op_count);
   m.def("codes_of", &codes_of);

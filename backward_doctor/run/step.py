@@ -52,6 +52,17 @@ def check_timeout(timeout: Any) -> float | None:
     return float(timeout)
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` must be a bool (``"no"`` is truthy: refuse it rather than guess).
+
+    >>> check_flag("every_iteration", True)
+    True
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
 def check_rollback(rollback: Any) -> bool:
     """``rollback`` must be a bool (``"no"`` is truthy: refuse it rather than guess)."""
     if not isinstance(rollback, bool):
@@ -81,14 +92,14 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
              memory_limit: int | None = None, engine: str = "auto", rollback: bool = True,
              cell_file: str | None = None, execute: Callable[[], BaseException | None] | None = None,
              build: bool = True, history: bool = True, detail: bool | None = None,
-             fix: str | None = None) -> Report:
+             fix: str | None = None, every_iteration: bool = False) -> Report:
     """Run the cell ``source`` in ``namespace`` under a capture and diagnose it (arguments already
     checked). ``execute``: runs the cell and returns its exception (default: ``exec`` of ``source``
     compiled as ``cell_file``). ``build``: whether the native recorder may be built now (the magic
     says no: a first cell must not wait ~40 s). ``history``: compare with the cell's earlier runs (stale
     gradients, growing memory; a fix's rewritten cell has none). ``detail``: screen every op for
     NaN/Inf in this run (default: where that is cheap, see ``engine.screens_every_op``). ``fix``: the name the report is labelled
-    with."""
+    with. ``every_iteration``: record every iteration of a loop (the native recorder samples them)."""
     chosen = choose_engine(engine, memory_limit=memory_limit, build=build)
     if detail is None:  # one run, every op screened where that is cheap: no replay, no snapshot (engine.py)
         detail = screens_every_op()
@@ -96,10 +107,11 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     past = history_for(source, namespace) if history else None
     if execute is None:
         trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
-                           history=past, detail=detail, engine=chosen)
+                           history=past, detail=detail, engine=chosen, every_iteration=every_iteration)
     else:
         capture = make_capture(chosen, namespace, cell_file=cell_file or cell_filename(), source=source,
-                               memory_limit=memory_limit, history=past, detail=detail)
+                               memory_limit=memory_limit, history=past, detail=detail,
+                               every_iteration=every_iteration)
         trace = run_under_capture(execute, capture, timeout)
     if wants_replay(trace, snapshot):
         # NaN/Inf seen: replay the step from the saved state with every op checked. The namespace

@@ -140,3 +140,43 @@ class OomInfo:
     #: ("(existing before the step)", "(gradients in backward)", "(outside modules)"); largest first
     by_module: dict[str, int] = field(default_factory=dict)
     simulated: bool = False         # ``memory_limit`` ran out, not a device
+
+
+@dataclass
+class Iterations:
+    """The cell's training loop, counted in optimizer steps, and which iterations were recorded op by op.
+
+    A long loop is sampled: iterations 0, 1, 2 and then each power of two are recorded; the others run
+    with the recorder switched off (nothing observed, nothing counted). ``starts[k]`` is the op index at
+    which ``recorded[k]`` began.
+
+    >>> it = Iterations(steps=9, recorded=[0, 1, 2, 4, 8], starts=[0, 30, 60, 90, 120])
+    >>> it.skipped, it.iteration_of(95), it.unrecorded_before(95)
+    (4, 4, (3, 3))
+    """
+
+    steps: int = 0
+    recorded: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> int:
+        """Completed iterations (optimizer steps) that ran unrecorded."""
+        return max(0, self.steps - sum(1 for r in self.recorded if r < self.steps))
+
+    def iteration_of(self, op_index: int) -> int | None:
+        """The iteration a recorded op belongs to (None when the cell had no sampled loop)."""
+        if not self.starts or self.skipped == 0:
+            return None
+        k = max((i for i, s in enumerate(self.starts) if s <= op_index), default=0)
+        return self.recorded[k]
+
+    def unrecorded_before(self, op_index: int) -> tuple[int, int] | None:
+        """(first, last) of the unrecorded iterations just before the one holding ``op_index``, if any."""
+        it = self.iteration_of(op_index)
+        if it is None:
+            return None
+        k = self.recorded.index(it)
+        prev = self.recorded[k - 1] if k else -1
+        return (prev + 1, it - 1) if it - prev > 1 else None
+

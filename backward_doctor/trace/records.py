@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..util.serde import from_dict, to_dict
-from .parts import (Carrier, Compilation, GraphHolder, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
+from .parts import (Carrier, Compilation, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
                     OptimizerSummary, ParameterTotals, RunHistory, StaleStep)
 
 #: Memory categories, in the order they are stacked in reports and plots.
@@ -242,6 +242,7 @@ class Trace:
     backward_calls: list[Where] = field(default_factory=list)
     backward_roots: list[str] = field(default_factory=list)  # autograd node each backward started at
     optimizer_steps: list[OptimizerStep] = field(default_factory=list)
+    iterations: Iterations = field(default_factory=Iterations)  # a sampled training loop (see Iterations)
     optimizers: list[OptimizerSummary] = field(default_factory=list)  # in the namespace at the start (sizes)
     parameters: ParameterTotals = field(default_factory=ParameterTotals)
     notes: list[str] = field(default_factory=list)

@@ -71,6 +71,18 @@ def nonfinite(trace: Trace) -> list[Finding]:
                 "inputs": [f"{m.short()} {format_stats(m.stats)}" for m in ev.inputs],
                 "phase": ev.phase, "reached": reached, "op": ev.op}
     code = source_line(trace, where.line, where.file)
+    gap = trace.iterations.unrecorded_before(ev.index) if ev.kind in ("weights", "input") else None
+    if gap is not None:  # it went bad in iterations of the loop that ran with the recorder off
+        it = trace.iterations.iteration_of(ev.index)
+        what = "The model's weights" if ev.kind == "weights" else (f"`{ev.variable}`" if ev.variable else "An input")
+        evidence.update(iteration=it, unrecorded=list(gap))
+        msg = (f"{what} already held NaN/Inf when iteration {it} of the loop began "
+               f"({'; '.join(evidence['inputs'])}); every output is NaN from line {where.line} (`{code}`) on. "
+               f"It happened in iterations {gap[0]}-{gap[1]}, which ran with the recorder off (a long loop is "
+               "sampled: iterations 0, 1, 2 and each power of two are recorded op by op). Run the cell again "
+               "with `every_iteration=True` (`%%backward_doctor --every-iteration`) to find the op that made it.")
+        return [at("nonfinite", where, msg, op=ev.op, title=f"NaN/Inf appeared in iterations {gap[0]}-{gap[1]}",
+                   evidence=evidence)]
     if ev.kind == "weights":
         msg = (f"The model's weights already contained NaN/Inf when this step started "
                f"({'; '.join(evidence['inputs'])}), so every output is NaN from line {where.line} (`{code}`) on. "

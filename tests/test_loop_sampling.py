@@ -1,0 +1,100 @@
+"""A training loop in one cell: the native recorder samples its iterations (0, 1, 2, powers of two) and
+lets the others run with the observer off. What a user must still get: the same numbers as a plain run,
+a bounded trace, a report that says what was not seen, and the iterations a late NaN came from."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import backward_doctor as bd
+from backward_doctor.capture.native_capture import native_available
+
+pytestmark = pytest.mark.skipif(not native_available(build=True), reason="the native recorder is not built here")
+
+LOOP = ("for i in range({n}):\n    opt.zero_grad()\n    xb = x * float('nan') if i == {bad} else x\n"
+        "    loss = F.cross_entropy(model(xb), y)\n    loss.backward()\n    opt.step()\n")
+
+
+def _ns(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "x": torch.randn(12, 8),
+            "y": torch.randint(0, 3, (12,)), "F": F, "torch": torch}
+
+
+def test_a_loop_is_sampled_and_computes_what_a_plain_run_computes():
+    cell = LOOP.format(n=40, bad=-1)
+    plain, doctored = _ns(), _ns()
+    exec(cell, plain)
+    report = bd.diagnose(cell, doctored)
+    assert report.trace.engine == "native" and report.ok, report
+    its = report.trace.iterations
+    assert its.steps == 40 and its.recorded == [0, 1, 2, 4, 8, 16, 32] and its.skipped == 33
+    assert report.trace.op_count == len(report.trace.ops) and report.trace.op_count < 40 * 30 / 4
+    assert any("7 iterations recorded op by op" in n and "every_iteration=True" in n for n in report.trace.notes)
+    # Rule 1: bit for bit the same weights and gradients as without the doctor.
+    for p, q in zip(plain["model"].parameters(), doctored["model"].parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+    # The sampled iterations start where the trace says they do (ops of iteration 8 follow its start).
+    k = its.recorded.index(8)
+    assert report.trace.ops[its.starts[k]].index == its.starts[k] and its.iteration_of(its.starts[k]) == 8
+
+
+def test_every_iteration_records_them_all():
+    report = bd.diagnose(LOOP.format(n=12, bad=-1), _ns(), every_iteration=True)
+    its = report.trace.iterations
+    assert its.steps == 12 and its.skipped == 0 and len(report.trace.ops) > 12 * 20
+    assert not any("recorded op by op" in n for n in report.trace.notes)
+    with pytest.raises(ValueError, match="every_iteration must be True or False"):
+        bd.diagnose("x = 1", {}, every_iteration="yes")
+
+
+def test_nan_in_an_unrecorded_iteration_is_placed_between_the_samples():
+    """The bad batch comes in iteration 20 (not sampled): iteration 32 is the first recorded one to see
+    NaN weights; the finding names iterations 17-31 and how to record them, not 'an earlier cell'."""
+    report = bd.diagnose(LOOP.format(n=40, bad=20), _ns())
+    f = report.findings[0]
+    assert f.kind == "nonfinite" and f.title == "NaN/Inf appeared in iterations 17-31", f
+    assert f.evidence["iteration"] == 32 and f.evidence["unrecorded"] == [17, 31]
+    assert "every_iteration=True" in f.message
+    # Recording every iteration finds the batch itself (the multiplication by NaN at line 3).
+    full = bd.diagnose(LOOP.format(n=40, bad=20), _ns(), every_iteration=True).findings[0]
+    assert full.kind == "nonfinite" and full.line == 3 and "17-31" not in full.title
+
+
+def test_a_nan_in_a_sampled_iteration_is_found_as_before():
+    f = bd.diagnose(LOOP.format(n=40, bad=16), _ns()).findings[0]
+    assert f.kind == "nonfinite" and f.line == 3 and "appeared in iterations" not in f.title
+
+
+def test_a_memory_limit_records_every_iteration():
+    """A simulated device is enforced op by op: no iteration may run unobserved."""
+    report = bd.diagnose(LOOP.format(n=10, bad=-1), _ns(), memory_limit="1GiB")
+    assert report.trace.iterations.skipped == 0
+
+
+def test_the_cli_flag():
+    from backward_doctor.frontends.cli import _parser
+
+    assert _parser().parse_args(["f.py", "--every-iteration"]).every_iteration
+    assert not _parser().parse_args(["f.py"]).every_iteration
+
+
+def test_an_interrupt_while_the_recorder_sleeps_leaves_nothing_installed():
+    """Ctrl-C (here raised by the cell) in an unrecorded iteration: the disabled observer is removed,
+    the module hooks are gone, and the next diagnosis records normally."""
+    from torch.nn.modules import module as nn_module
+
+    from backward_doctor import native
+
+    hooks = (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks))
+    cell = LOOP.format(n=40, bad=-1).replace("    opt.step()\n", "    opt.step()\n    if i == 10:\n"
+                                             "        raise KeyboardInterrupt\n")
+    stopped = bd.diagnose(cell, _ns())
+    assert stopped.trace.exception.type == "KeyboardInterrupt" and stopped.trace.iterations.steps == 11
+    assert not native.load().running()
+    assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == hooks
+    report = bd.diagnose(LOOP.format(n=3, bad=-1), _ns())
+    assert report.ok and len(report.trace.ops) > 3 * 20
