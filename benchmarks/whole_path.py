@@ -19,8 +19,11 @@ Times are process CPU time (one torch thread), medians over the rounds after a w
 against ``plain`` measured in the same rounds. The per-phase columns split ``diagnose`` into capture
 (the step under the recorder, hooks, watchdog), finish (records -> trace, end-of-step inspection),
 rules, snapshot + replay (CUDA only: zero here), and the rest (argument checks, engine choice, report).
-``--rss`` adds peak RSS growth of ``diagnose`` over a plain step on the 50M-parameter GPT-2 (separate
-processes).
+``--rss`` adds the peak RSS of ``diagnose`` above the RSS before the step, against a plain step, on the
+50M-parameter GPT-2 (separate processes, peak reset before the step). ``--panel`` times the panel the
+magic displays (widget + mimebundle) after ``diagnose``; ``--magic`` times ``%%backward_doctor`` in a real
+Jupyter kernel until it goes idle with the panel displayed, against the plain cell; ``--cli`` times
+``python -m backward_doctor SCRIPT`` against ``python SCRIPT`` (whole processes).
 """
 from __future__ import annotations
 
@@ -216,25 +219,33 @@ def measure(name: str, build: Callable[[], tuple[dict, str]], rounds: int, warmu
 
 
 RSS_SNIPPET = """
-import resource, sys, torch
+import sys, torch
 sys.path[:0] = {paths!r}
 import whole_path as W
 torch.set_num_threads(1)
 ns, cell = W.gpt2_50m()
 exec(compile(cell, "<c>", "exec"), ns)          # one plain step first: optimizer state exists
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if {doctor!r}:
     import backward_doctor as bd
+    bd.diagnose("x = 1", {{}})                  # the doctor imported and its recorder loaded
+def hwm():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS"))
+open("/proc/self/clear_refs", "w").write("5")   # reset the peak: what the second step adds is measured
+base = rss()
+if {doctor!r}:
     r = bd.diagnose(cell, ns)
     assert r.exception is None, r.exception
 else:
     exec(compile(cell, "<c>", "exec"), ns)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+print(hwm() - base)
 """
 
 
 def rss_growth() -> dict[str, float]:
-    """Peak RSS growth (MiB) of a second step, plain vs diagnose(), on the 50M model (fresh processes)."""
+    """Peak RSS above the RSS before the step (MiB), plain vs diagnose(), on the 50M model: separate
+    processes, each after one plain step (so AdamW's state exists) and with the peak reset (Linux)."""
     out = {}
     for doctor in (False, True):
         code = RSS_SNIPPET.format(paths=[ROOT, HERE, os.path.join(ROOT, "tests")], doctor=doctor)
@@ -242,7 +253,113 @@ def rss_growth() -> dict[str, float]:
         if res.returncode:
             raise RuntimeError(res.stderr[-2000:])
         out["diagnose" if doctor else "plain"] = int(res.stdout.strip().splitlines()[-1]) / 1024
+    out["added_by_doctor"] = out["diagnose"] - out["plain"]
     return out
+
+
+def panel_times(names: list[str], rounds: int) -> list[dict[str, Any]]:
+    """From the end of ``diagnose()`` to what the magic displays: the panel widget built and its
+    mimebundle (widget + static HTML fallback) made; plus a 100k-op step (wall time, ms)."""
+    from backward_doctor.frontends.panel import Panel
+
+    def big() -> tuple[dict, str]:
+        return {"x": torch.ones(64), "torch": torch}, "y = x\nfor i in range(100_000):\n    y = y + 1\n"
+
+    rows = []
+    for name, build in [(n, WORKLOADS[n]) for n in names] + [("100k_ops", big)]:
+        ns, cell = build()
+        report = bd.diagnose(cell, ns)
+        t = []
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            Panel(report, cell, ns)._repr_mimebundle_()
+            t.append(time.perf_counter() - t0)
+        rows.append({"workload": name, "ops": report.trace.op_count, "panel_ms": statistics.median(t[1:]) * 1e3})
+    return rows
+
+
+KERNEL_SETUP = """
+import sys, torch
+sys.path[:0] = {paths!r}
+torch.set_num_threads(1)
+import whole_path as W
+_ns, _cell = W.WORKLOADS[{name!r}]()
+globals().update(_ns)
+%load_ext backward_doctor
+"""
+
+
+def magic_times(names: list[str], rounds: int) -> list[dict[str, Any]]:
+    """The magic in a real Jupyter kernel (jupyter_client): wall time from sending the cell to the kernel
+    going idle (the panel's display message comes before), ``%%backward_doctor`` vs the plain cell,
+    interleaved, medians. Includes what a notebook adds (messages, the widget's comm)."""
+    from jupyter_client.manager import start_new_kernel
+
+    rows = []
+    for name in names:
+        km, kc = start_new_kernel(kernel_name="python3")
+        try:
+            def run(code: str) -> tuple[float, bool]:
+                t0 = time.perf_counter()
+                msg_id = kc.execute(code)
+                shown = False
+                while True:
+                    msg = kc.get_iopub_msg(timeout=300)
+                    if msg["parent_header"].get("msg_id") != msg_id:
+                        continue
+                    if msg["msg_type"] == "display_data":
+                        shown = True
+                    if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                        return time.perf_counter() - t0, shown
+            _, _ = run(KERNEL_SETUP.format(paths=[ROOT, HERE, os.path.join(ROOT, "tests")], name=name))
+            cell = WORKLOADS[name]()[1]
+            plain, magic = [], []
+            for r in range(rounds + 1):
+                tp, _ = run(cell)
+                tm, shown = run("%%backward_doctor\n" + cell)
+                assert shown, "the panel was not displayed"
+                if r:
+                    plain.append(tp)
+                    magic.append(tm)
+            p, m = statistics.median(plain), statistics.median(magic)
+            rows.append({"workload": name, "plain_ms": p * 1e3, "magic_ms": m * 1e3, "magic_x": m / p,
+                         "extra_ms": (m - p) * 1e3})
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+    return rows
+
+
+CLI_SCRIPT = """import sys, torch
+sys.path[:0] = {paths!r}
+torch.set_num_threads(1)
+import whole_path as W
+_ns, _cell = W.WORKLOADS[{name!r}]()
+globals().update(_ns)
+exec(compile(_cell, __file__, "exec"))
+"""
+
+
+def cli_times(names: list[str], rounds: int, tmp: str) -> list[dict[str, Any]]:
+    """``python -m backward_doctor SCRIPT`` against ``python SCRIPT`` (wall time of the whole process,
+    interpreter and torch import included, as a CI job pays it)."""
+    rows = []
+    for name in names:
+        path = os.path.join(tmp, f"bench_{name}.py")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(CLI_SCRIPT.format(paths=[ROOT, HERE, os.path.join(ROOT, "tests")], name=name))
+        plain, cli = [], []
+        for r in range(rounds + 1):
+            for cmd, out in (([sys.executable, path], plain), ([sys.executable, "-m", "backward_doctor", path], cli)):
+                t0 = time.perf_counter()
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+                if res.returncode:
+                    raise RuntimeError(res.stderr[-2000:])
+                if r:
+                    out.append(time.perf_counter() - t0)
+        p, c = statistics.median(plain), statistics.median(cli)
+        rows.append({"workload": name, "plain_s": p, "cli_s": c, "cli_x": c / p, "extra_s": c - p})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--rss", action="store_true", help="also measure peak RSS growth on the 50M model")
+    ap.add_argument("--panel", action="store_true", help="also time the panel (widget + mimebundle)")
+    ap.add_argument("--magic", action="store_true", help="also time %%%%backward_doctor in a real Jupyter kernel")
+    ap.add_argument("--cli", action="store_true", help="also time python -m backward_doctor against python")
     ap.add_argument("--only", nargs="*", default=None, help="workload names")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -275,7 +395,25 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"torch": torch.__version__, "rounds": rounds, "rows": rows}
     if args.rss:
         result["rss_mib"] = rss_growth()
-        print(f"peak RSS growth of one step on GPT-2 50M (MiB): {result['rss_mib']}", flush=True)
+        print(f"peak RSS above the RSS before one step on GPT-2 50M (MiB): {result['rss_mib']}", flush=True)
+    small = [n for n in ("mlp", "transformer", "hf_gpt2") if n in names] or names[:1]
+    if args.panel:
+        result["panel"] = panel_times(small, rounds)
+        for row in result["panel"]:
+            print(f"panel {row['workload']:<14} ({row['ops']} ops): {row['panel_ms']:.0f} ms", flush=True)
+    if args.magic:
+        result["magic"] = magic_times(small, rounds)
+        for row in result["magic"]:
+            print(f"magic {row['workload']:<14} plain {row['plain_ms']:.0f} ms, %%backward_doctor until the panel "
+                  f"{row['magic_ms']:.0f} ms ({row['magic_x']:.2f}x, +{row['extra_ms']:.0f} ms)", flush=True)
+    if args.cli:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            result["cli"] = cli_times(small, rounds, tmp)
+        for row in result["cli"]:
+            print(f"cli   {row['workload']:<14} python {row['plain_s']:.2f} s, python -m backward_doctor "
+                  f"{row['cli_s']:.2f} s ({row['cli_x']:.2f}x, +{row['extra_s']:.2f} s)", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)

@@ -188,12 +188,11 @@ def test_panel_in_the_browser(tmp_path, app):
                 panel.wait_for(timeout=90_000)
             except sync_api.TimeoutError:
                 fail("no panel; the page shows:\n" + page.locator("body").inner_text()[-3000:])
-            img = panel.locator("img.bd-memory-plot")
-            img.wait_for(state="visible", timeout=30_000)
-            page.wait_for_function("el => el.complete && el.naturalWidth > 600", arg=img.element_handle(),
-                                   timeout=30_000)
-            box = img.bounding_box()
-            assert box and box["width"] > 400 and box["height"] > 150, box
+            plot = panel.locator(".bd-memory-plot svg.bd-plot")  # the memory timeline, inline SVG
+            plot.wait_for(state="visible", timeout=30_000)
+            box = plot.bounding_box()
+            assert box and box["width"] > 400 and box["height"] > 100, box
+            assert plot.locator("polygon").count() >= 1 and "peak" in (plot.text_content() or "")
             assert "Out of memory at cell line 4" in panel.inner_text()
             if app == "lab":  # the README's pictures
                 panel.scroll_into_view_if_needed()
@@ -218,7 +217,7 @@ def test_panel_in_the_browser(tmp_path, app):
             if not keep.count():
                 fail("no code to keep:\n" + text[:4000])
             assert "before" in text and "after" in text and "peak memory" in text
-            assert panel.locator("img.bd-after-plot").is_visible()
+            assert panel.locator(".bd-after-plot svg.bd-plot").is_visible()
             if app == "lab":
                 fix_box = panel.locator(".bd-fix-box")
                 fix_box.scroll_into_view_if_needed()
