@@ -206,6 +206,23 @@ def test_the_screen_reads_every_value_of_every_float_dtype(dtype, big, layout):
     assert events[0].output.stats.posinf == 1 and events[0].output.stats.nan == 0
 
 
+@pytest.mark.parametrize("at", [0, 300_001, (1 << 19) - 1])
+def test_a_large_tensor_is_screened_on_several_threads(at):
+    """Past 256k values the screen splits the tensor over torch's intra-op threads: a value that
+    overflows is found in any chunk."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.ones(1 << 19)
+        x[at] = 3e38
+        with NativeCapture({"x": x}, cell_file=CELL, detail=True) as cap:
+            exec(compile("ok = x * 1\nbad = x * 4\n", CELL, "exec"), {"x": x})
+        events = cap.finish().nonfinite
+    finally:
+        torch.set_num_threads(threads)
+    assert [(e.op, e.where.line) for e in events] == [("aten::mul", 2)]
+
+
 def test_a_long_step_is_kept_bounded():
     """Past max_ops the recorder only counts: per-name totals, a bounded timeline, the peak."""
     x = torch.ones(256)

@@ -14,6 +14,7 @@
 //
 // Everything is plain ints until stop(), which hands the buffers to Python.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
@@ -26,6 +27,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -523,12 +525,22 @@ inline bool has_data(const at::Tensor& t) {
 // element-wise check (a sum can also overflow), as stats.screen_nonfinite does.
 // NaN/Inf anywhere in n IEEE values: some value's exponent bits are all ones (integer work only, so the
 // loop vectorises and stops nothing; no op dispatched, nothing allocated).
+// A large tensor is read on torch's intra-op threads, as the user's own kernels are (a single-threaded
+// screen would cost a multi-threaded step relatively more).
 template <typename U>
 bool any_nonfinite_bits(const void* data, int64_t n, U exponent) {
   const U* p = static_cast<const U*>(data);
-  U hit = 0;
-  for (int64_t i = 0; i < n; ++i) hit |= static_cast<U>((p[i] & exponent) == exponent);
-  return hit != 0;
+  auto scan = [p, exponent](int64_t a, int64_t b) {
+    U hit = 0;
+    for (int64_t i = a; i < b; ++i) hit |= static_cast<U>((p[i] & exponent) == exponent);
+    return hit != 0;
+  };
+  if (n < (int64_t(1) << 18) || at::get_num_threads() == 1 || at::in_parallel_region()) return scan(0, n);
+  std::atomic<bool> found{false};
+  at::parallel_for(0, n, int64_t(1) << 16, [&](int64_t a, int64_t b) {
+    if (scan(a, b)) found.store(true, std::memory_order_relaxed);
+  });
+  return found.load();
 }
 
 bool nonfinite(const at::Tensor& t) {
