@@ -278,6 +278,33 @@ def panel_times(names: list[str], rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+def loop_profile(n: int = 2000, rounds: int = 3) -> dict[str, Any]:
+    """Per-iteration cost over a ``n``-iteration loop cell, plain vs ``diagnose()``: the cell stamps the
+    time at the end of each iteration; medians per tenth of the loop (same run, interleaved), so a cost
+    that grew with the iteration would show."""
+    cell = ("import time as _t\n_ts = [_t.perf_counter()]\n" + _loop(n).replace(
+        "    opt.step()\n", "    opt.step()\n    _ts.append(_t.perf_counter())\n"))
+    per: dict[str, list[list[float]]] = {"plain": [], "diagnose": []}
+    for r in range(rounds + 1):
+        for mode in per:
+            ns = small_mlp()
+            if mode == "plain":
+                exec(compile(cell, "<c>", "exec"), ns)
+            else:
+                assert bd.diagnose(cell, ns).exception is None
+            ts = ns["_ts"]
+            if r:
+                per[mode].append([b - a for a, b in zip(ts, ts[1:])])
+    tenth = n // 10
+    out: dict[str, Any] = {"n": n, "deciles_us": {}, "ratio": []}
+    for mode, runs in per.items():
+        med = [statistics.median(v) for v in zip(*runs)]  # per iteration, over the rounds
+        out["deciles_us"][mode] = [statistics.median(med[k * tenth:(k + 1) * tenth]) * 1e6 for k in range(10)]
+        out[f"{mode}_max_us"] = max(med) * 1e6
+    out["ratio"] = [d / p for d, p in zip(out["deciles_us"]["diagnose"], out["deciles_us"]["plain"])]
+    return out
+
+
 KERNEL_SETUP = """
 import sys, torch
 sys.path[:0] = {paths!r}
@@ -370,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--panel", action="store_true", help="also time the panel (widget + mimebundle)")
     ap.add_argument("--magic", action="store_true", help="also time %%%%backward_doctor in a real Jupyter kernel")
     ap.add_argument("--cli", action="store_true", help="also time python -m backward_doctor against python")
+    ap.add_argument("--iterations", action="store_true", help="also the per-iteration cost over a 2,000-step loop")
     ap.add_argument("--only", nargs="*", default=None, help="workload names")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -397,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         result["rss_mib"] = rss_growth()
         print(f"peak RSS above the RSS before one step on GPT-2 50M (MiB): {result['rss_mib']}", flush=True)
     small = [n for n in ("mlp", "transformer", "hf_gpt2") if n in names] or names[:1]
+    if args.iterations:
+        result["iterations"] = lp = loop_profile(200 if args.smoke else 2000, rounds)
+        print("per-iteration median by tenth of the loop, diagnose / plain: "
+              + " ".join(f"{x:.2f}" for x in lp["ratio"]) + f" (plain {lp['deciles_us']['plain'][0]:.0f} us; slowest "
+              f"iteration {lp['diagnose_max_us']:.0f} us under the doctor, {lp['plain_max_us']:.0f} us plain)", flush=True)
     if args.panel:
         result["panel"] = panel_times(small, rounds)
         for row in result["panel"]:

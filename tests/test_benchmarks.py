@@ -38,3 +38,19 @@ def test_cuda_without_a_gpu_is_a_clear_error_and_runs_nothing():
     assert out.returncode == 2
     assert "no CUDA device is available" in out.stderr and "nothing was run" in out.stderr
     assert "workload" not in out.stdout
+
+
+def test_the_whole_path_benchmark_runs():
+    """``whole_path.py --smoke``: diagnose() against the plain cell on two workloads, the panel and the
+    per-iteration profile of a loop; every figure printed (not judged: budgets are in RESULTS.md)."""
+    script = os.path.join(ROOT, "benchmarks", "whole_path.py")
+    out = subprocess.run([sys.executable, script, "--smoke", "--panel", "--iterations"], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "KINETO_LOG_LEVEL": "5"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^(mlp|loop_200)\s+(\d+)\s.*$", out.stdout, re.M)}
+    assert set(rows) == {"mlp", "loop_200"}, out.stdout
+    for row in rows.values():
+        assert len(re.findall(r"\d+\.\d+", row)) >= 8, row
+    assert re.search(r"^panel 100k_ops\s+\(100000 ops\): \d+ ms", out.stdout, re.M), out.stdout
+    ratios = re.search(r"diagnose / plain: ((?:[\d.]+ ){10})", out.stdout)
+    assert ratios and all(float(r) > 0 for r in ratios.group(1).split()), out.stdout
