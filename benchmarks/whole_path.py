@@ -4,6 +4,7 @@
     python benchmarks/whole_path.py --quick      # 3 rounds, no 50M model, no 2,000-iteration loop
     python benchmarks/whole_path.py --smoke      # 1 round, two small workloads (tests)
     python benchmarks/whole_path.py --json OUT   # also write the figures
+    python benchmarks/whole_path.py --compare benchmarks/results-whole-path-2026-11-24-before.json
 
 Each workload is a namespace (model, optimizer, batch) and the cell a user would write. Modes, on
 separate copies of the namespace built from the same seed, interleaved round by round:
@@ -389,6 +390,18 @@ def cli_times(names: list[str], rounds: int, tmp: str) -> list[dict[str, Any]]:
     return rows
 
 
+def compare(rows: list[dict[str, Any]], path: str) -> None:
+    """The new figures beside an earlier run's (same script on older code): diagnose() ms and x."""
+    with open(path, encoding="utf-8") as fh:
+        old = {r["workload"]: r for r in json.load(fh)["rows"]}
+    print(f"\n{'workload':<16}{'before':>22}{'now':>22}{'budget':>10}", flush=True)
+    for r in rows:
+        o = old.get(r["workload"])
+        was = f"{o['diagnose_ms']:.1f} ms = {o['diagnose_x']:.2f}x" if o else "-"
+        now = f"{r['diagnose_ms']:.1f} ms = {r['diagnose_x']:.2f}x"
+        print(f"{r['workload']:<16}{was:>22}{now:>22}{'met' if r['within_budget'] else 'MISSED':>10}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -400,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", action="store_true", help="also the per-iteration cost over a 2,000-step loop")
     ap.add_argument("--only", nargs="*", default=None, help="workload names")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compare", default=None, metavar="OLD.json",
+                    help="print each workload beside the same figures of an earlier run (--json of older code)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     native_available(build=True)  # as diagnose() would: build or load the recorder before timing
@@ -421,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['html_x']:>9.2f}{cap:>10}{row['extra_ms']:>10.1f}  {p['capture']:.1f} / {p['finish']:.1f} / "
               f"{p['rules']:.1f} / {p['other']:.1f}{mark}", flush=True)
     result: dict[str, Any] = {"torch": torch.__version__, "rounds": rounds, "rows": rows}
+    if args.compare:
+        compare(rows, args.compare)
     if args.rss:
         result["rss_mib"] = rss_growth()
         print(f"peak RSS above the RSS before one step on GPT-2 50M (MiB): {result['rss_mib']}", flush=True)
