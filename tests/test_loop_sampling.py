@@ -98,3 +98,38 @@ def test_an_interrupt_while_the_recorder_sleeps_leaves_nothing_installed():
     assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == hooks
     report = bd.diagnose(LOOP.format(n=3, bad=-1), _ns())
     assert report.ok and len(report.trace.ops) > 3 * 20
+
+
+# ---------------------------------------------------------------- the iteration a root cause happened in
+def test_a_finding_names_the_iteration_of_the_loop():
+    report = bd.diagnose(LOOP.format(n=40, bad=16), _ns())
+    f = report.findings[0]
+    assert (f.kind, f.line, f.iteration, f.evidence["loop_line"]) == ("nonfinite", 3, 16, 1)
+    assert f.location() == "cell line 3, in iteration 16 of the loop at line 1"
+    assert "in iteration 16 of the loop at line 1" in str(report)
+    assert "in iteration 16 of the loop at line 1" in report.to_html()
+    assert type(f).from_dict(f.to_dict()).iteration == 16
+
+
+@pytest.mark.parametrize("engine, kwargs", [("native", {"every_iteration": True}), ("python", {})])
+def test_the_iteration_of_an_unsampled_or_python_tier_nan(engine, kwargs):
+    f = bd.diagnose(LOOP.format(n=25, bad=20), _ns(), engine=engine, **kwargs).findings[0]
+    assert (f.kind, f.line, f.iteration) == ("nonfinite", 3, 20), f
+
+
+def test_an_error_in_an_unrecorded_iteration_is_placed_in_it():
+    """Labels out of range in iteration 5 (not sampled): the traceback's line, and the iteration that
+    was running when it raised."""
+    cell = LOOP.format(n=40, bad=-1).replace("F.cross_entropy(model(xb), y)",
+                                             "F.cross_entropy(model(xb), y + 3 * (i == 5))")
+    report = bd.diagnose(cell, _ns())
+    f = report.findings[0]
+    assert report.trace.exception is not None and f.line == 4 and f.iteration == 5, (f, report.trace.exception)
+
+
+def test_a_step_outside_a_loop_has_no_iteration():
+    ns = _ns()
+    ns["x"] = ns["x"] * float("nan")
+    f = bd.diagnose("opt.zero_grad()\nloss = F.cross_entropy(model(x), y)\nloss.backward()\nopt.step()\n",
+                    ns).findings[0]
+    assert f.kind == "nonfinite" and f.iteration is None and "iteration" not in f.location()

@@ -35,9 +35,16 @@ class Finding:
     title: str = ""
     cell_line: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    #: 0-based iteration of the cell's loop (the outermost ``for``/``while`` holding the root-cause line) in
+    #: which the root cause happened; None outside a loop or when unknown (``analysis/loops.py``)
+    iteration: int | None = None
 
     def location(self) -> str:
-        """``cell line 4`` / ``models.py:12``, plus the module when known."""
+        """``cell line 4`` / ``models.py:12``, plus the module when known, plus the loop's iteration.
+
+        >>> Finding("nonfinite", "", line=3, iteration=20, evidence={"loop_line": 1}).location()
+        'cell line 3, in iteration 20 of the loop at line 1'
+        """
         if self.line is None:
             loc = "unknown line"
         elif self.file is None:
@@ -46,7 +53,15 @@ class Finding:
             import os
 
             loc = f"{os.path.basename(self.file)}:{self.line}"
-        return f"{loc} ({self.module})" if self.module else loc
+        loc = f"{loc} ({self.module})" if self.module else loc
+        return f"{loc}, {self.when()}" if self.iteration is not None else loc
+
+    def when(self) -> str:
+        """``in iteration 20 of the loop at line 1`` ('' outside a loop)."""
+        if self.iteration is None:
+            return ""
+        loop = self.evidence.get("loop_line")
+        return f"in iteration {self.iteration} of the loop" + (f" at line {loop}" if loop is not None else "")
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -256,6 +256,22 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
                 for p in g["params"]:
                     if p.grad is not None:
                         self.history.stepped_grads[p.grad] = (self._run_id, line)
+        self._after_step()
+
+    def _after_step(self) -> None:
+        if self._opt_depth == 0:
+            self._iteration_ended()
+
+    def _iteration_ended(self) -> None:
+        """The outermost optimizer step returned: an iteration of the cell's loop ended, the next starts
+        at the next op (``trace.iterations``; the native recorder also samples them)."""
+        its = self.trace.iterations
+        if not its.recorded:
+            its.recorded.append(0)
+            its.starts.append(0)
+        its.steps += 1
+        its.recorded.append(its.steps)
+        its.starts.append(self._count)
 
     # ---------------------------------------------------------------- per op
     def _caller(self) -> Any:

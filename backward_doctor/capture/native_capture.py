@@ -243,6 +243,9 @@ class NativeCapture(NativeRecords, Capture):
         if self._opt_depth == 0:
             self._iteration_ended()
 
+    def _after_step(self) -> None:
+        pass  # (_optim_post ends the iteration once the recorder's own bookkeeping is done)
+
     # ---------------------------------------------------------------- a long loop, sampled
     def _iteration_ended(self) -> None:
         """An optimizer step ended: the next iteration is recorded if it is a sampled one."""

@@ -165,8 +165,8 @@ class Iterations:
         return max(0, self.steps - sum(1 for r in self.recorded if r < self.steps))
 
     def iteration_of(self, op_index: int) -> int | None:
-        """The iteration a recorded op belongs to (None when the cell had no sampled loop)."""
-        if not self.starts or self.skipped == 0:
+        """The iteration a recorded op belongs to (None when no optimizer step ended in the cell)."""
+        if not self.starts:
             return None
         k = max((i for i, s in enumerate(self.starts) if s <= op_index), default=0)
         return self.recorded[k]

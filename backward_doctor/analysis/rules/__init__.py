@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..findings import Finding
+from ..loops import place_in_loops
 from ...trace.records import Trace
 from .autograd import backward_twice, inplace, no_grad_path
 from .failures import generic_exception, index_out_of_range, mismatch
@@ -45,4 +46,4 @@ def analyze(trace: Trace) -> list[Finding]:
             findings.extend(rule(trace))
     for rule in RUN_RULES:
         findings.extend(rule(trace))
-    return findings
+    return place_in_loops(trace, findings)

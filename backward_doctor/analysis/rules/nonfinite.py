@@ -69,13 +69,14 @@ def nonfinite(trace: Trace) -> list[Finding]:
     where = forward_where(trace, rec) if rec is not None else ev.where
     evidence = {"output": format_stats(ev.output.stats if ev.output else None),
                 "inputs": [f"{m.short()} {format_stats(m.stats)}" for m in ev.inputs],
-                "phase": ev.phase, "reached": reached, "op": ev.op}
+                "phase": ev.phase, "reached": reached, "op": ev.op, "op_index": ev.index}
     code = source_line(trace, where.line, where.file)
     gap = trace.iterations.unrecorded_before(ev.index) if ev.kind in ("weights", "input") else None
     if gap is not None:  # it went bad in iterations of the loop that ran with the recorder off
         it = trace.iterations.iteration_of(ev.index)
         what = "The model's weights" if ev.kind == "weights" else (f"`{ev.variable}`" if ev.variable else "An input")
         evidence.update(iteration=it, unrecorded=list(gap))
+        del evidence["op_index"]  # (the root cause is in the unrecorded iterations, not in iteration `it`)
         msg = (f"{what} already held NaN/Inf when iteration {it} of the loop began "
                f"({'; '.join(evidence['inputs'])}); every output is NaN from line {where.line} (`{code}`) on. "
                f"It happened in iterations {gap[0]}-{gap[1]}, which ran with the recorder off (a long loop is "
