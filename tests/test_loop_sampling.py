@@ -105,9 +105,9 @@ def test_a_finding_names_the_iteration_of_the_loop():
     report = bd.diagnose(LOOP.format(n=40, bad=16), _ns())
     f = report.findings[0]
     assert (f.kind, f.line, f.iteration, f.evidence["loop_line"]) == ("nonfinite", 3, 16, 1)
-    assert f.location() == "cell line 3, in iteration 16 of the loop at line 1"
-    assert "in iteration 16 of the loop at line 1" in str(report)
-    assert "in iteration 16 of the loop at line 1" in report.to_html()
+    assert f.location() == "cell line 3, in iteration 16 of the loop at line 1 (i = 16)"
+    assert "in iteration 16 of the loop at line 1 (i = 16)" in str(report)
+    assert "in iteration 16 of the loop at line 1 (i = 16)" in report.to_html()
     assert type(f).from_dict(f.to_dict()).iteration == 16
 
 
@@ -125,6 +125,7 @@ def test_an_error_in_an_unrecorded_iteration_is_placed_in_it():
     report = bd.diagnose(cell, _ns())
     f = report.findings[0]
     assert report.trace.exception is not None and f.line == 4 and f.iteration == 5, (f, report.trace.exception)
+    assert f.evidence["loop_value"] == "i = 5"
 
 
 def test_a_step_outside_a_loop_has_no_iteration():
@@ -133,3 +134,16 @@ def test_a_step_outside_a_loop_has_no_iteration():
     f = bd.diagnose("opt.zero_grad()\nloss = F.cross_entropy(model(x), y)\nloss.backward()\nopt.step()\n",
                     ns).findings[0]
     assert f.kind == "nonfinite" and f.iteration is None and "iteration" not in f.location()
+
+
+def test_a_batch_loop_variable_is_described_by_its_shapes():
+    """``for xb, yb in batches``: the finding says which batch by shape, and keeps no tensor."""
+    ns = _ns()
+    ns["batches"] = [(ns["x"], ns["y"])] * 6
+    ns["batches"][4] = (ns["x"] * float("nan"), ns["y"])
+    cell = ("for xb, yb in batches:\n    opt.zero_grad()\n    loss = F.cross_entropy(model(xb), yb)\n"
+            "    loss.backward()\n    opt.step()\n")
+    report = bd.diagnose(cell, ns, every_iteration=True)
+    f = report.findings[0]
+    assert f.iteration == 4 and f.evidence["loop_value"] == "xb = float32[12, 8], yb = int64[12]", f
+    assert all(isinstance(v, str) for v in report.trace.iterations.values.values())

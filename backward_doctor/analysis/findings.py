@@ -61,7 +61,9 @@ class Finding:
         if self.iteration is None:
             return ""
         loop = self.evidence.get("loop_line")
-        return f"in iteration {self.iteration} of the loop" + (f" at line {loop}" if loop is not None else "")
+        value = self.evidence.get("loop_value")
+        return (f"in iteration {self.iteration} of the loop" + (f" at line {loop}" if loop is not None else "")
+                + (f" ({value})" if value else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -5,43 +5,19 @@ An iteration ends when the outermost ``optimizer.step()`` returns (``trace.itera
 points at (``evidence["op_index"]``, or the op that raised for the cell's exception) is known; the loop
 is the outermost one holding that line.
 
->>> loop_at("x = 1\\nfor i in range(3):\\n    y = i\\n", 3)
-(2, ['i'])
->>> loop_at("x = 1\\n", 1) is None
-True
+>>> from backward_doctor.trace import Trace
+>>> f = Finding("nonfinite", "", line=3, evidence={"op_index": 5})
+>>> t = Trace(source="for i in range(9):\\n    x = 1\\n    y = 2\\n")
+>>> t.iterations.recorded, t.iterations.starts, t.iterations.steps = [0, 1], [0, 4], 1
+>>> t.iterations.values = {"1": "i = 1"}
+>>> place_in_loops(t, [f])[0].location()
+'cell line 3, in iteration 1 of the loop at line 1 (i = 1)'
 """
 from __future__ import annotations
 
-import ast
-import functools
-
 from ..trace.records import Trace
+from ..util.cell import loop_at
 from .findings import Finding
-
-
-@functools.lru_cache(maxsize=64)
-def _loops(source: str) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
-    """(first line, last line, target names) of each top-level loop of the cell (outermost only)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return ()
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
-            names = tuple(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)) \
-                if not isinstance(node, ast.While) else ()
-            out.append((node.lineno, node.end_lineno or node.lineno, names))
-    # Outermost: a loop inside another is dropped.
-    return tuple(lp for lp in out if not any(o[0] < lp[0] and lp[1] <= o[1] for o in out if o != lp))
-
-
-def loop_at(source: str, line: int) -> tuple[int, list[str]] | None:
-    """(line of the outermost loop holding ``line``, its target names), or None."""
-    for first, last, names in _loops(source):
-        if first <= line <= last:
-            return first, list(names)
-    return None
 
 
 def place_in_loops(trace: Trace, findings: list[Finding]) -> list[Finding]:
@@ -65,4 +41,7 @@ def place_in_loops(trace: Trace, findings: list[Finding]) -> list[Finding]:
             f.iteration = its.iteration_of(index)
         if f.iteration is not None:
             f.evidence["loop_line"] = loop[0]
+            value = its.values.get(str(f.iteration))
+            if value:
+                f.evidence["loop_value"] = value
     return findings

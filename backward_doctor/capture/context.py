@@ -269,9 +269,25 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
         if not its.recorded:
             its.recorded.append(0)
             its.starts.append(0)
+        if len(its.values) < 256:
+            self._note_loop_values(its.steps)
         its.steps += 1
         its.recorded.append(its.steps)
         its.starts.append(self._count)
+
+    def _note_loop_values(self, iteration: int) -> None:
+        """The cell's loop variables as they are now, for ``iteration`` (strings only: nothing kept)."""
+        if self._loop_names is None:
+            from ..util.cell import outer_loops
+
+            self._loop_names = sorted({n for _, _, names in outer_loops(self.trace.source) for n in names})
+        if self._loop_names:
+            try:
+                text = ns_mod.loop_values(self.namespace, self._loop_names)
+            except Exception:  # a value that cannot be described is not worth failing the step for
+                return
+            if text:
+                self.trace.iterations.values[str(iteration)] = text
 
     # ---------------------------------------------------------------- per op
     def _caller(self) -> Any:
@@ -314,6 +330,8 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
         from .finish import record_exception
 
         record_exception(self, exc)
+        if self.trace.iterations.starts:  # stopped inside the loop: the iteration that was running
+            self._note_loop_values(self.trace.iterations.steps)
 
     def finish(self) -> Trace:
         """Resolve names, downsample the timeline, decide what NaN/Inf reached; returns the trace."""

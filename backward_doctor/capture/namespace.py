@@ -96,3 +96,35 @@ def optimizer_summary(name: str, opt: torch.optim.Optimizer) -> OptimizerSummary
                             state_bytes=sum(t.numel() * t.element_size() for t in optimizer_state_tensors(opt)),
                             momentum=bool(opt.defaults.get("momentum")), foreach=opt.defaults.get("foreach"),
                             device=str(params[0].device) if params else "cpu")
+
+
+def describe_value(v: Any, depth: int = 0) -> str:
+    """A loop variable in a few characters: numbers and short strings as written, a tensor by dtype and
+    shape (a batch), a tuple/list of them one by one, anything else by type.
+
+    >>> describe_value(20), describe_value(torch.zeros(12, 8)), describe_value((torch.zeros(2), 3))
+    ('20', 'float32[12, 8]', '(float32[2], 3)')
+    """
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 0 and v.numel() == 1 and not v.requires_grad:
+            return f"tensor({v.item():g})" if v.is_floating_point() else f"tensor({v.item()})"
+        return f"{str(v.dtype).replace('torch.', '')}[{', '.join(map(str, v.shape))}]"
+    if isinstance(v, bool) or v is None:
+        return repr(v)
+    if isinstance(v, (int, float)):
+        return f"{v:g}" if isinstance(v, float) else str(v)
+    if isinstance(v, str):
+        return repr(v) if len(v) <= 30 else repr(v[:27] + "...")
+    if isinstance(v, (tuple, list)) and depth < 2:
+        inner = ", ".join(describe_value(x, depth + 1) for x in list(v)[:4]) + (", ..." if len(v) > 4 else "")
+        return f"({inner})" if isinstance(v, tuple) else f"[{inner}]"
+    if isinstance(v, dict) and depth < 2:
+        return "{" + ", ".join(f"{k}: {describe_value(x, depth + 1)}" for k, x in list(v.items())[:4]) + "}"
+    return type(v).__name__
+
+
+def loop_values(namespace: dict[str, Any], names: list[str]) -> str:
+    """``i = 20, xb = float32[12, 8]`` for the loop variables bound in ``namespace`` (at most 200 chars)."""
+    out = ", ".join(f"{n} = {describe_value(namespace[n])}" for n in names if n in namespace)
+    return out if len(out) <= 200 else out[:197] + "..."
+

@@ -158,6 +158,9 @@ class Iterations:
     steps: int = 0
     recorded: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
+    #: the loop variables' values in an iteration ("i = 20", "xb = float32[12, 8]"), by iteration number
+    #: (recorded iterations, and the one running when the cell stopped)
+    values: dict[str, str] = field(default_factory=dict)
 
     @property
     def skipped(self) -> int:

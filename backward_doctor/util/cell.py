@@ -14,6 +14,7 @@ chunks) and finds the parts of a training step: the ``backward()`` call, the
 from __future__ import annotations
 
 import ast
+import functools
 from typing import Iterable
 
 
@@ -284,3 +285,34 @@ def check_compiles(code: str) -> None:
     except SyntaxError as exc:  # a bug of ours: say so rather than run broken code
         raise NotApplicable(f"internal error: the rewritten cell does not compile ({exc.msg} at line {exc.lineno}); "
                             "please report this cell to backward_doctor") from None
+
+
+@functools.lru_cache(maxsize=64)
+def outer_loops(source: str) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
+    """(first line, last line, target names) of each top-level loop of the cell (outermost only)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return ()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            names = tuple(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)) \
+                if not isinstance(node, ast.While) else ()
+            out.append((node.lineno, node.end_lineno or node.lineno, names))
+    # Outermost: a loop inside another is dropped.
+    return tuple(lp for lp in out if not any(o[0] < lp[0] and lp[1] <= o[1] for o in out if o != lp))
+
+
+def loop_at(source: str, line: int) -> tuple[int, list[str]] | None:
+    """(line of the outermost loop holding ``line``, its target names), or None.
+
+    >>> loop_at("x = 1\\nfor i in range(3):\\n    y = i\\n", 3)
+    (2, ['i'])
+    >>> loop_at("x = 1\\n", 1) is None
+    True
+    """
+    for first, last, names in outer_loops(source):
+        if first <= line <= last:
+            return first, list(names)
+    return None
