@@ -147,3 +147,9 @@ def test_a_batch_loop_variable_is_described_by_its_shapes():
     f = report.findings[0]
     assert f.iteration == 4 and f.evidence["loop_value"] == "xb = float32[12, 8], yb = int64[12]", f
     assert all(isinstance(v, str) for v in report.trace.iterations.values.values())
+    # Sampled (iteration 4 is recorded): the bad batch is that iteration's own, not "an earlier one".
+    ns = _ns()  # (fresh weights: the run above left NaN in them)
+    ns["batches"] = [(ns["x"], ns["y"])] * 40
+    ns["batches"][16] = (ns["x"] * float("nan"), ns["y"])
+    f = bd.diagnose(cell, ns).findings[0]
+    assert (f.iteration, f.line) == (16, 3) and "appeared in iterations" not in f.title, f

@@ -269,14 +269,16 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
         if not its.recorded:
             its.recorded.append(0)
             its.starts.append(0)
-        if len(its.values) < 256:
-            self._note_loop_values(its.steps)
+        self._note_loop_values(its.steps)
         its.steps += 1
         its.recorded.append(its.steps)
         its.starts.append(self._count)
 
     def _note_loop_values(self, iteration: int) -> None:
-        """The cell's loop variables as they are now, for ``iteration`` (strings only: nothing kept)."""
+        """The cell's loop variables as they are now, for ``iteration`` (strings only: nothing kept). The
+        first 4,096 iterations, then powers of two only (a bounded trace)."""
+        if len(self.trace.iterations.values) >= 4096 and iteration & (iteration - 1):
+            return
         if self._loop_names is None:
             from ..util.cell import outer_loops
 

@@ -253,7 +253,7 @@ class NativeCapture(NativeRecords, Capture):
         if not its.recorded:
             its.recorded.append(0)
             its.starts.append(0)
-        if not self._asleep and len(its.values) < 256:  # a recorded iteration ended: its loop variables
+        if not self._asleep:  # a recorded iteration ended: its loop variables
             self._note_loop_values(its.steps)
         its.steps += 1
         nxt = its.steps

@@ -71,10 +71,12 @@ def nonfinite(trace: Trace) -> list[Finding]:
                 "inputs": [f"{m.short()} {format_stats(m.stats)}" for m in ev.inputs],
                 "phase": ev.phase, "reached": reached, "op": ev.op, "op_index": ev.index}
     code = source_line(trace, where.line, where.file)
-    gap = trace.iterations.unrecorded_before(ev.index) if ev.kind in ("weights", "input") else None
+    # Weights already bad when a recorded iteration began went bad in the unrecorded ones before it (a
+    # bad *input* is that iteration's own batch).
+    gap = trace.iterations.unrecorded_before(ev.index) if ev.kind == "weights" else None
     if gap is not None:  # it went bad in iterations of the loop that ran with the recorder off
         it = trace.iterations.iteration_of(ev.index)
-        what = "The model's weights" if ev.kind == "weights" else (f"`{ev.variable}`" if ev.variable else "An input")
+        what = "The model's weights"
         evidence.update(iteration=it, unrecorded=list(gap))
         del evidence["op_index"]  # (the root cause is in the unrecorded iterations, not in iteration `it`)
         msg = (f"{what} already held NaN/Inf when iteration {it} of the loop began "
