@@ -250,13 +250,17 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
         self._opt_depth = max(0, self._opt_depth - 1)
         for t in ns_mod.optimizer_state_tensors(opt):
             self._ledger.reclassify(t, "optimizer")
+        self._mark_stepped(opt)
+        self._after_step()
+
+    def _mark_stepped(self, opt: torch.optim.Optimizer) -> None:
+        """The gradients this step consumed, for the next run's stale-gradient check."""
         if self.history is not None:
             line = self.trace.optimizer_steps[-1].line if self.trace.optimizer_steps else None
             for g in opt.param_groups:
                 for p in g["params"]:
                     if p.grad is not None:
                         self.history.stepped_grads[p.grad] = (self._run_id, line)
-        self._after_step()
 
     def _after_step(self) -> None:
         if self._opt_depth == 0:
@@ -269,10 +273,15 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
         if not its.recorded:
             its.recorded.append(0)
             its.starts.append(0)
-        self._note_loop_values(its.steps)
+        if not self._asleep:  # the iteration that ended was recorded: what its loop variables were
+            self._note_loop_values(its.steps)
         its.steps += 1
-        its.recorded.append(its.steps)
-        its.starts.append(self._count)
+        self._begin_iteration(its.steps)
+
+    def _begin_iteration(self, iteration: int) -> None:
+        """Iteration ``iteration`` starts at the next op, recorded (the native recorder samples them)."""
+        self.trace.iterations.recorded.append(iteration)
+        self.trace.iterations.starts.append(self._count)
 
     def _note_loop_values(self, iteration: int) -> None:
         """The cell's loop variables as they are now, for ``iteration`` (strings only: nothing kept). The

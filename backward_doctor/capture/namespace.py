@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .stats import meta
 from ..trace.parts import OptimizerSummary
 
 _MAX_ITEMS = 64  # containers are looked into, but a list of 10k batches is not walked
@@ -108,7 +109,7 @@ def describe_value(v: Any, depth: int = 0) -> str:
     if isinstance(v, torch.Tensor):
         if v.dim() == 0 and v.numel() == 1 and not v.requires_grad:
             return f"tensor({v.item():g})" if v.is_floating_point() else f"tensor({v.item()})"
-        return f"{str(v.dtype).replace('torch.', '')}[{', '.join(map(str, v.shape))}]"
+        return meta(v).short()
     if isinstance(v, bool) or v is None:
         return repr(v)
     if isinstance(v, (int, float)):

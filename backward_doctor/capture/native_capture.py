@@ -108,9 +108,7 @@ class NativeCapture(NativeRecords, Capture):
         #: recorded, the others run with the recorder off. Not under a simulated memory limit, which the
         #: recorder enforces op by op.
         self._sampling = sample_iterations and self.memory_limit is None
-        self._asleep = False
         self._compiling = 0
-        self._last_step_line: int | None = None
         if self.check_indices:
             raise ValueError("NativeCapture: check_indices needs the Python tier (Capture)")
         self._ext = native.load()
@@ -229,17 +227,11 @@ class NativeCapture(NativeRecords, Capture):
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._asleep:
             self._opt_depth = max(0, self._opt_depth - 1)
-            if self.history is not None:  # the next run must know these gradients were consumed
-                for g in opt.param_groups:
-                    for p in g["params"]:
-                        if p.grad is not None:
-                            self.history.stepped_grads[p.grad] = (self._run_id, self._last_step_line)
+            self._mark_stepped(opt)  # (the next run must know these gradients were consumed)
         else:
             super()._optim_post(opt, args, kwargs)
             self._ext.set_optimizer_depth(self._opt_depth)
             self._post_counts.append(self._ext.op_count())
-            if self.trace.optimizer_steps:
-                self._last_step_line = self.trace.optimizer_steps[-1].line
         if self._opt_depth == 0:
             self._iteration_ended()
 
@@ -247,22 +239,13 @@ class NativeCapture(NativeRecords, Capture):
         pass  # (_optim_post ends the iteration once the recorder's own bookkeeping is done)
 
     # ---------------------------------------------------------------- a long loop, sampled
-    def _iteration_ended(self) -> None:
-        """An optimizer step ended: the next iteration is recorded if it is a sampled one."""
-        its = self.trace.iterations
-        if not its.recorded:
-            its.recorded.append(0)
-            its.starts.append(0)
-        if not self._asleep:  # a recorded iteration ended: its loop variables
-            self._note_loop_values(its.steps)
-        its.steps += 1
-        nxt = its.steps
-        sampled = not self._sampling or nxt < 3 or nxt & (nxt - 1) == 0
-        if sampled:
+    def _begin_iteration(self, iteration: int) -> None:
+        """Recorded if it is a sampled iteration (0, 1, 2, powers of two); else the recorder sleeps."""
+        if not self._sampling or iteration < 3 or iteration & (iteration - 1) == 0:
             if self._asleep:
                 self._wake()
-            its.recorded.append(nxt)
-            its.starts.append(self._ext.op_count())
+            self._count = self._ext.op_count()
+            super()._begin_iteration(iteration)
         elif not self._asleep and self._opt_depth == 0 and not self._compiling and self._ext.sleep():
             self._asleep = True
             self._remove_module_hooks()  # (no module stack to keep while nothing is recorded)

@@ -112,6 +112,7 @@ class CaptureState:
         self._cuda_alloc = array("q")
         self._t0 = self._t_last = 0.0  # start, and end of the latest op (what a failed step took)
         self._loop_names: list[str] | None = None  # the cell's loop variables (found when first needed)
+        self._asleep = False  # the native recorder is off for an unsampled iteration (native_capture.py)
 
 
     def _on_free(self, key: int) -> None:

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from .style import CATEGORY_COLORS, CATEGORY_LABELS
 from ..trace.records import CATEGORIES
-from ..util.units import format_bytes
+from ..util.units import format_bytes, scale_unit
 
 _FONT = {"font.size": 9, "font.family": "DejaVu Sans"}
 
@@ -32,13 +32,6 @@ def _png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def _unit(n: float) -> tuple[float, str]:
-    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return float(scale), name
-    return 1.0, "B"
-
-
 def comparison_png(before: dict[str, Any], after: dict[str, Any], *, limit: int | None = None,
                    width: float = 6.0, dpi: int = 100) -> bytes:
     """Two stacked bars (peak memory by category) before and after a fix."""
@@ -49,7 +42,7 @@ def comparison_png(before: dict[str, Any], after: dict[str, Any], *, limit: int 
         ax = fig.add_subplot(111)
         rows = [("before", before or {}), ("after", after or {})]
         tops = [float(r.get("peak_bytes") or sum((r.get("peak_by_category") or {}).values()) or 0) for _, r in rows]
-        scale, unit = _unit(max(tops + [float(limit or 0)]) or 1)
+        scale, unit = scale_unit(max(tops + [float(limit or 0)]) or 1)
         for y, (label, r) in enumerate(rows[::-1]):
             cats = r.get("peak_by_category") or {}
             left = 0.0

@@ -18,7 +18,7 @@ from ..analysis.findings import forward_where
 from .style import CATEGORY_COLORS, CATEGORY_LABELS, esc
 from .view import memory_by_module
 from ..trace.records import CATEGORIES, Trace
-from ..util.units import format_bytes
+from ..util.units import format_bytes, scale_unit
 
 #: Samples drawn per timeline at most: each bucket keeps its highest, so peaks survive.
 MAX_POINTS = 800
@@ -61,13 +61,6 @@ def _nice(top: float) -> float:
     raw = top / 5
     mag = 10.0 ** math.floor(math.log10(raw))
     return next(m * mag for m in (1, 2, 2.5, 5, 10) if raw <= m * mag)
-
-
-def _unit(n: float) -> tuple[float, str]:
-    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return float(scale), name
-    return 1.0, "B"
 
 
 def _op_label(trace: Trace, index: int | None) -> str:
@@ -113,7 +106,7 @@ def memory_timeline_svg(trace: Trace, *, width: int = 1000, height: int = 320) -
     top = max(max(sum(col) for col in zip(*ys)), mem.peak_bytes or 0, 1)
     show_cap = bool(cap) and cap <= 4 * top
     ymax = max(top, cap if show_cap else 0) * 1.12
-    scale, unit = _unit(ymax)
+    scale, unit = scale_unit(ymax)
     left, right, up, down = 64, 170, 22, 38
     pw, ph = width - left - right, height - up - down
     x0, x1 = xs[0], xs[-1] if xs[-1] > xs[0] else xs[0] + 1

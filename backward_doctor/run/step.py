@@ -64,10 +64,8 @@ def check_flag(name: str, value: Any) -> bool:
 
 
 def check_rollback(rollback: Any) -> bool:
-    """``rollback`` must be a bool (``"no"`` is truthy: refuse it rather than guess)."""
-    if not isinstance(rollback, bool):
-        raise ValueError(f"rollback must be True or False, not {rollback!r}")
-    return rollback
+    """``rollback`` must be a bool (see :func:`check_flag`)."""
+    return check_flag("rollback", rollback)
 
 
 def build_report(trace: Trace, fix: str | None = None) -> Report:

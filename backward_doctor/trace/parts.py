@@ -13,6 +13,7 @@ Compilation(trigger='dynamo', seconds=1.5)
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -171,8 +172,7 @@ class Iterations:
         """The iteration a recorded op belongs to (None when no optimizer step ended in the cell)."""
         if not self.starts:
             return None
-        k = max((i for i, s in enumerate(self.starts) if s <= op_index), default=0)
-        return self.recorded[k]
+        return self.recorded[max(0, bisect.bisect_right(self.starts, op_index) - 1)]
 
     def unrecorded_before(self, op_index: int) -> tuple[int, int] | None:
         """(first, last) of the unrecorded iterations just before the one holding ``op_index``, if any."""

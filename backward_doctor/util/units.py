@@ -72,3 +72,16 @@ def format_us(us: float, compact: bool = False) -> str:
     if us >= 1e3:
         return f"{us / 1e3:.1f}{sep}ms"
     return f"{us:.0f}{sep}µs"
+
+
+def scale_unit(n: float) -> tuple[float, str]:
+    """The binary unit a plot's axis of values up to ``n`` bytes is drawn in: (bytes per unit, name).
+
+    >>> scale_unit(3 * 2**20)
+    (1048576.0, 'MiB')
+    """
+    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return float(scale), name
+    return 1.0, "B"
+
