@@ -335,6 +335,14 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
                 self._where_stacks.append((w, self._stack_key))
         return got
 
+    def progress(self) -> dict[str, Any]:
+        """Iterations done, live bytes at the latest iteration's end, seconds since start (see
+        ``runner.running_progress``: read from another thread, so plain reads only)."""
+        its = self.trace.iterations
+        live = its.live_bytes[-1] if its.live_bytes else None
+        return {"iterations": its.steps, "live_bytes": live,
+                "seconds": time.perf_counter() - self._t0 if self._t0 else 0.0}
+
     # ---------------------------------------------------------------- results
     def record_exception(self, exc: BaseException) -> None:
         """Turn the cell's exception into text and evidence (keeps no frame or tensor)."""

@@ -158,6 +158,19 @@ def current_capture() -> Capture | None:
     return _running[-1] if _running else None
 
 
+def running_progress() -> dict[str, Any] | None:
+    """How far the run in progress has got, for a frontend's progress display: ``{"iterations": optimizer
+    steps so far, "live_bytes": live memory at the latest iteration's end (None: not measured yet),
+    "seconds": since the capture started}``; None when no run is in progress. Safe to call from another
+    thread (it only reads a few numbers).
+
+    >>> running_progress() is None
+    True
+    """
+    cap = _running[-1] if _running else None
+    return cap.progress() if cap is not None else None
+
+
 def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
                       timeout: float | None) -> Trace:
     """Call ``run()`` (which returns the cell's exception or None) under capture and watchdog."""

@@ -162,6 +162,21 @@ class Iterations:
     #: the loop variables' values in an iteration ("i = 20", "xb = float32[12, 8]"), by iteration number
     #: (recorded iterations, and the one running when the cell stopped)
     values: dict[str, str] = field(default_factory=dict)
+    #: Per-iteration series, every iteration recorded or not, one entry per ``stride`` iterations (the
+    #: stride doubles when a series would pass 4,096 entries: a bounded trace): the loss ``backward()``
+    #: was called on (None: non-finite, or not read: CUDA), the gradients' global L2 norm before the
+    #: optimizer step (None: non-finite or not read), the first param group's learning rate, and live
+    #: bytes at the iteration's end (``live_kind`` says by what count).
+    stride: int = 1
+    loss: list[float | None] = field(default_factory=list)
+    grad_norm: list[float | None] = field(default_factory=list)
+    lr: list[float | None] = field(default_factory=list)
+    live_bytes: list[int] = field(default_factory=list)
+    live_kind: str = ""  # "allocator" (CPU allocator, net since start), "cuda" (memory_allocated), "ledger"
+    #: the first iteration whose loss or gradients were NaN/Inf (seen in every iteration, recorded or not)
+    first_nonfinite: int | None = None
+    #: what made it non-finite first: "loss" or "gradients"
+    first_nonfinite_in: str = ""
 
     @property
     def skipped(self) -> int:
