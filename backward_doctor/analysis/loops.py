@@ -30,8 +30,8 @@ def place_in_loops(trace: Trace, findings: list[Finding]) -> list[Finding]:
         loop = loop_at(trace.source, line) if line is not None else None
         if loop is None:
             continue
-        index = f.evidence.get("op_index")
-        if index is None and (trace.exception is not None or trace.timed_out) and f is findings[0]:
+        index = f.evidence.get("op_index") if f.iteration is None else None  # (a rule may know it already)
+        if f.iteration is None and index is None and (trace.exception is not None or trace.timed_out) and f is findings[0]:
             # The cell's exception (its finding comes first): the op that raised, else the iteration
             # that was running when it came.
             index = trace.failed_op.index if trace.failed_op is not None else None

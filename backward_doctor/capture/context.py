@@ -17,6 +17,7 @@ optimizer hooks, per-parameter hooks) is restored on exit, exceptions included.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from torch.nn.modules import module as _nn_module
 
 from . import namespace as ns_mod
 from .compile_watch import CompileWatch
+from .loop_watch import LoopWatch, python_sumsq
 from .process import complete, interrupts_deferred
 from .mode import _DoctorMode
 from .record import OpRecorder
@@ -125,6 +127,36 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
         self._add_global_hooks()
         self._undo.push("compile callbacks", self._compile_watch.remove)
         self._compile_watch.install()
+        self._watch = self._make_watch()
+        self._watch_backward()
+
+    def _make_watch(self) -> LoopWatch:
+        """The per-iteration watch (``loop_watch.py``): live bytes by the allocator on CUDA (the loss and
+        gradients there are not read: a read would synchronise every iteration), by the ledger here."""
+        if self._cuda:
+            return LoopWatch(self.trace.iterations, live=torch.cuda.memory_allocated,
+                             on_nonfinite=self._went_nonfinite)
+        self.trace.iterations.live_kind = "ledger"
+        return LoopWatch(self.trace.iterations, live=lambda: self._ledger.total, sumsq=python_sumsq,
+                         on_nonfinite=self._went_nonfinite)
+
+    def _watch_backward(self) -> None:
+        """``torch.autograd.backward`` (what ``Tensor.backward`` calls) tells the watch the loss first."""
+        real, watch = torch.autograd.backward, self._watch
+        self._undo.push("torch.autograd.backward", lambda: setattr(torch.autograd, "backward", real))
+
+        @functools.wraps(real)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            watch.saw_backward(args[0] if args else kwargs.get("tensors"))
+            return real(*args, **kwargs)
+
+        torch.autograd.backward = backward
+
+    def _went_nonfinite(self, iteration: int, what: str) -> None:
+        """NaN/Inf in this iteration's loss or gradients, seen before its optimizer step: a run-level
+        ``rollback`` keeps the state an iteration the recorder did not record can be replayed from."""
+        if self.rollback is not None and self._asleep:
+            self.rollback.went_nonfinite(iteration, what)
 
     def _remove_parameter_hooks(self) -> None:
         handles, self._handles = self._handles, []
@@ -221,6 +253,8 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
         self._stack_key = tuple(stack)
 
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._opt_depth == 0:
+            self._watch.before_step(opt)
         self._opt_depth += 1
         self._where_cache.clear()
         for group in opt.param_groups:
@@ -275,7 +309,10 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
             its.starts.append(0)
         if not self._asleep:  # the iteration that ended was recorded: what its loop variables were
             self._note_loop_values(its.steps)
+        self._watch.iteration_ended()
         its.steps += 1
+        if self.rollback is not None:
+            self.rollback.iteration_began(its.steps)
         self._begin_iteration(its.steps)
 
     def _begin_iteration(self, iteration: int) -> None:

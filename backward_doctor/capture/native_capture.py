@@ -30,6 +30,7 @@ import torch
 from .. import native
 from .native_records import NativeRecords, _tables
 from .record import _tensors
+from .loop_watch import LoopWatch
 from .context import Capture
 from .memory import MemoryLedger
 from ..trace.records import CATEGORIES, FailedOp, Where
@@ -216,8 +217,19 @@ class NativeCapture(NativeRecords, Capture):
         self._stacks.append(key)
         return sid
 
+    def _make_watch(self) -> LoopWatch:
+        """Live bytes by the allocator's own count (what the ledger had at start plus the net bytes the
+        CPU allocator handed out since: it counts while the recorder sleeps); gradients read in C++."""
+        self.trace.iterations.live_kind = "allocator"
+        mem, ext = self.trace.memory, self._ext
+        return LoopWatch(self.trace.iterations, live=lambda: mem.baseline_bytes + ext.allocated(),
+                         sumsq=ext.grad_sumsq,
+                         on_nonfinite=self._went_nonfinite)
+
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._asleep:  # an unsampled iteration: only its end is counted
+            if self._opt_depth == 0:
+                self._watch.before_step(opt)
             self._opt_depth += 1
             return
         self._count = self._ext.op_count()

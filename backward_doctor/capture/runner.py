@@ -209,8 +209,10 @@ def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture
 def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
                memory_limit: int | None = None, filename: str | None = None,
                history: CellHistory | None = None, detail: bool = True, engine: str = "python",
-               every_iteration: bool = False) -> Trace:
+               every_iteration: bool = False, rollback: Any = None) -> Trace:
     """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace.
+
+    ``rollback``: told when iterations begin and go non-finite (``run/iteration_replay.py``).
 
     ``engine``: ``"python"`` (the dispatch-mode :class:`Capture`) or ``"native"``
     (:class:`~backward_doctor.capture.native_capture.NativeCapture`, first tier only).
@@ -220,6 +222,7 @@ def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None 
     _register_source(filename, source)
     capture = make_capture(engine, namespace, cell_file=filename, source=source, memory_limit=memory_limit,
                            history=history, detail=detail, every_iteration=every_iteration)
+    capture.rollback = rollback
 
     def run() -> BaseException | None:
         code = compile(source, filename, "exec")

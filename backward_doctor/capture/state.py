@@ -113,6 +113,10 @@ class CaptureState:
         self._t0 = self._t_last = 0.0  # start, and end of the latest op (what a failed step took)
         self._loop_names: list[str] | None = None  # the cell's loop variables (found when first needed)
         self._asleep = False  # the native recorder is off for an unsampled iteration (native_capture.py)
+        #: set by the run (``run/iteration_replay.py``): told when each iteration begins and when NaN/Inf
+        #: shows in one the recorder did not record, so that iteration can be replayed from its state
+        self.rollback: Any = None
+        self._watch: Any = None  # the per-iteration LoopWatch (installed with the hooks)
 
 
     def _on_free(self, key: int) -> None:

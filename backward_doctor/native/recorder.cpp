@@ -165,6 +165,9 @@ struct State {
   int64_t total = 0, count = 0, depth_bwd = 0, last_phase = 0;
   int64_t start_ns = 0, last_end_ns = 0;  // when recording started, when the latest op ended
   at::CallbackHandle handle = 0;
+  // Net CPU bytes the allocator handed out since start (all threads; sleeping or not): a training
+  // loop's live memory at each iteration's end, where the per-op ledger is off.
+  std::atomic<int64_t> raw_cpu{0};
 };
 State* S = nullptr;
 
@@ -768,8 +771,10 @@ std::string human(int64_t n) {
 
 struct Reporter : public torch::profiler::impl::ProfilerStateBase {
   Reporter() : ProfilerStateBase(torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::Disabled)) {}
-  void reportMemoryUsage(void* ptr, int64_t size, size_t, size_t, c10::Device) override {
-    if (!S || size == 0 || std::this_thread::get_id() != S->owner) return;
+  void reportMemoryUsage(void* ptr, int64_t size, size_t, size_t, c10::Device device) override {
+    if (!S || size == 0) return;
+    if (device.is_cpu()) S->raw_cpu.fetch_add(size, std::memory_order_relaxed);
+    if (std::this_thread::get_id() != S->owner) return;
     if (size < 0) {
       auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
       if (it != S->by_data.end()) uncount(it->second);
@@ -839,6 +844,71 @@ void start(const std::string& cell_file, bool frames, int64_t max_ops, int64_t l
 }
 
 bool running() { return S != nullptr; }
+
+int64_t allocated() { return S ? S->raw_cpu.load(std::memory_order_relaxed) : 0; }
+
+// A loop's per-iteration watch reads values without dispatching an op (nothing observed, nothing
+// allocated, no kernel the plain step would not run): CPU floating tensors read in place only.
+template <typename T>
+double as_double(const T& v) { return static_cast<double>(static_cast<float>(v)); }
+template <>
+double as_double<double>(const double& v) { return v; }
+
+bool readable(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.is_floating_point() && plain_storage(t) &&
+         !t.key_set().has(c10::DispatchKey::Python) && t.is_contiguous();
+}
+
+// The value of a one-element CPU floating tensor (the loss); None when it cannot be read in place.
+py::object scalar_value(const at::Tensor& t) {
+  if (!readable(t) || t.numel() != 1) return py::none();
+  const void* d = t.const_data_ptr();
+  switch (t.scalar_type()) {
+    case at::kFloat: return py::float_(*static_cast<const float*>(d));
+    case at::kDouble: return py::float_(*static_cast<const double*>(d));
+    case at::kHalf: return py::float_(as_double(*static_cast<const at::Half*>(d)));
+    case at::kBFloat16: return py::float_(as_double(*static_cast<const at::BFloat16*>(d)));
+    default: return py::none();
+  }
+}
+
+template <typename T>
+double sumsq(const T* p, int64_t n) {
+  auto part = [p](int64_t a, int64_t b) {
+    double acc = 0;
+    for (int64_t i = a; i < b; ++i) { double v = as_double(p[i]); acc += v * v; }
+    return acc;
+  };
+  if (n < (int64_t(1) << 18) || at::get_num_threads() == 1 || at::in_parallel_region()) return part(0, n);
+  int64_t chunks = (n + (int64_t(1) << 16) - 1) >> 16;
+  std::vector<double> parts(chunks, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t a, int64_t b) {
+    for (int64_t c = a; c < b; ++c) parts[c] = part(c << 16, std::min(n, (c + 1) << 16));
+  });
+  double acc = 0;
+  for (double v : parts) acc += v;
+  return acc;
+}
+
+// Sum of squares over the gradients (their global L2 norm squared; NaN/Inf in any makes it non-finite);
+// None when one cannot be read in place (not CPU, not contiguous, a subclass).
+py::object grad_sumsq(const std::vector<at::Tensor>& grads) {
+  double acc = 0;
+  for (const auto& g : grads) {
+    if (!g.defined() || g.numel() == 0) continue;
+    if (!readable(g)) return py::none();
+    const void* d = g.const_data_ptr();
+    int64_t n = g.numel();
+    switch (g.scalar_type()) {
+      case at::kFloat: acc += sumsq(static_cast<const float*>(d), n); break;
+      case at::kDouble: acc += sumsq(static_cast<const double*>(d), n); break;
+      case at::kHalf: acc += sumsq(static_cast<const at::Half*>(d), n); break;
+      case at::kBFloat16: acc += sumsq(static_cast<const at::BFloat16*>(d), n); break;
+      default: return py::none();
+    }
+  }
+  return py::float_(acc);
+}
 
 // The allocator reports to whatever holds the PROFILER_STATE slot, and torch.profiler refuses to
 // start while it is taken: a user's profiler inside a doctored cell gets the slot for its duration
@@ -1017,6 +1087,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("start", &start);
   m.def("stop", &stop);
   m.def("running", &running);
+  m.def("allocated", &allocated);
+  m.def("scalar_value", &scalar_value);
+  m.def("grad_sumsq", &grad_sumsq);
   m.def("suspend_memory", &suspend_memory);
   m.def("resume_memory", &resume_memory);
   m.def("set_optimizer_depth", &set_optimizer_depth);

@@ -21,6 +21,7 @@ from ..capture.history import history_for
 from ..capture.runner import cell_filename, make_capture, run_source, run_under_capture
 from ..report import Report
 from ..trace import Trace
+from .iteration_replay import IterationRollback, replay_iteration
 from .engine import choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
 
 _last: list[Report | None] = [None]
@@ -103,14 +104,21 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
         detail = screens_every_op()
     snapshot = snapshot_for(source, namespace) if rollback and not detail else None
     past = history_for(source, namespace) if history else None
+    # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone.
+    sampled = rollback and detail and chosen == "native" and not every_iteration and memory_limit is None
+    iteration_rollback = IterationRollback(source, namespace) if sampled else None
     if execute is None:
         trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
-                           history=past, detail=detail, engine=chosen, every_iteration=every_iteration)
+                           history=past, detail=detail, engine=chosen, every_iteration=every_iteration,
+                           rollback=iteration_rollback)
     else:
         capture = make_capture(chosen, namespace, cell_file=cell_file or cell_filename(), source=source,
                                memory_limit=memory_limit, history=past, detail=detail,
                                every_iteration=every_iteration)
+        capture.rollback = iteration_rollback
         trace = run_under_capture(execute, capture, timeout)
+    if iteration_rollback is not None and iteration_rollback.iteration is not None:
+        trace = replay_iteration(trace, iteration_rollback, namespace, timeout=timeout, engine=chosen)
     if wants_replay(trace, snapshot):
         # NaN/Inf seen: replay the step from the saved state with every op checked. The namespace
         # ends as a plain run leaves it (the replay recomputes the same step).

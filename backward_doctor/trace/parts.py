@@ -177,6 +177,8 @@ class Iterations:
     first_nonfinite: int | None = None
     #: what made it non-finite first: "loss" or "gradients"
     first_nonfinite_in: str = ""
+    #: the trace's ops are this one iteration, replayed in detail after the run (``run/iteration_replay.py``)
+    replayed: int | None = None
 
     @property
     def skipped(self) -> int:
@@ -185,6 +187,8 @@ class Iterations:
 
     def iteration_of(self, op_index: int) -> int | None:
         """The iteration a recorded op belongs to (None when no optimizer step ended in the cell)."""
+        if self.replayed is not None:
+            return self.replayed
         if not self.starts:
             return None
         return self.recorded[max(0, bisect.bisect_right(self.starts, op_index) - 1)]
@@ -192,7 +196,7 @@ class Iterations:
     def unrecorded_before(self, op_index: int) -> tuple[int, int] | None:
         """(first, last) of the unrecorded iterations just before the one holding ``op_index``, if any."""
         it = self.iteration_of(op_index)
-        if it is None:
+        if it is None or self.replayed is not None:
             return None
         k = self.recorded.index(it)
         prev = self.recorded[k - 1] if k else -1

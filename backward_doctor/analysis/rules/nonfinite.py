@@ -10,6 +10,7 @@ that softmax turns into zeros) is intended, not a bug, and is not reported.
 from __future__ import annotations
 
 from ..findings import Finding, at, forward_where, source_line
+from ..trends import history_before, lr_change, nan_pattern
 from ...capture.stats import format_stats
 from ...trace.records import NonFiniteEvent, Trace, Where
 
@@ -58,9 +59,80 @@ def _without_origin(trace: Trace) -> list[Finding]:
                evidence={"reached": reached, "located": False})]
 
 
+def _unrecorded_first(trace: Trace) -> list[Finding]:
+    """The loop watch saw NaN/Inf first in an iteration the recorder did not record, and no replay located
+    its op (the notes say why): the iteration, and what went non-finite."""
+    its = trace.iterations
+    k = its.first_nonfinite
+    calls = []
+    try:
+        from ...util.cell import Cell
+        calls = Cell(trace.source).backward_calls()
+    except Exception:  # a cell we cannot parse: no line to point at
+        pass
+    line = calls[0].lineno if calls else None
+    what = "its loss" if its.first_nonfinite_in == "loss" else "its gradients (the loss was finite)"
+    msg = (f"NaN/Inf first appeared in iteration {k} of the loop, in {what}. That iteration ran with the "
+           "recorder off (a long loop is sampled) and could not be replayed in detail (see the notes). Run the "
+           "cell again with `every_iteration=True` (`%%backward_doctor --every-iteration`) to find the op.")
+    return [at("nonfinite", Where(line=line, cell_line=line), msg, title=f"NaN/Inf first in iteration {k}",
+               iteration=k, evidence={"located": False, "first_in": its.first_nonfinite_in})]
+
+
+def _with_history(trace: Trace, found: list[Finding]) -> list[Finding]:
+    """Add the loss/gradient-norm history before the first NaN/Inf; a divergence that began when the cell
+    raised the learning rate makes that line the root cause."""
+    its = trace.iterations
+    k = its.first_nonfinite
+    if k is None or not found or (not its.loss and not its.grad_norm):
+        return found
+    f = found[0]
+    f.evidence["history"] = history_before(its, k)
+    pattern = nan_pattern(its, k)
+    if pattern is None:
+        return found
+    f.evidence["pattern"] = pattern["pattern"]
+    series = "gradient norm" if pattern["series"] == "grad_norm" else "loss"
+    if pattern["pattern"] == "jump":
+        f.message += (f" Before iteration {k} the {series} was steady (about {pattern['from']:.3g}; "
+                      f"{pattern['to']:.3g} in the iteration before): NaN/Inf came at once, from this "
+                      "iteration's data or op, not from a slow divergence.")
+        return found
+    start = pattern["start"]
+    shown = f.message  # where the NaN/Inf showed, before the history is added
+    f.message += (f" Before it the training diverged: the {series} grew from about {pattern['from']:.3g} to "
+                  f"{pattern['to']:.3g}, from iteration {start} on; the NaN/Inf is where that growth overflowed.")
+    change = lr_change(its, start, trace.source)
+    if change is None or change["to"] < change["from"]:
+        f.message += (" Lower the learning rate or clip the gradients (`torch.nn.utils.clip_grad_norm_(model."
+                      "parameters(), 1.0)` before `optimizer.step()`).")
+        return found
+    line = change["line"]
+    code = source_line(trace, line, None) if line else ""
+    lead = (f"The learning rate was raised from {change['from']:.3g} to {change['to']:.3g} in iteration "
+            f"{change['iteration']}{' at line ' + str(line) + ' (`' + code.strip() + '`)' if line else ''}, and "
+            f"the {series} grew from then on (about {pattern['from']:.3g} before, {pattern['to']:.3g} just "
+            f"before the first NaN/Inf in iteration {k}): the training diverged.")
+    cause = at("nonfinite", Where(line=line, cell_line=line) if line else
+               Where(line=f.line, file=f.file, cell_line=f.cell_line, module=f.module),
+               f"{lead} Keep the learning rate lower, raise it gradually (warm-up), or clip the gradients "
+               f"(`torch.nn.utils.clip_grad_norm_`). Where the NaN/Inf showed: {shown}",
+               title="The training diverged after the learning rate was raised", op=f.op,
+               iteration=change["iteration"], evidence={**f.evidence, "lr_change": change})
+    return [cause] + found[1:]
+
+
 def nonfinite(trace: Trace) -> list[Finding]:
-    """Report the first origin whose NaN/Inf reached the loss, a gradient or a parameter."""
+    """Report the first origin whose NaN/Inf reached the loss, a gradient or a parameter (with the loop's
+    history before it)."""
+    return _with_history(trace, _nonfinite(trace))
+
+
+def _nonfinite(trace: Trace) -> list[Finding]:
     origins: list[NonFiniteEvent] = [e for e in trace.nonfinite if e.is_origin and e.reached]
+    its = trace.iterations
+    if its.first_nonfinite is not None and its.replayed is None and its.first_nonfinite not in its.recorded:
+        return _unrecorded_first(trace)
     if not origins:
         return _without_origin(trace)
     ev = origins[0]

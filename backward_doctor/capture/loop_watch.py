@@ -1,0 +1,150 @@
+"""A training loop watched in every iteration, recorded op by op or not: the loss, the gradients' norm,
+the learning rate and live memory, a few numbers per iteration (``Trace.iterations``).
+
+This is what tells a divergence (the loss and the gradient norm grow for many iterations before the
+first NaN) from a bad batch (all steady, then NaN at once), names the exact iteration where NaN/Inf first
+showed even when the recorder was off for it, and shows memory creeping up iteration after iteration.
+
+Nothing here dispatches an op or allocates on the device: the loss is read from its CPU storage in
+place, the gradients' sum of squares is read in C++ by the native recorder (the Python tier uses a
+fused ``_foreach_norm`` outside the dispatch mode), and on CUDA neither is read (a read would
+synchronise the device every iteration); live memory is the allocator's count.
+
+>>> import torch
+>>> w = LoopWatch(its := Iterations(), live=lambda: 0)
+>>> w.saw_backward(torch.tensor(0.5))
+>>> w.iteration_ended()
+>>> its.loss, its.first_nonfinite
+([0.5], None)
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..trace.parts import Iterations
+
+_MAX_POINTS = 4096  # per series; past it every other point is dropped and the stride doubles
+
+
+def read_scalar(t: Any) -> float | None:
+    """The value of a one-element CPU floating tensor, read from its storage in place (no op dispatched,
+    nothing allocated, nothing a dispatch mode or profiler would see); None when it cannot be read so.
+
+    >>> read_scalar(torch.tensor(1.5)), read_scalar(torch.tensor([1.0, 2.0])), read_scalar(3)
+    (1.5, None, None)
+    """
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or t.numel() != 1:
+        return None
+    if t.layout != torch.strided or not t.is_floating_point():
+        return None
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:  # no storage (a fake or functional tensor)
+        return None
+    if not ptr:
+        return None
+    dtype = t.dtype
+    if dtype == torch.float32:
+        return ctypes.c_float.from_address(ptr).value
+    if dtype == torch.float64:
+        return ctypes.c_double.from_address(ptr).value
+    if dtype == torch.float16:
+        return struct.unpack("<e", ctypes.string_at(ptr, 2))[0]
+    if dtype == torch.bfloat16:  # the upper half of a float32
+        return struct.unpack("<f", b"\0\0" + ctypes.string_at(ptr, 2))[0]
+    return None
+
+
+def python_sumsq(grads: Sequence[torch.Tensor]) -> float | None:
+    """Sum of squares of CPU gradients by a fused norm outside any dispatch mode (the Python tier's way;
+    the native recorder reads them in C++). None for gradients on another device.
+
+    >>> round(python_sumsq([torch.ones(4), torch.ones(2)]), 4)
+    6.0
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if not grads:
+        return 0.0
+    if any(g.device.type != "cpu" for g in grads):
+        return None
+    with _disable_current_modes(), torch.no_grad():
+        norms = torch._foreach_norm([g.detach() for g in grads])
+        return float(sum(float(n) ** 2 for n in norms))
+
+
+class LoopWatch:
+    """The per-iteration series of one run, written into ``its`` (an :class:`Iterations`).
+
+    ``live``: live bytes now; ``sumsq``: sum of squares of a list of gradients (None: not readable);
+    ``on_nonfinite(iteration, what)``: called once, at the optimizer step of the first iteration whose
+    loss or gradients are NaN/Inf, before the step writes them into the weights.
+    """
+
+    def __init__(self, its: Iterations, *, live: Callable[[], int | None],
+                 sumsq: Callable[[Sequence[torch.Tensor]], float | None] | None = None,
+                 on_nonfinite: Callable[[int, str], None] | None = None) -> None:
+        self.its = its
+        self._live = live
+        self._sumsq = sumsq
+        self.on_nonfinite = on_nonfinite
+        self._loss: float | None = None
+        self._norm: float | None = None
+        self._lr: float | None = None
+        self._bad = ""  # "loss" / "gradients": this iteration's NaN/Inf, seen before its step
+
+    # ---------------------------------------------------------------- during an iteration
+    def saw_backward(self, tensors: Any) -> None:
+        """``backward()`` was called on ``tensors``: the latest one-element one is the loss."""
+        t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
+        value = read_scalar(t)
+        if value is None:
+            return
+        self._loss = value
+        if not math.isfinite(value) and not self._bad:
+            self._bad = "loss"
+
+    def before_step(self, opt: torch.optim.Optimizer) -> None:
+        """The outermost ``optimizer.step()`` is about to run: the gradients it will use, its lr."""
+        lr = opt.param_groups[0].get("lr") if opt.param_groups else None
+        self._lr = float(lr) if isinstance(lr, (int, float)) else None
+        if self._sumsq is not None:
+            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            try:
+                ss = self._sumsq(grads)
+            except Exception:  # a gradient we cannot read is not worth failing the step for
+                ss = None
+            if ss is not None:
+                self._norm = math.sqrt(ss) if math.isfinite(ss) else math.inf
+                if not math.isfinite(ss) and not self._bad:
+                    self._bad = "gradients"
+        if self._bad and self.its.first_nonfinite is None:
+            self.its.first_nonfinite, self.its.first_nonfinite_in = self.its.steps, self._bad
+            if self.on_nonfinite is not None:
+                self.on_nonfinite(self.its.steps, self._bad)
+
+    # ---------------------------------------------------------------- between iterations
+    def iteration_ended(self) -> None:
+        """Iteration ``its.steps`` ended (called before it is counted): its numbers join the series."""
+        its = self.its
+        if its.steps % its.stride == 0:
+            finite = lambda v: v if v is not None and math.isfinite(v) else None  # noqa: E731
+            its.loss.append(finite(self._loss))
+            its.grad_norm.append(finite(self._norm))
+            its.lr.append(self._lr)
+            live = self._live()
+            its.live_bytes.append(-1 if live is None else int(live))
+            if len(its.loss) > _MAX_POINTS:
+                for series in (its.loss, its.grad_norm, its.lr, its.live_bytes):
+                    del series[1::2]
+                its.stride *= 2
+        self._loss = self._norm = self._lr = None
+        self._bad = ""
+
+
+__all__ = ["LoopWatch", "read_scalar", "python_sumsq"]

@@ -1,0 +1,154 @@
+"""One iteration of a training loop replayed in detail: the one where NaN/Inf first showed while the
+recorder was off (a long loop is sampled: ``capture/native_capture.py``).
+
+During the run, :class:`IterationRollback` keeps the RNG states at the start of each iteration (a few KB,
+replaced every iteration) and, once, when the loop watch sees NaN/Inf in an iteration's loss or
+gradients *before its optimizer step*, a copy of the training state (the weights and optimizer state the
+step has not touched yet) and references to that iteration's loop variables (its batch). After the run,
+:func:`replay_iteration` saves the state the run ended with, restores the iteration's, runs the loop's
+body once with every op screened, in a shallow copy of the namespace (the names it assigns and the
+lists it appends to are the copy's), and puts the end state back: the namespace ends as the plain run
+left it, and only one iteration ran twice, not the whole loop.
+
+>>> rb = IterationRollback("for i in range(3):\\n    opt.step()\\n", {})
+>>> rb.iteration is None
+True
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import random
+import sys
+from typing import Any
+
+import torch
+
+from ..trace.records import Trace
+from ..util.cell import Cell, loop_names, one_iteration, stored_names
+from .snapshot import Snapshot, take_if_it_fits
+
+_CONTAINERS = (list, dict, set)
+
+
+def _rng() -> dict[str, Any]:
+    """The RNG states a loop body draws from (Python, torch CPU, NumPy when imported)."""
+    # torch's as bytes: the state tensor is freed at once (a loop's live memory is counted per iteration)
+    state = {"python": random.getstate(), "torch": torch.get_rng_state().numpy().tobytes()}
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    return state
+
+
+class IterationRollback:
+    """What one unrecorded iteration is replayed from (see the module docstring); the capture calls
+    :meth:`iteration_began` and :meth:`went_nonfinite` (``capture.rollback``)."""
+
+    def __init__(self, source: str, namespace: dict[str, Any]) -> None:
+        self.source = source
+        self.namespace = namespace
+        self._rng = _rng()  # iteration 0 starts with the run
+        self.state: Snapshot | None = None
+        self.iteration: int | None = None
+        self.values: dict[str, Any] = {}
+        self.why_not = ""
+
+    def iteration_began(self, iteration: int) -> None:
+        if self.iteration is None:
+            self._rng = _rng()
+
+    def went_nonfinite(self, iteration: int, what: str) -> None:
+        """The first NaN/Inf, in an iteration the recorder did not record: keep its state (once)."""
+        if self.iteration is not None:
+            return
+        self.iteration = iteration
+        state, self.why_not = take_if_it_fits(self.namespace)
+        if state is None:
+            return
+        # the draws of the iteration's own start, not of now
+        state.rng = {**state.rng, **self._rng,
+                     "torch": torch.frombuffer(bytearray(self._rng["torch"]), dtype=torch.uint8)}
+        self.state = state
+        self.values = {n: self.namespace[n] for n in loop_names(self.source) if n in self.namespace}
+
+    def release(self) -> None:
+        """Drop the copy and the batch (after the replay, or when none is run)."""
+        self.state, self.values = None, {}
+
+
+def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[str, Any], *,
+                     timeout: float | None, engine: str) -> Trace:
+    """Run iteration ``rollback.iteration`` of the cell's training loop again from its saved state with
+    every op checked; returns the detailed trace (what only the whole run knew carried over), or
+    ``first`` with a note saying why no replay was possible or it did not show NaN/Inf again."""
+    from ..capture.runner import make_capture, run_under_capture
+
+    from ..capture.namespace import loop_values
+
+    k = rollback.iteration
+    values = loop_values(rollback.values, list(rollback.values)) if rollback.values else ""
+    try:
+        found = one_iteration(rollback.source, first.cell_file)
+        why = rollback.why_not or ("" if found is not None else
+                                   "the cell's training loop fetches its own batch (`next(...)`) or was not found")
+        end = None
+        if not why and rollback.state is not None:
+            end, why = take_if_it_fits(namespace, stored_names(Cell(rollback.source).stmts))
+        if why or end is None or found is None or rollback.state is None:
+            first.notes.append(f"NaN/Inf first appeared in iteration {k}, which ran with the recorder off; it "
+                               f"could not be replayed in detail: {why or 'no state was kept'}")
+            return first
+        code, _ = found
+        try:
+            detailed = _run_once(first, rollback, code, namespace, timeout, engine, make_capture,
+                                 run_under_capture)
+        finally:
+            end.restore(namespace)
+    finally:
+        rollback.release()
+    if detailed.iterations.first_nonfinite is None and not detailed.nonfinite:
+        first.notes.append(f"NaN/Inf first appeared in iteration {k}, which ran with the recorder off; replayed "
+                           "from its saved state it stayed finite (it depends on something outside the model, "
+                           "the optimizer and the loop variables)")
+        return first
+    return _merged(first, detailed, k, values)
+
+
+def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: dict[str, Any],
+              timeout: float | None, engine: str, make_capture: Any, run_under_capture: Any) -> Trace:
+    rollback.state.restore(namespace)
+    if "zero_grad(" in rollback.source:  # the iteration began with zeroed gradients, not with its own
+        for t, *_ in rollback.state.tensors:
+            t.grad = None
+    ns = {name: (copy.copy(v) if type(v) in _CONTAINERS else v) for name, v in namespace.items()}
+    ns.update(rollback.values)
+    capture = make_capture(engine, ns, cell_file=first.cell_file, source=rollback.source, detail=True,
+                           every_iteration=True)
+
+    def run() -> BaseException | None:
+        exec(code, ns)
+        return None
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return run_under_capture(run, capture, timeout)
+
+
+def _merged(first: Trace, detailed: Trace, k: int, values: str) -> Trace:
+    """The replay's ops and NaN/Inf origin; the whole run's loop series, exception, graphs and history."""
+    detailed.iterations = dataclasses.replace(first.iterations, replayed=k)
+    if values:
+        detailed.iterations.values = {**first.iterations.values, str(k): values}
+    for name in ("exception", "stale_steps", "graph_holders", "history", "run_id", "duration_s", "timed_out",
+                 "threads", "timeout_s"):
+        setattr(detailed, name, getattr(first, name))
+    detailed.notes = list(first.notes) + [
+        f"NaN/Inf first appeared in iteration {k}, which ran with the recorder off: that iteration alone was "
+        "replayed from the state saved before its optimizer step (weights, optimizer state, RNG and its loop "
+        "variables), with every op's output checked. Its ops are the ones shown; what the body did outside the "
+        "model and the optimizer (printing, which was hidden, files) happened twice"]
+    return detailed
+
+
+__all__ = ["IterationRollback", "replay_iteration"]
