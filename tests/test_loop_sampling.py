@@ -51,17 +51,30 @@ def test_every_iteration_records_them_all():
         bd.diagnose("x = 1", {}, every_iteration="yes")
 
 
-def test_nan_in_an_unrecorded_iteration_is_placed_between_the_samples():
-    """The bad batch comes in iteration 20 (not sampled): iteration 32 is the first recorded one to see
-    NaN weights; the finding names iterations 17-31 and how to record them, not 'an earlier cell'."""
-    report = bd.diagnose(LOOP.format(n=40, bad=20), _ns())
+def test_nan_in_an_unrecorded_iteration_is_replayed_alone():
+    """The bad batch comes in iteration 20 (not sampled): the loop watch sees the NaN loss before that
+    iteration's step, keeps its state, and after the run that iteration alone is replayed in detail: the
+    same line and iteration as recording every iteration finds, and the end state of a plain run."""
+    plain, doctored = _ns(), _ns()
+    exec(LOOP.format(n=40, bad=20), plain)
+    report = bd.diagnose(LOOP.format(n=40, bad=20), doctored)
     f = report.findings[0]
-    assert f.kind == "nonfinite" and f.title == "NaN/Inf appeared in iterations 17-31", f
-    assert f.evidence["iteration"] == 32 and f.evidence["unrecorded"] == [17, 31]
-    assert "every_iteration=True" in f.message
+    assert (f.kind, f.line, f.iteration) == ("nonfinite", 3, 20), f
+    assert report.trace.iterations.first_nonfinite == 20 and report.trace.iterations.replayed == 20
+    assert "(i = 20)" in f.location()
+    assert any("that iteration alone was replayed" in n for n in report.trace.notes)
+    for p, q in zip(plain["model"].parameters(), doctored["model"].parameters()):
+        assert torch.equal(p.isnan(), q.isnan()) and torch.equal(p.nan_to_num(), q.nan_to_num())
+    assert doctored["i"] == 39 and doctored["xb"] is doctored["x"]
     # Recording every iteration finds the batch itself (the multiplication by NaN at line 3).
     full = bd.diagnose(LOOP.format(n=40, bad=20), _ns(), every_iteration=True).findings[0]
-    assert full.kind == "nonfinite" and full.line == 3 and "17-31" not in full.title
+    assert (full.kind, full.line, full.iteration) == ("nonfinite", 3, 20)
+
+
+def test_without_rollback_the_unrecorded_iteration_is_still_named():
+    f = bd.diagnose(LOOP.format(n=40, bad=20), _ns(), rollback=False).findings[0]
+    assert (f.kind, f.iteration, f.title) == ("nonfinite", 20, "NaN/Inf first in iteration 20"), f
+    assert f.line == 5 and "every_iteration=True" in f.message  # (the backward of the NaN loss)
 
 
 def test_a_nan_in_a_sampled_iteration_is_found_as_before():

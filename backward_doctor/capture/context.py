@@ -311,6 +311,7 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
             self._note_loop_values(its.steps)
         self._watch.iteration_ended()
         its.steps += 1
+        self._iter_seq.append(_sequence_nr())
         if self.rollback is not None:
             self.rollback.iteration_began(its.steps)
         self._begin_iteration(its.steps)

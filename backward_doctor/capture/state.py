@@ -78,6 +78,7 @@ class CaptureState:
         self._seq_map: dict[int, int] = {}  # autograd sequence number -> forward op index
         self._node_budget, self._budget_noted = _NODE_BUDGET, False
         self._seq_start = self._last_seq = _sequence_nr()
+        self._iter_seq = array("q")  # the autograd sequence number at which each iteration after the first began
         self._handles: list[Any] = []  # hooks on parameters
         self._undo = UndoStack()       # what start() installed, to undo in stop()
         self._global_handles: list[Any] = []  # optimizer hooks (off while torch.compile compiles)

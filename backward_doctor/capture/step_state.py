@@ -5,6 +5,7 @@ tensors in the namespace still carry an autograd graph and from which runs.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import inspect
@@ -149,9 +150,19 @@ def _runs_in_graph(fn: Any, start: int, earlier: list[tuple[int, int, int]]) -> 
     return runs
 
 
+def _oldest_seq(fn: Any, start: int) -> int:
+    """The smallest sequence number of this run's nodes behind ``fn`` (bounded walk)."""
+    return min((s for s in (n._sequence_nr() for n in _nodes(fn)) if s >= start), default=start)
+
+
 def graph_holders(cap: "OpRecorder") -> list[GraphHolder]:
-    """Namespace tensors that still carry an autograd graph, with the earlier runs that graph holds."""
+    """Namespace tensors that still carry an autograd graph, with the earlier runs that graph holds and,
+    in a loop, the iterations its graph comes from (a graph kept from an earlier iteration is a leak)."""
     start = cap._seq_start
+    its = cap.trace.iterations
+    bounds = cap._iter_seq  # the sequence number each iteration after the first began at
+    # the iteration running when the run ended: its own graphs (`loss`, `out`) are expected
+    current = its.steps if cap.trace.exception is not None else its.steps - 1
     earlier = [(r.run_id, r.seq_start, r.seq_end) for r in cap.history.runs] if cap.history else []
     out: list[GraphHolder] = []
     seen: set[int] = set()
@@ -168,7 +179,13 @@ def graph_holders(cap: "OpRecorder") -> list[GraphHolder]:
                              contained=store["contained"], earlier_runs=runs,
                              own_run=cap._run_id if seq >= start else None, own_index=own_index,
                              module=store.get("module"))
-        if runs:
+        kept_from_loop = False
+        if seq >= start and its.steps > 1:
+            # (nodes made after the last step belong to the last iteration's body)
+            holder.iteration = min(current, bisect.bisect_right(bounds, seq))
+            holder.from_iteration = min(current, bisect.bisect_right(bounds, _oldest_seq(fn, start)))
+            kept_from_loop = holder.from_iteration < current
+        if runs or kept_from_loop:
             holder.graph_bytes = _saved_bytes(fn, saved_keys)
             if "cell" in store:
                 holder.target = store["cell"]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..trace.records import Trace
-from ..util.cell import Cell, loop_names, one_iteration, stored_names
+from ..util.cell import loop_names, one_iteration
 from .snapshot import Snapshot, take_if_it_fits
 
 _CONTAINERS = (list, dict, set)
@@ -95,7 +95,7 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
                                    "the cell's training loop fetches its own batch (`next(...)`) or was not found")
         end = None
         if not why and rollback.state is not None:
-            end, why = take_if_it_fits(namespace, stored_names(Cell(rollback.source).stmts))
+            end, why = take_if_it_fits(namespace)  # (names: the replay assigns only its copy's)
         if why or end is None or found is None or rollback.state is None:
             first.notes.append(f"NaN/Inf first appeared in iteration {k}, which ran with the recorder off; it "
                                f"could not be replayed in detail: {why or 'no state was kept'}")

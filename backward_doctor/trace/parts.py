@@ -79,7 +79,10 @@ class GraphHolder:
     store_line: int | None = None
     store: str = "cell"           # what stored it: "cell", "module" (an attribute) or "closure"
     graph_bytes: int = 0          # bytes its graph still saves for a backward (only with earlier_runs)
-    target: list[str] | None = None  # the cell variable to look for the storing line (only with earlier_runs)
+    target: list[str] | None = None  # the cell variable to look for the storing line (with earlier_runs, or
+    #                                   a graph kept from an earlier iteration of this run's loop)
+    iteration: int | None = None       # the iteration of this run's loop that made its grad_fn
+    from_iteration: int | None = None  # the oldest iteration whose nodes its graph holds (``total += loss``)
 
 
 @dataclass

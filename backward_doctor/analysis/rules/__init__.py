@@ -14,6 +14,7 @@ from ...trace.records import Trace
 from .autograd import backward_twice, inplace, no_grad_path
 from .failures import generic_exception, index_out_of_range, mismatch
 from .hang import hang
+from .loop_memory import loop_leak
 from .memory import oom
 from .nonfinite import nonfinite
 from .params import left_frozen, orphan_params
@@ -26,7 +27,7 @@ Rule = Callable[[Trace], list[Finding]]
 EXCEPTION_RULES: list[Rule] = [hang, oom, inplace, backward_twice, left_frozen, no_grad_path, index_out_of_range,
                                mismatch]
 #: Rules that look at the whole run, whether or not it raised.
-RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, amp_skipped, nonleaf_param]
+RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped, nonleaf_param]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast]
 
@@ -46,4 +47,16 @@ def analyze(trace: Trace) -> list[Finding]:
             findings.extend(rule(trace))
     for rule in RUN_RULES:
         findings.extend(rule(trace))
+    # Memory that ran out because a loop kept its graphs: the line that keeps them is the root cause.
+    leak = next((f for f in findings if f.kind == "graph_leak" and f.severity == "error"), None)
+    if leak is not None and findings[0].kind == "oom":
+        oom_f = findings[0]
+        findings.remove(leak)
+        findings.insert(0, leak)
+        oom_f.message = (f"A consequence of the graphs `{leak.evidence['variable']}` keeps (above): "
+                         + oom_f.message.split(" Activations saved for backward")[0]
+                         + " Smaller batches or accumulation would only delay it: stop keeping the graphs.")
+        oom_f.fixes = []
+        oom_f.severity = "warning"
+        oom_f.iteration = trace.iterations.steps  # the iteration that was running when it ran out
     return place_in_loops(trace, findings)
