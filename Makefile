@@ -40,7 +40,7 @@ chromium:
 
 # Every tier, on the native recorder where it builds (conftest builds it once, ~40 s); then the
 # scenario suites again on the Python tier, which machines without a compiler use.
-PYTHON_TIER_TESTS = tests/test_findings.py tests/test_silent.py tests/test_house_rules.py tests/test_tiers.py \
+PYTHON_TIER_TESTS = tests/test_loop_trends.py tests/test_findings.py tests/test_silent.py tests/test_house_rules.py tests/test_tiers.py \
 	tests/test_api.py tests/test_scenarios_plain.py tests/test_memory.py
 test: setup chromium
 	$(PY) -m pytest -q backward_doctor tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
