@@ -203,6 +203,7 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
                        f'<code>{esc(ic.valid)}</code> ({esc(ic.what)})</div>')
     out.append(f'<div style="margin-top:6px">{_message_html(f.message)}</div>')
     ev = f.evidence
+    out.append(loop_plot_html(tr, f))
     if f.kind == "oom" and ev.get("predicted_peak_text"):
         limit = ev.get("limit")
         cells = []
@@ -215,6 +216,24 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
         out.append(_threads_html(tr))
     out.append("</div>")
     return "".join(out)
+
+
+def loop_plot_html(trace: Trace, f: Finding) -> str:
+    """The loop's history behind a finding: loss and gradient norm before the first NaN/Inf, or live
+    memory per iteration for graphs kept across iterations ('' for other findings)."""
+    from .svg_plots import loop_series_svg
+
+    ev, its = f.evidence, trace.iterations
+    if f.kind == "nonfinite" and ev.get("history") and its.first_nonfinite is not None:
+        change = (ev.get("lr_change") or {}).get("iteration")
+        svg = loop_series_svg(trace, "nan", upto=its.first_nonfinite, mark=its.first_nonfinite, change=change)
+        caption = "loss and gradient norm per iteration, up to the first NaN/Inf"
+    elif f.kind == "graph_leak" and ev.get("growth") and its.live_bytes:
+        svg = loop_series_svg(trace, "memory")
+        caption = "live memory at the end of each iteration"
+    else:
+        return ""
+    return f'<div class="sub" style="margin-top:6px">{esc(caption)}</div>{svg}'
 
 
 def _src_caption(line: int | None, file: str | None, what: str) -> str:

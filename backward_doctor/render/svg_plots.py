@@ -224,3 +224,100 @@ def _bar_color(label: str) -> str:
     if "gradient" in label:
         return CATEGORY_COLORS["gradients"]
     return CATEGORY_COLORS["other"] if label.startswith("(") else CATEGORY_COLORS["activations"]
+
+
+def _log_y(values: list[float | None]) -> tuple[float, float]:
+    finite = [v for v in values if v is not None and v > 0]
+    if not finite:
+        return 0.0, 1.0
+    lo, hi = math.log10(min(finite)), math.log10(max(finite))
+    return (lo - 0.5, hi + 0.5) if hi - lo < 1 else (lo, hi)
+
+
+def loop_series_svg(trace: Trace, series: str, *, upto: int | None = None, mark: int | None = None,
+                    change: int | None = None, width: int = 1000, height: int = 220) -> str:
+    """A training loop's per-iteration series (``trace.iterations``): ``"nan"`` draws the loss and the
+    gradient norm on a log scale up to iteration ``upto`` with the first NaN/Inf at ``mark`` and a learning
+    rate change at ``change``; ``"memory"`` draws live bytes per iteration with the limit and where it
+    would be reached.
+
+    >>> from backward_doctor.trace.parts import Iterations
+    >>> t = Trace(iterations=Iterations(steps=3, loss=[1.0, 2.0, None], grad_norm=[1.0, 3.0, None]))
+    >>> loop_series_svg(t, "nan", mark=2).count("<polyline")
+    2
+    """
+    its = trace.iterations
+    stride = max(1, its.stride)
+    n = len(its.live_bytes) if series == "memory" else max(len(its.loss), len(its.grad_norm))
+    end = n if upto is None else min(n, upto // stride + 1)
+    lo = max(0, end - 400)
+    xs = [i * stride for i in range(lo, end)]
+    if not xs:
+        return _svg(width, 60, [f'<text x="{width / 2}" y="34" text-anchor="middle" fill="{_MUTED}">no '
+                                "iterations</text>"], "loop series")
+    left, right, up, down = 70, 150, 16, 34
+    pw, ph = width - left - right, height - up - down
+    x0, x1 = xs[0], max(xs[-1], xs[0] + 1)
+
+    def X(v: float) -> float:
+        return round(left + (v - x0) / (x1 - x0) * pw, 1)
+
+    out: list[str] = []
+    if series == "memory":
+        ys = [b if b >= 0 else None for b in its.live_bytes[lo:end]]
+        cap = trace.memory.limit_bytes or trace.memory.device_total_bytes
+        top = max([v for v in ys if v is not None] + [1])
+        ymax = max(top, cap if cap and cap <= 4 * top else 0) * 1.1
+        scale, unit = scale_unit(ymax)
+
+        def Y(v: float) -> float:
+            return round(up + ph - v / ymax * ph, 1)
+
+        lines = [("live memory", "#4e79a7", ys, Y)]
+        if cap and cap <= 4 * top:
+            out.append(f'<line x1="{left}" x2="{left + pw}" y1="{Y(cap)}" y2="{Y(cap)}" stroke="{_RED}" '
+                       f'stroke-dasharray="6 4"/><text x="{left + 4}" y="{Y(cap) - 4}" fill="{_RED}" '
+                       f'font-size="10">{"limit" if trace.memory.limit_bytes else "device"} '
+                       f"{esc(format_bytes(cap))}</text>")
+        step = _nice(ymax / scale)
+        ticks = [(Y(k * step * scale), f"{k * step:g}") for k in range(int(ymax / scale / step) + 1)]
+        y_label = f"live ({unit})"
+    else:
+        loss, norm = its.loss[lo:end], its.grad_norm[lo:end]
+        a, b = _log_y(loss + norm)
+
+        def Y(v: float) -> float:
+            return round(up + ph - (math.log10(max(v, 1e-300)) - a) / max(b - a, 1e-9) * ph, 1)
+
+        lines = [("loss", "#4e79a7", loss, Y), ("gradient norm", "#f28e2b", norm, Y)]
+        every = max(1, math.ceil((b - a) / 6))
+        ticks = [(Y(10 ** e), f"1e{e}") for e in range(math.ceil(a), math.floor(b) + 1, every)]
+        y_label = "log scale"
+    for y, text in ticks:
+        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y}" y2="{y}" stroke="{_GRID}"/>'
+                   f'<text x="{left - 6}" y="{y + 4}" text-anchor="end" fill="{_MUTED}">{esc(text)}</text>')
+    ly = up + 4
+    for name, colour, ys, Y in lines:
+        pts = " ".join(f"{X(x)},{Y(v)}" for x, v in zip(xs, ys) if v is not None and (series == "memory" or v > 0))
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.5">'
+                   f"<title>{esc(name)}</title></polyline>"
+                   f'<rect x="{left + pw + 14}" y="{ly}" width="10" height="10" fill="{colour}"/>'
+                   f'<text x="{left + pw + 30}" y="{ly + 9}" fill="{_INK}">{esc(name)}</text>')
+        ly += 17
+    if change is not None and x0 <= change <= x1:
+        out.append(f'<line x1="{X(change)}" x2="{X(change)}" y1="{up}" y2="{up + ph}" stroke="{_INK}" '
+                   f'stroke-dasharray="3 3"/><text x="{X(change) + 4}" y="{up + 10}" fill="{_INK}" '
+                   f'font-size="10">learning rate changed ({change})</text>')
+    if mark is not None and x0 <= mark <= x1:
+        out.append(f'<text x="{X(mark)}" y="{up + ph / 2}" text-anchor="middle" fill="{_RED}" font-size="16" '
+                   f'font-weight="700">✖<title>first NaN/Inf: iteration {mark}</title></text>'
+                   f'<text x="{X(mark) - 4}" y="{up + ph - 6}" text-anchor="end" fill="{_RED}" font-size="10">'
+                   f"NaN/Inf ({mark})</text>")
+    out.append(f'<line x1="{left}" x2="{left}" y1="{up}" y2="{up + ph}" stroke="{_MUTED}"/>'
+               f'<line x1="{left}" x2="{left + pw}" y1="{up + ph}" y2="{up + ph}" stroke="{_MUTED}"/>')
+    for v in sorted({round(x0 + (x1 - x0) * k / 4) for k in range(5)}):
+        out.append(f'<text x="{X(v)}" y="{up + ph + 14}" text-anchor="middle" fill="{_MUTED}">{int(v)}</text>')
+    out.append(f'<text x="{left + pw / 2}" y="{height - 4}" text-anchor="middle" fill="{_MUTED}">iteration</text>'
+               f'<text transform="translate(14,{up + ph / 2}) rotate(-90)" text-anchor="middle" fill="{_MUTED}">'
+               f"{esc(y_label)}</text>")
+    return _svg(width, height, out, "training loop: " + ("live memory" if series == "memory" else "loss and gradient norm"))
