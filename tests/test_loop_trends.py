@@ -176,3 +176,19 @@ def test_the_series_survive_json_and_stay_bounded():
         long.steps += 1
     assert len(long.loss) <= 4096 and long.stride == 4 and len(long.live_bytes) == len(long.loss)
     assert not any(math.isnan(v) for v in long.loss)
+
+
+def test_ctrl_c_in_a_long_loop_reports_what_was_seen_so_far():
+    """An interrupt in iteration 90 (raised by the cell here, as a Ctrl-C would land): the report has the
+    90 iterations done, their series, and the leak they already show; nothing stays installed."""
+    cell = KEEPS_OUTPUTS.format(n=400).replace("    loss = F.cross_entropy",
+                                               "    if i == 90:\n        raise KeyboardInterrupt\n"
+                                               "    loss = F.cross_entropy")
+    before = torch.autograd.backward
+    report = bd.diagnose(cell, _ns())
+    assert torch.autograd.backward is before
+    assert report.exception is not None and "KeyboardInterrupt" in report.exception
+    its = report.trace.iterations
+    assert its.steps == 90 and len(its.live_bytes) == 90
+    leak = next(f for f in report.findings if f.kind == "graph_leak")
+    assert leak.line == 10 and leak.evidence["growth"]["per_iteration"] > 50_000
