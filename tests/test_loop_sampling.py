@@ -166,3 +166,25 @@ def test_a_batch_loop_variable_is_described_by_its_shapes():
     ns["batches"][16] = (ns["x"] * float("nan"), ns["y"])
     f = bd.diagnose(cell, ns).findings[0]
     assert (f.iteration, f.line) == (16, 3) and "appeared in iterations" not in f.title, f
+
+
+INPLACE_LATE = ("for i in range(300):\n    opt.zero_grad()\n    p = model(x).sigmoid()\n    if i == 200:\n"
+                "        p.add_(1e-3)  # in place on what sigmoid saved\n    loss = p.mean()\n    loss.backward()\n"
+                "    opt.step()\n")
+
+
+def test_an_error_in_an_unrecorded_iteration_is_replayed_alone():
+    """Iteration 200 raises (an in-place write on a saved tensor) with the recorder off: that iteration is
+    replayed from the state it raised in, so the in-place rule sees its ops and names the line; the
+    user's traceback, namespace and weights are those of the plain run."""
+    plain, doctored = _ns(), _ns()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        exec(INPLACE_LATE, plain)
+    report = bd.diagnose(INPLACE_LATE, doctored)
+    f = report.findings[0]
+    assert (f.kind, f.line, f.iteration) == ("inplace", 5, 200), f
+    assert "modified by an inplace operation" in report.exception
+    assert any("The cell raised in iteration 200" in n for n in report.trace.notes)
+    assert doctored["i"] == plain["i"] == 200
+    for p, q in zip(plain["model"].parameters(), doctored["model"].parameters()):
+        assert torch.equal(p, q)

@@ -389,6 +389,11 @@ class Capture(OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields
         record_exception(self, exc)
         if self.trace.iterations.starts:  # stopped inside the loop: the iteration that was running
             self._note_loop_values(self.trace.iterations.steps)
+        if self.rollback is not None and self._asleep and isinstance(exc, Exception) \
+                and not self.trace.timed_out and "out of memory" not in str(exc).lower():
+            # An error in an iteration the recorder did not record: that iteration can be replayed
+            # (its weights are still those it began with unless its optimizer step already ran).
+            self.rollback.went_wrong(self.trace.iterations.steps)
 
     def finish(self) -> Trace:
         """Resolve names, downsample the timeline, decide what NaN/Inf reached; returns the trace."""

@@ -58,6 +58,7 @@ class IterationRollback:
         self.iteration: int | None = None
         self.values: dict[str, Any] = {}
         self.why_not = ""
+        self.failed = False  # kept for an exception, not for NaN/Inf
 
     def iteration_began(self, iteration: int) -> None:
         if self.iteration is None:
@@ -77,6 +78,11 @@ class IterationRollback:
         self.state = state
         self.values = {n: self.namespace[n] for n in loop_names(self.source) if n in self.namespace}
 
+    def went_wrong(self, iteration: int) -> None:
+        """The cell raised in an iteration the recorder did not record: keep its state (after the run)."""
+        self.failed = True
+        self.went_nonfinite(iteration, "exception")
+
     def release(self) -> None:
         """Drop the copy and the batch (after the replay, or when none is run)."""
         self.state, self.values = None, {}
@@ -92,6 +98,7 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
     from ..capture.namespace import loop_values
 
     k = rollback.iteration
+    rollback_failed = rollback.failed
     values = loop_values(rollback.values, list(rollback.values)) if rollback.values else ""
     try:
         found = one_iteration(rollback.source, first.cell_file)
@@ -101,7 +108,8 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
         if not why and rollback.state is not None:
             end, why = take_if_it_fits(namespace)  # (names: the replay assigns only its copy's)
         if why or end is None or found is None or rollback.state is None:
-            first.notes.append(f"NaN/Inf first appeared in iteration {k}, which ran with the recorder off; it "
+            what = "The cell raised" if rollback_failed else "NaN/Inf first appeared"
+            first.notes.append(f"{what} in iteration {k}, which ran with the recorder off; it "
                                f"could not be replayed in detail: {why or 'no state was kept'}")
             return first
         code, _ = found
@@ -112,6 +120,13 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
             end.restore(namespace)
     finally:
         rollback.release()
+    if rollback_failed:
+        if detailed.exception is None or first.exception is None or detailed.exception.type != first.exception.type:
+            first.notes.append(f"The cell raised in iteration {k}, which ran with the recorder off; replayed from "
+                               "its saved state that iteration did not raise the same error, so the report is "
+                               "built from the run itself")
+            return first
+        return _merged(first, detailed, k, values, failed=True)
     if detailed.iterations.first_nonfinite is None and not detailed.nonfinite:
         first.notes.append(f"NaN/Inf first appeared in iteration {k}, which ran with the recorder off; replayed "
                            "from its saved state it stayed finite (it depends on something outside the model, "
@@ -139,18 +154,21 @@ def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: d
         return run_under_capture(run, capture, timeout)
 
 
-def _merged(first: Trace, detailed: Trace, k: int, values: str) -> Trace:
-    """The replay's ops and NaN/Inf origin; the whole run's loop series, exception, graphs and history."""
+def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = False) -> Trace:
+    """The replay's ops (and NaN/Inf origin, or failing op); the whole run's loop series, graphs, history and
+    exception (the replay's, the same error, when it is the error being explained: its op is recorded)."""
     detailed.iterations = dataclasses.replace(first.iterations, replayed=k)
     if values:
         detailed.iterations.values = {**first.iterations.values, str(k): values}
-    for name in ("exception", "stale_steps", "graph_holders", "history", "run_id", "duration_s", "timed_out",
-                 "threads", "timeout_s"):
+    kept = ("stale_steps", "graph_holders", "history", "run_id", "duration_s", "timed_out", "threads",
+            "timeout_s") + (() if failed else ("exception",))
+    for name in kept:
         setattr(detailed, name, getattr(first, name))
+    what = ("The cell raised in iteration" if failed else "NaN/Inf first appeared in iteration")
     detailed.notes = list(first.notes) + [
-        f"NaN/Inf first appeared in iteration {k}, which ran with the recorder off: that iteration alone was "
-        "replayed from the state saved before its optimizer step (weights, optimizer state, RNG and its loop "
-        "variables), with every op's output checked. Its ops are the ones shown; what the body did outside the "
+        f"{what} {k}, which ran with the recorder off: that iteration alone was replayed from the state "
+        f"saved {'when it raised' if failed else 'before its optimizer step'} (weights, optimizer state, RNG and its "
+        "loop variables), with every op recorded. Its ops are the ones shown; what the body did outside the "
         "model and the optimizer (printing, which was hidden, files) happened twice"]
     return detailed
 
