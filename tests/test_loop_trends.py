@@ -118,8 +118,10 @@ def test_outputs_kept_across_iterations_are_the_root_cause_with_their_growth():
 
 def test_the_leak_comes_before_the_oom_it_causes_and_predicts_it():
     limit = 10_000_000
-    finished = bd.diagnose(KEEPS_OUTPUTS.format(n=60), _ns(), memory_limit=limit).findings[0]
-    assert finished.kind == "graph_leak" and finished.evidence["growth"]["full_at"] is not None
+    first = bd.diagnose(KEEPS_OUTPUTS.format(n=60), _ns(), memory_limit=limit)
+    finished = first.findings[0]
+    assert finished.kind == "graph_leak" and "growth" in finished.evidence, first.trace.iterations.live_bytes
+    assert finished.evidence["growth"]["full_at"] is not None
     predicted = finished.evidence["growth"]["full_at"]
     report = bd.diagnose(KEEPS_OUTPUTS.format(n=400), _ns(), memory_limit=limit)
     kinds = [f.kind for f in report.findings]
@@ -192,3 +194,19 @@ def test_ctrl_c_in_a_long_loop_reports_what_was_seen_so_far():
     assert its.steps == 90 and len(its.live_bytes) == 90
     leak = next(f for f in report.findings if f.kind == "graph_leak")
     assert leak.line == 10 and leak.evidence["growth"]["per_iteration"] > 50_000
+
+
+def test_an_optimizer_step_that_writes_inf_is_named_with_its_iteration():
+    """Finite loss and gradients in iteration 200, but its step (a learning rate of inf set at line 3)
+    writes Inf into the weights: the first NaN loss is in iteration 201, and the finding names the step
+    of iteration 200 and the line that set the learning rate, not the data."""
+    cell = ("for i in range(300):\n    if i == 200:\n        opt.param_groups[0]['lr'] = float('inf')\n"
+            "    loss = ((model(X) - Y) ** 2).mean()\n    opt.zero_grad(); loss.backward(); opt.step()\n")
+    ns = _ns(X=torch.randn(12, 8), Y=torch.randn(12, 1))
+    ns["model"] = nn.Linear(8, 1)
+    ns["opt"] = torch.optim.SGD(ns["model"].parameters(), lr=0.01)
+    report = bd.diagnose(cell, ns)
+    f = report.findings[0]
+    assert report.trace.iterations.first_nonfinite == 201
+    assert (f.kind, f.line, f.iteration) == ("nonfinite", 3, 200), f
+    assert f.title == "The optimizer step of iteration 200 made the weights NaN/Inf"

@@ -158,6 +158,27 @@ def _nonfinite(trace: Trace) -> list[Finding]:
                "with `every_iteration=True` (`%%backward_doctor --every-iteration`) to find the op that made it.")
         return [at("nonfinite", where, msg, op=ev.op, title=f"NaN/Inf appeared in iterations {gap[0]}-{gap[1]}",
                    evidence=evidence)]
+    if ev.kind == "weights" and trace.iterations.replayed:
+        k = trace.iterations.replayed
+        step = trace.optimizer_steps[0] if trace.optimizer_steps else None
+        where = Where(line=step.line, file=step.file, cell_line=step.cell_line) if step else where
+        norms = trace.iterations.grad_norm
+        prev = norms[(k - 1) // trace.iterations.stride] if (k - 1) // trace.iterations.stride < len(norms) else None
+        msg = (f"The weights were already NaN/Inf when iteration {k} began ({'; '.join(evidence['inputs'])}), "
+               f"yet every earlier loss and gradient was finite (gradient norm "
+               f"{'%.3g' % prev if prev is not None else 'unknown'} in iteration {k - 1}): the optimizer step of "
+               f"iteration {k - 1} wrote them. An update that overflows comes from a learning rate far too high "
+               "for these gradients, or from optimizer state that overflowed (Adam's second moment in float16): "
+               "lower the learning rate, clip the gradients, keep optimizer state in float32.")
+        change = lr_change(trace.iterations, k - 1, trace.source)
+        if change is not None and change["iteration"] == k - 1:
+            if change["line"]:
+                where = Where(line=change["line"], cell_line=change["line"])
+            msg += (f" Here the learning rate had just been set to {change['to']:.3g} (from {change['from']:.3g})"
+                    f"{' at line ' + str(change['line']) if change['line'] else ''}.")
+            evidence["lr_change"] = change
+        return [at("nonfinite", where, msg, op=ev.op, title=f"The optimizer step of iteration {k - 1} made the "
+                   "weights NaN/Inf", iteration=k - 1, evidence=evidence)]
     if ev.kind == "weights":
         msg = (f"The model's weights already contained NaN/Inf when this step started "
                f"({'; '.join(evidence['inputs'])}), so every output is NaN from line {where.line} (`{code}`) on. "
