@@ -188,3 +188,16 @@ def test_an_error_in_an_unrecorded_iteration_is_replayed_alone():
     assert doctored["i"] == plain["i"] == 200
     for p, q in zip(plain["model"].parameters(), doctored["model"].parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_bad_micro_batch_under_gradient_accumulation_is_replayed():
+    """Four micro-batches per optimizer step: the NaN loss of micro-batch 83 is seen at its backward, so
+    the state kept is that micro-batch's (the weights do not change until the step)."""
+    cell = ("for i in range(160):\n    xb = x * float('nan') if i == 83 else x\n"
+            "    loss = F.cross_entropy(model(xb), y) / 4\n    loss.backward()\n"
+            "    if (i + 1) % 4 == 0:\n        opt.step()\n        opt.zero_grad()\n")
+    report = bd.diagnose(cell, _ns())
+    f = report.findings[0]
+    assert report.trace.iterations.first_nonfinite == 20 and report.trace.iterations.replayed == 20
+    assert (f.kind, f.line, f.iteration) == ("nonfinite", 2, 20), f
+    assert "i = 83" in f.location()

@@ -82,8 +82,9 @@ class LoopWatch:
     """The per-iteration series of one run, written into ``its`` (an :class:`Iterations`).
 
     ``live``: live bytes now; ``sumsq``: sum of squares of a list of gradients (None: not readable);
-    ``on_nonfinite(iteration, what)``: called once, at the optimizer step of the first iteration whose
-    loss or gradients are NaN/Inf, before the step writes them into the weights.
+    ``on_nonfinite(iteration, what)``: called once, when the first NaN/Inf loss reaches ``backward()`` or,
+    for NaN/Inf gradients from a finite loss, before the optimizer step that would write them into the
+    weights.
     """
 
     def __init__(self, its: Iterations, *, live: Callable[[], int | None],
@@ -108,6 +109,9 @@ class LoopWatch:
         self._loss = value
         if not math.isfinite(value) and not self._bad:
             self._bad = "loss"
+            # Seen before its backward (and, with gradient accumulation, in the very micro-batch that
+            # made it): the state to replay from is the one of this moment.
+            self._first("loss")
 
     def before_step(self, opt: torch.optim.Optimizer) -> None:
         """The outermost ``optimizer.step()`` is about to run: the gradients it will use, its lr."""
@@ -123,10 +127,14 @@ class LoopWatch:
                 self._norm = math.sqrt(ss) if math.isfinite(ss) else math.inf
                 if not math.isfinite(ss) and not self._bad:
                     self._bad = "gradients"
-        if self._bad and self.its.first_nonfinite is None:
-            self.its.first_nonfinite, self.its.first_nonfinite_in = self.its.steps, self._bad
+        if self._bad:
+            self._first(self._bad)
+
+    def _first(self, what: str) -> None:
+        if self.its.first_nonfinite is None:
+            self.its.first_nonfinite, self.its.first_nonfinite_in = self.its.steps, what
             if self.on_nonfinite is not None:
-                self.on_nonfinite(self.its.steps, self._bad)
+                self.on_nonfinite(self.its.steps, what)
 
     # ---------------------------------------------------------------- between iterations
     def iteration_ended(self) -> None:
