@@ -167,7 +167,7 @@ def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = F
     what = ("The cell raised in iteration" if failed else "NaN/Inf first appeared in iteration")
     detailed.notes = list(first.notes) + [
         f"{what} {k}, which ran with the recorder off: that iteration alone was replayed from the state "
-        f"saved {'when it raised' if failed else 'before its optimizer step'} (weights, optimizer state, RNG and its "
+        f"saved {'when it raised' if failed else 'when NaN/Inf first showed, before its optimizer step'} (weights, optimizer state, RNG and its "
         "loop variables), with every op recorded. Its ops are the ones shown; what the body did outside the "
         "model and the optimizer (printing, which was hidden, files) happened twice"]
     return detailed

@@ -99,7 +99,8 @@ def _with_history(trace: Trace, found: list[Finding]) -> list[Finding]:
                       "iteration's data or op, not from a slow divergence.")
         return found
     start = pattern["start"]
-    shown = f.message  # where the NaN/Inf showed, before the history is added
+    shown = (f"`{f.op}` at line {f.line} made the first NaN/Inf" if f.op and f.line is not None
+             else "the first NaN/Inf")
     f.message += (f" Before it the training diverged: the {series} grew from about {pattern['from']:.3g} to "
                   f"{pattern['to']:.3g}, from iteration {start} on; the NaN/Inf is where that growth overflowed.")
     change = lr_change(its, start, trace.source)
@@ -116,8 +117,8 @@ def _with_history(trace: Trace, found: list[Finding]) -> list[Finding]:
     cause = at("nonfinite", Where(line=line, cell_line=line) if line else
                Where(line=f.line, file=f.file, cell_line=f.cell_line, module=f.module),
                f"{lead} Keep the learning rate lower, raise it gradually (warm-up), or clip the gradients "
-               f"(`torch.nn.utils.clip_grad_norm_`). Where the NaN/Inf showed: {shown}",
-               title="The training diverged after the learning rate was raised", op=f.op,
+               f"(`torch.nn.utils.clip_grad_norm_`). In iteration {k}, {shown}: a consequence, not the cause.",
+               title="The training diverged after the learning rate was raised",
                iteration=change["iteration"], evidence={**f.evidence, "lr_change": change})
     return [cause] + found[1:]
 
