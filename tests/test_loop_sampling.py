@@ -201,3 +201,26 @@ def test_a_bad_micro_batch_under_gradient_accumulation_is_replayed():
     assert report.trace.iterations.first_nonfinite == 20 and report.trace.iterations.replayed == 20
     assert (f.kind, f.line, f.iteration) == ("nonfinite", 2, 20), f
     assert "i = 83" in f.location()
+
+
+def test_the_per_iteration_watch_dispatches_no_op():
+    """What runs at every iteration's end (the RNG state kept for a replay, the loss read, the gradients'
+    norm, live bytes) must not show up as ops in the user's trace, nor run any kernel."""
+    from backward_doctor.capture.native_capture import NativeCapture
+    from backward_doctor.run.iteration_replay import IterationRollback
+
+    ns = _ns()
+    loss = F.cross_entropy(ns["model"](ns["x"]), ns["y"])
+    loss.backward()
+    value = loss.detach()
+    with NativeCapture(ns) as cap:
+        before = cap._ext.op_count()
+        IterationRollback("for i in range(3):\n    opt.step()\n", ns).iteration_began(1)
+        cap._watch.saw_backward(value)
+        cap._watch.before_step(ns["opt"])
+        cap._watch.iteration_ended()
+        after = cap._ext.op_count()
+    assert after == before
+    assert cap.trace.iterations.loss == [pytest.approx(loss.item())]
+    grads = torch.cat([p.grad.flatten() for p in ns["model"].parameters()])
+    assert cap.trace.iterations.grad_norm == [pytest.approx(grads.norm().item(), rel=1e-5)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import io
 import random
@@ -37,8 +38,10 @@ def _rng(source: str) -> dict[str, Any]:
     """The RNG states a loop body draws from: torch's (dropout, ``randn``: 2 us), and Python's or NumPy's
     only when the cell names them (10-35 us each, every iteration). (The batch itself is not drawn again:
     the replay reuses the iteration's loop variables.)"""
-    # torch's as bytes: the state tensor is freed at once (a loop's live memory is counted per iteration)
-    state: dict[str, Any] = {"torch": torch.get_rng_state().numpy().tobytes()}
+    # torch's as bytes, read in place (``.numpy()`` would dispatch a ``detach`` the recorder sees) and
+    # the state tensor freed at once (a loop's live memory is counted per iteration)
+    t = torch.get_rng_state()
+    state: dict[str, Any] = {"torch": ctypes.string_at(t.data_ptr(), t.numel())}
     if "random" in source:
         state["python"] = random.getstate()
         if "numpy" in sys.modules and ("np." in source or "numpy" in source):
