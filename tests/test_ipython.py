@@ -53,7 +53,10 @@ def test_failing_cell_keeps_traceback_and_reports_root_cause(shell):
     assert "modified by an inplace operation" in cap.stdout  # PyTorch's own traceback shown
     f = bd.last_report().findings[0]
     assert (f.kind, f.line, f.module, f.op) == ("inplace", 1, "model.2", "aten::relu_")
-    assert cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM - inplace at cell line 1 (model.2)")
+    # Plain words, the cell as IPython names it, the module with its type
+    assert cap.outputs[-1].data["text/plain"].startswith(
+        f"backward_doctor: PROBLEM - Saved tensor modified in place at Cell In[{result.execution_count}], line 1, "
+        "module model.2 (ReLU)")
 
 
 def test_bad_arguments_give_usage_error_and_do_not_run(shell):

@@ -179,7 +179,7 @@ def fake_runner(calls: list, *, block: threading.Event | None = None):
         after = bd.diagnose("import torch\nw = torch.ones(3, requires_grad=True)\n(w * 2).sum().backward()", {})
         code = "# fixed\n" + source
         after.fix_result = FakeResult(
-            name=fix, applied=not cancelled, cancelled=cancelled, code=code,
+            name=fix, applied=not cancelled, cancelled=cancelled, code=code, fits=not cancelled,
             diff="--- cell\n+++ cell (fixed)\n@@ -1 +1,2 @@\n+# fixed\n " + source.splitlines()[0],
             comparison={"before": {"peak_bytes": 20_000_000, "peak_by_category": {"activations": 15_000_000,
                                                                                    "parameters": 5_000_000},

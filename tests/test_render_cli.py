@@ -42,7 +42,7 @@ def test_render_gives_back_the_same_text_and_page(saved, capsys, tmp_path):
     page = tmp_path / "r.html"
     assert main(["render", str(path), "--html", str(page)]) == 1
     assert page.read_text(encoding="utf-8") == renderer("page").render(Report.from_dict(report.to_dict()))
-    assert "inplace" in page.read_text(encoding="utf-8")
+    assert "In-place write" in page.read_text(encoding="utf-8")  # the kind in plain words
 
 
 def test_render_of_a_healthy_report_exits_0(tmp_path, capsys):
@@ -95,4 +95,4 @@ def test_render_runs_from_the_command_line(saved):
     out = subprocess.run([sys.executable, "-m", "backward_doctor", "render", str(saved[1])], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 1, out.stderr
-    assert out.stdout.startswith("backward_doctor: PROBLEM - inplace at cell line 3")
+    assert out.stdout.startswith("backward_doctor: PROBLEM - In-place write on a leaf that requires grad at cell line 3")

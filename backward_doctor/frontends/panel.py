@@ -232,7 +232,7 @@ class Panel:
         group = self.ops_group.value
         rows = self._rows.get(group)
         if rows is None:
-            rows = self._rows[group] = view.op_rows(self.report.trace, group)
+            rows = self._rows[group] = view.op_rows(self.report.trace, group, self.report.places)
         self.ops_html.value = _wrap(S.ops_table_html(self.report.trace, group, self.ops_sort.value, limit=30,
                                                      rows=rows))
 
@@ -344,6 +344,21 @@ class Panel:
                 log.warning("the fixed run's memory plot could not be drawn", exc_info=True)
                 self.after_plot.layout.display = "none"
         code = result.code
-        if code and result.applied:
+        if code and result.applied and result.fits:  # only a fix that worked offers its code to insert
             self.keep.value = keep_html(code)
+        elif view.fix_failed(result):
+            self._offer_next(result)
         self.status.value = ""
+
+    def _offer_next(self, result: Any) -> None:
+        """After a fix that did not work, a button for the next one to try (``accumulate:8`` after
+        ``accumulate:4``), unless there already is one."""
+        nxt = view.next_fix_arg(result)
+        if nxt is None or nxt in self.fix_buttons:
+            return
+        b = W.Button(description=f"Try {nxt}", tooltip=view.fix_next_step(result), button_style="primary",
+                     icon="wrench", layout=W.Layout(width="auto"))
+        b.on_click(lambda _b, arg=nxt: self.start_fix(arg))
+        self.fix_buttons[nxt] = b
+        row = self.fix_box.children[1]
+        row.children = tuple(row.children) + (b,)

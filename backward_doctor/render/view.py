@@ -9,17 +9,19 @@ table's rows, the fixes that apply, the source lines around a place.
 from __future__ import annotations
 
 import linecache
-import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..analysis.findings import forward_where
+from ..analysis.findings import Finding, forward_where
+from ..report.places import line_label
 from ..trace.records import OpRecord, TensorMeta, Trace, Where
 from .style import CATEGORY_LABELS
 
 if TYPE_CHECKING:
     from ..report.report import Report
+    from ..report.fix_result import FixResult
+    from ..trace.records import FrameInfo
 
 
 FIX_INFO = {
@@ -33,6 +35,45 @@ FIX_INFO = {
     "sync": ("Synchronous replay",
              "Re-run with synchronous kernel launches to find the op that really failed."),
 }
+
+
+#: Each kind of finding in plain words, for badges and headlines (the kind itself stays in the JSON).
+KIND_WORDS = {
+    "amp_skipped": "AMP step skipped", "backward_twice": "Backward run twice", "broadcast": "Silent broadcast",
+    "detached": "Graph cut", "device_mismatch": "Different devices", "dtype_mismatch": "Different dtypes",
+    "exception": "Error", "graph_leak": "Graphs kept alive", "hang": "Hang", "index_out_of_range":
+    "Index out of range", "inf": "Inf", "inplace": "In-place write", "no_grad_path": "No gradient path",
+    "nonfinite": "NaN / Inf", "nonleaf_param": "Parameters not leaves", "oom": "Out of memory",
+    "orphan_params": "Parameters without gradient", "shape_mismatch": "Shapes do not fit",
+    "stale_grad": "Gradients never zeroed",
+}
+
+#: Ops the profiler and the recorder add around the user's own (``record_function`` markers): they are
+#: bookkeeping, not work the step asked for, so the ops table leaves them out.
+BOOKKEEPING_PREFIXES = ("profiler::",)
+
+
+def kind_words(kind: str) -> str:
+    """A finding's kind in plain words.
+
+    >>> kind_words("stale_grad"), kind_words("something_new")
+    ('Gradients never zeroed', 'Something new')
+    """
+    return KIND_WORDS.get(kind) or kind.replace("_", " ").capitalize()
+
+
+def finding_title(f: Finding) -> str:
+    """What a finding is called: its title, else its kind in plain words."""
+    return f.title or kind_words(f.kind)
+
+
+def is_bookkeeping(op_name: str) -> bool:
+    """True for an op that is the recorder's or profiler's own marker (``profiler::_record_function_enter_new``).
+
+    >>> is_bookkeeping("profiler::_record_function_enter_new"), is_bookkeeping("aten::mm")
+    (True, False)
+    """
+    return op_name.startswith(BOOKKEEPING_PREFIXES)
 
 
 # --------------------------------------------------------------------------- derivations
@@ -159,15 +200,18 @@ class OpRow:
     where: str = ""
 
 
-def op_rows(trace: Trace, group: str = "op") -> list[OpRow]:
-    """Ops grouped by op name, module or line: count, time, bytes newly allocated."""
+def op_rows(trace: Trace, group: str = "op", places: dict[str, str] | None = None) -> list[OpRow]:
+    """Ops grouped by op name, module or line: count, time, bytes newly allocated (the profiler's own
+    markers left out). ``places``: the report's names for the cell and files (``Cell In[2], line 4``)."""
     rows: dict[str, OpRow] = {}
     for op in trace.ops:
+        if is_bookkeeping(op.op):
+            continue
         if group == "module":
             key = _module_label(trace, op)
         elif group == "line":
             w = forward_where(trace, op)
-            key = _line_label(w) + (" (backward)" if op.phase == "backward" else "")
+            key = _line_label(w, places) + (" (backward)" if op.phase == "backward" else "")
         else:
             key = op.op
         row = rows.get(key)
@@ -179,15 +223,15 @@ def op_rows(trace: Trace, group: str = "op") -> list[OpRow]:
         row.alloc_bytes += sum(tensor_bytes(m) for k, m in zip(op.out_keys, op.outputs) if k and k not in ins)
     if group == "op" and trace.ops_dropped:  # totals cover the ops dropped from the middle
         for name, (count, total) in trace.op_totals.items():
+            if is_bookkeeping(name):
+                continue
             row = rows.setdefault(name, OpRow(name, 0, 0.0, 0))
             row.count, row.time_us = int(count), float(total)
     return list(rows.values())
 
 
-def _line_label(w: Where) -> str:
-    if w.line is None:
-        return "(unknown line)"
-    return f"cell line {w.line}" if w.file is None else f"{os.path.basename(w.file)}:{w.line}"
+def _line_label(w: Where, places: dict[str, str] | None = None) -> str:
+    return line_label(places or {}, w.line, w.file)
 
 
 SORT_KEYS = {"time": lambda r: -r.time_us, "memory": lambda r: -r.alloc_bytes, "count": lambda r: -r.count,
@@ -242,17 +286,155 @@ def source_context(trace: Trace, line: int | None, file: str | None, around: int
 
 
 def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
-    """(severity, badge, headline, one sentence)."""
+    """(severity, badge, headline, one sentence). A fixed run that works says what was wrong before it."""
     tr = report.trace
     if report.ok:
+        fr = report.fix_result
+        before = original_verdict(fr) if fr is not None and fr.applied and fr.fits else ""
+        if before:
+            return "ok", "fixed", f"The step ran with {fr.name}", f"Without it: {before}."
         return "ok", "OK", "The step ran and nothing looks wrong", ""
     top = report.root_cause
     if top is None:
         what = "timed out" if tr.timed_out else "did not complete"
         return "error", "problem", f"The step {what}", (report.exception or "").split("\n")[0]
-    title = top.title or top.kind.replace("_", " ")
+    title = finding_title(top)
     return top.severity, top.severity if top.severity != "error" else "problem", \
         f"{title} at {top.location()}", first_sentence(top.message)
 
 
 # --------------------------------------------------------------------------- fix results
+
+
+# --------------------------------------------------------------------------- threads and parameters
+def hang_threads(trace: Trace) -> tuple[list, list[str]]:
+    """The thread stacks worth reading in a hang report, and the names of those folded away.
+
+    A thread that never ran the user's code (ipykernel's Heartbeat, IOPub, Control; a history saver)
+    says nothing about the hang: it is folded to its name. The main thread always shows.
+
+    >>> from backward_doctor.trace.records import FrameInfo, ThreadStack
+    >>> t = Trace(threads=[ThreadStack("MainThread", 1, True), ThreadStack("Heartbeat", 2, False,
+    ...                    [FrameInfo("/zmq/heartbeat.py", 5, "run")])])
+    >>> [s.name for s in hang_threads(t)[0]], hang_threads(t)[1]
+    (['MainThread'], ['Heartbeat'])
+    """
+    shown, folded = [], []
+    for st in trace.threads:
+        if st.is_main or any(fi.user or fi.in_cell for fi in st.frames):
+            shown.append(st)
+        else:
+            folded.append(st.name)
+    return shown, folded
+
+
+def used_parameters(trace: Trace) -> tuple[int, int, int] | None:
+    """(tensors, trainable, bytes) of the parameters of the models the step ran, when fewer than all
+    the namespace holds (None: the totals are the step's own).
+
+    A model is used when an op ran inside one of its modules or one of its parameters got a gradient or
+    was stepped. Bytes are the totals' share by element count (one dtype per model is the common case).
+
+    >>> used_parameters(Trace()) is None
+    True
+    """
+    params = trace.params
+    if not params:
+        return None
+    roots = {op.where.module.split(".")[0].split("[")[0] for op in trace.ops if op.where.module}
+
+    def root(name: str) -> str:
+        return name.split(".")[0].split("[")[0]
+
+    used = [p for p in params if root(p.name) in roots or p.got_grad or p.stepped]
+    if not used or len(used) >= len(params):
+        return None
+    total_numel = sum(p.numel for p in params) or 1
+    share = sum(p.numel for p in used) / total_numel
+    return len(used), sum(p.requires_grad for p in used), int(trace.parameters.bytes * share)
+
+
+# --------------------------------------------------------------------------- fix outcomes
+def fix_failed(result: "FixResult") -> bool:
+    """True when the fix was applied and its re-run did not complete (ran out of memory, raised, hung)."""
+    return bool(result.applied and not result.cancelled and result.fits is False)
+
+
+def fix_next_step(result: "FixResult") -> str:
+    """What to try after a fix that did not work: a bigger k, or two fixes together ('' when it worked).
+
+    >>> from backward_doctor.report.fix_result import FixResult
+    >>> fix_next_step(FixResult("accumulate:4", applied=True, fits=False))
+    'Try `accumulate:8` (twice as many, smaller micro-batches), or `amp` and accumulation together (16-bit activations in each micro-batch).'
+    """
+    if not fix_failed(result):
+        return ""
+    kind, _, arg = result.name.partition(":")
+    if kind == "accumulate":
+        k = int(arg) if arg.isdigit() else 2
+        return (f"Try `accumulate:{2 * k}` (twice as many, smaller micro-batches), or `amp` and accumulation "
+                "together (16-bit activations in each micro-batch).")
+    if kind == "checkpoint":
+        return ("Try `accumulate:2` (smaller micro-batches), or checkpointing and accumulation together: keep this "
+                "code and split the batch as `accumulate` does.")
+    if kind == "amp":
+        return "Try `accumulate:2` (smaller micro-batches), or keep `amp` and add accumulation on top of it."
+    return "The findings above say what to change by hand."
+
+
+def original_verdict(result: "FixResult") -> str:
+    """What was wrong with the step before the fix ('' when it was fine or is not known): a fixed
+    report must not read as if nothing had ever been wrong."""
+    original = result.original or {}
+    findings = original.get("findings") or []
+    if findings:
+        f = Finding.from_dict(findings[0])
+        return f"{finding_title(f)} at {f.location()}"
+    exc = original.get("exception")
+    return exc.split("\n")[0][:200] if exc else ""
+
+
+def recorder_words(report: "Report") -> str:
+    """Which tier recorded the ops, for a report's footer, with why when it was not the one wanted.
+
+    >>> from backward_doctor.report import Report
+    >>> recorder_words(Report())
+    'the Python recorder'
+    """
+    if report.trace.engine == "native":
+        return "the native recorder"
+    return "the Python recorder" + (f" ({report.engine_note})" if report.engine_note else "")
+
+
+def next_fix_arg(result: "FixResult") -> str | None:
+    """The one fix a button can run next after ``result`` did not work (``accumulate:8`` after
+    ``accumulate:4``; ``accumulate:2`` after checkpointing or amp), None when it worked.
+
+    >>> from backward_doctor.report.fix_result import FixResult
+    >>> next_fix_arg(FixResult("accumulate:4", applied=True, fits=False))
+    'accumulate:8'
+    """
+    if not fix_failed(result):
+        return None
+    kind, _, arg = result.name.partition(":")
+    if kind == "accumulate":
+        return f"accumulate:{2 * int(arg) if arg.isdigit() else 4}"
+    if kind in ("checkpoint", "amp"):
+        return "accumulate:2"
+    return None
+
+
+def frame_label(fi: "FrameInfo", places: dict[str, str] | None = None) -> str:
+    """A frame of a thread's stack: ``Cell In[2], line 4`` when the frontend named it, else ``cell:4`` /
+    ``threading.py:320``.
+
+    >>> from backward_doctor.trace.records import FrameInfo
+    >>> frame_label(FrameInfo("<cell>", 4, "<module>", in_cell=True)), frame_label(FrameInfo("/a/b.py", 3, "f"))
+    ('cell:4', 'b.py:3')
+    """
+    import os
+
+    named = (places or {}).get("" if fi.in_cell else fi.file)
+    if named:
+        return f"{named}, line {fi.line}"
+    return f"cell:{fi.line}" if fi.in_cell else f"{os.path.basename(fi.file)}:{fi.line}"
