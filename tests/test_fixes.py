@@ -174,7 +174,9 @@ def test_checkpoint_fixes_oom_with_identical_gradients(res_peak):
     report = bd.diagnose(STEP, ns, memory_limit=limit, fix="checkpoint")
     fr = report.fix_result
     assert fr.applied and fr.fits, fr.message
-    assert "use_reentrant=False" in fr.code and "list(model.blocks)" in fr.code
+    assert "use_reentrant=False" in fr.code and "with checkpointing(*model.blocks):" in fr.code
+    blocks = [f"model.blocks[{i}]" for i in range(len(ns["model"].blocks))]
+    assert all(f"{b} (" in fr.message for b in blocks) and "..." not in fr.message  # every module named
     assert fr.comparison["after"]["peak_bytes"] <= limit
     ref = plain(res_mlp)
     for a, b in zip(grads(ns), grads(ref)):

@@ -38,7 +38,8 @@ def summary_line(report: "Report") -> str:
     mem = tr.memory
     if mem.peak_bytes:
         peak = tr.op(mem.peak_index)
-        at = f" at {peak.op}, line {peak.where.line}" if peak and peak.where.line else ""
+        at = f" at {peak.op}, {line_label(report.places, peak.where.line, peak.where.file)}" \
+            if peak and peak.where.line else ""
         limit = f" of {format_bytes(mem.limit_bytes)} limit" if mem.limit_bytes else ""
         parts.append(f"peak live tensors {format_bytes(mem.peak_bytes)}{limit}{at}")
     return "; ".join(parts)
