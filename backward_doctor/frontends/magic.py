@@ -8,8 +8,9 @@ first and replaced by the report (``running.py``), so the verdict sits above the
 """
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
+import os
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -225,8 +226,36 @@ def load_ipython_extension(ipython: Any) -> None:
     from .. import native
 
     ipython.register_magics(BackwardDoctorMagics)
-    # The native recorder compiles once (~40 s, cached); cells run on the Python tier meanwhile.
+    # The native recorder compiles once (~40 s, cached); cells run on the Python tier meanwhile. Say so
+    # once, here: a first cell that runs on the slower tier, silently, looks like the doctor's cost.
+    line = first_use_line()
     native.build_in_background()
+    if line:
+        print(line)
+
+
+def first_use_line() -> str:
+    """The one line ``%load_ext`` prints when the native recorder is not ready: it is being built in the
+    background, or why it cannot be ('' when the cached build just loads)."""
+    from .. import native
+
+    if not native.enabled():
+        return ""
+    if native.status()["reason"]:
+        return (f"backward_doctor: the Python recorder records the ops here (the native one could not be built: "
+                f"{native.status()['reason']})")
+    if not native.needs_build():
+        return ""
+    import shutil
+
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available() or not shutil.which(os.environ.get("CXX", "c++")):
+        missing = "ninja" if not is_ninja_available() else "a C++ compiler"
+        return (f"backward_doctor: no {missing} here, so the Python recorder records the ops (about 1.2x a step; "
+                "`pip install ninja` and a C++ compiler give the native one)")
+    return ("backward_doctor: building the native recorder in the background (~40 s, once); until it is ready "
+            "cells run on the Python recorder, and each report's footer says which one ran")
 
 
 def unload_ipython_extension(ipython: Any) -> None:

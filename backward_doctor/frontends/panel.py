@@ -314,7 +314,7 @@ class Panel:
 
     def _not_available(self, fix: str, exc: BaseException) -> None:
         self.status.value = _wrap(
-            f'<div class="exc" style="background:#fff8e1;border-color:#f0d48a"><b>The fix <code>{esc(fix)}</code> is '
+            f'<div class="exc" style="background:rgba(255,193,7,.12);border-color:rgba(178,106,0,.4)"><b>The fix <code>{esc(fix)}</code> is '
             f"not available yet</b> in this version of backward_doctor ({esc(type(exc).__name__)}: {esc(exc)}). "
             "The findings above still say what to change by hand.</div>")
 
