@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from ..report.report import Report
 
 MAX_NODES = 32
+#: Ops autograd and the dispatcher run for themselves (``detach`` of a saved output): left out of node labels.
+INTERNAL_OPS = frozenset({"detach", "alias", "lift_fresh", "_reshape_alias"})
 
 
 class ModuleGraph:
@@ -94,6 +96,8 @@ class ModuleGraph:
                 n.detail = self.ops[n.ops[0]].line_text
             elif "#" in n.id:
                 names = list(dict.fromkeys(self.ops[i].name for i in n.ops))
+                # autograd's own bookkeeping (it detaches what it saves): not something the user wrote
+                names = [m for m in names if m not in INTERNAL_OPS] or names
                 n.detail = "· " + ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
         edges: dict[tuple[str, str], list[_Edge]] = defaultdict(list)
         for e in self.edges:
