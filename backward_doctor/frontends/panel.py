@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import ipywidgets as W
 
-from ..render import sections as S, style, view
+from ..render import sections as S, style, view, wording
 from ..render.style import esc
 from .keep_code import keep_html
 
@@ -346,17 +346,17 @@ class Panel:
         code = result.code
         if code and result.applied and result.fits:  # only a fix that worked offers its code to insert
             self.keep.value = keep_html(code)
-        elif view.fix_failed(result):
+        elif wording.fix_failed(result):
             self._offer_next(result)
         self.status.value = ""
 
     def _offer_next(self, result: Any) -> None:
         """After a fix that did not work, a button for the next one to try (``accumulate:8`` after
         ``accumulate:4``), unless there already is one."""
-        nxt = view.next_fix_arg(result)
+        nxt = wording.next_fix_arg(result)
         if nxt is None or nxt in self.fix_buttons:
             return
-        b = W.Button(description=f"Try {nxt}", tooltip=view.fix_next_step(result), button_style="primary",
+        b = W.Button(description=f"Try {nxt}", tooltip=wording.fix_next_step(result), button_style="primary",
                      icon="wrench", layout=W.Layout(width="auto"))
         b.on_click(lambda _b, arg=nxt: self.start_fix(arg))
         self.fix_buttons[nxt] = b

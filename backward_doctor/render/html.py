@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
-from . import sections as S, style, view
+from . import sections as S, style, view, wording
 from .style import esc
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def render_html(report: "Report") -> str:
             body = f'<div class="bad">This section could not be drawn: {esc(type(exc).__name__)}: {esc(exc)}</div>'
         parts.append(f"<h3>{esc(title)}</h3>{body}")
     parts.append(f'<div class="muted bd-footer" style="margin-top:10px;font-size:11px">torch {esc(tr.torch_version)} · '
-                 f"device {esc(tr.device)} · {tr.op_count:,} ops recorded by {esc(view.recorder_words(report))}"
+                 f"device {esc(tr.device)} · {tr.op_count:,} ops recorded by {esc(wording.recorder_words(report))}"
                  "</div></div>")
     return "".join(parts)
 

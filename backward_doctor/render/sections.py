@@ -21,10 +21,9 @@ from ..report.places import file_label, line_label
 from ..trace.records import CATEGORIES, TensorMeta, Trace
 from ..util.units import format_bytes, format_us
 from .style import CATEGORY_LABELS, COLORS, esc, sev_color
-from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, finding_title, fix_failed, fix_next_step,
-                   frame_label, hang_threads, kind_words,
-                   offending_record, op_rows, phase_counts, source_context, tensor_bytes, used_parameters,
-                   verdict_parts)
+from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, hang_threads, offending_record, op_rows,
+                   phase_counts, source_context, tensor_bytes, used_parameters, verdict_parts)
+from .wording import finding_title, fix_failed, fix_next_step, frame_label, kind_words
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult

@@ -6,7 +6,6 @@ backward_doctor: OK - the step ran and nothing looks wrong
 """
 from __future__ import annotations
 
-import os
 import textwrap
 from typing import TYPE_CHECKING
 
@@ -15,8 +14,8 @@ from ..capture.stats import format_stats
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
 from ..report.places import line_label
-from .view import (finding_title, fix_failed, frame_label, fix_next_step, hang_threads, original_verdict, phase_counts,
-                   recorder_words)
+from .view import hang_threads, phase_counts
+from .wording import finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult

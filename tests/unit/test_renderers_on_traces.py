@@ -22,7 +22,7 @@ import pytest
 
 from backward_doctor.analysis import analyze  # the rules' import path: named here only
 from backward_doctor.render import renderer  # the registry: renderers by name ("text", "html", "page")
-from backward_doctor.render.view import finding_title, kind_words
+from backward_doctor.render.wording import finding_title, kind_words
 from backward_doctor.report import Report
 from backward_doctor.trace import Trace
 
