@@ -252,3 +252,25 @@ def test_the_report_footer_says_which_recorder_ran(shell):
     _run(shell, "%%backward_doctor --engine python\nmodel(x).sum().backward()")
     assert "ops recorded by the Python recorder" in str(bd.last_report())
     assert "ops recorded by the Python recorder" in bd.last_report().to_html()
+
+
+def test_a_broken_compiler_banner_stays_out_of_the_notebook(monkeypatch, capfd, tmp_path):
+    """The background build runs in a child process whose output is kept: torch's "!! WARNING !!" banner
+    never reaches the cell's output, and the reason is what the first-use line and the footer say."""
+    import subprocess as sp
+
+    from backward_doctor import native
+    from backward_doctor.frontends import magic
+
+    banner = ("\n!! WARNING !!\n\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\nYour compiler (c++) is not compatible...\n"
+              "RuntimeError: Error building extension 'backward_doctor_native'")
+    ran = []
+    monkeypatch.setattr(native, "built_file", lambda: str(tmp_path / "none.so"))
+    monkeypatch.setattr(native, "_reason", None)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(sp, "run", lambda cmd, **kw: ran.append(cmd) or sp.CompletedProcess(cmd, 1, "", banner))
+    native._build_then_load()
+    out = capfd.readouterr()
+    assert ran and "WARNING" not in out.out + out.err                 # nothing printed
+    assert native.status()["reason"] == "RuntimeError: Error building extension 'backward_doctor_native'"
+    assert "could not be built: RuntimeError: Error building extension" in magic.first_use_line()
