@@ -183,6 +183,8 @@ def test_ctrl_c_stops_the_cell_and_the_report_so_far_still_shows(kernel_like):
     assert "KeyboardInterrupt" in ANSI.sub("", cap.stdout)    # with the user's traceback
     assert cap.outputs[-1].update and cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM")
     assert bd.last_report().trace.exception.type == "KeyboardInterrupt" and bd.last_report().trace.op_count > 0
+    text = str(bd.last_report())  # without --timeout: the interrupt's traceback is the main thread's stack
+    assert "unknown code" not in text and "MainThread (main):" in text and "in <module>: time.sleep(0.1)" in text
     assert not [t for t in threading.enumerate() if t.name == "backward_doctor-progress"]
     assert "showtraceback" not in vars(shell)                    # the shell's own method is back
 

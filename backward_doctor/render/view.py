@@ -294,7 +294,15 @@ def hang_threads(trace: Trace) -> tuple[list, list[str]]:
     (['MainThread'], ['Heartbeat'])
     """
     shown, folded = [], []
+    exc = trace.exception
+    if not any(st.is_main and st.frames for st in trace.threads) and exc is not None and exc.frames:
+        # A Ctrl-C without a timeout photographs no stacks: the interrupt's traceback is the main one.
+        from ..trace.records import ThreadStack
+
+        shown.append(ThreadStack("MainThread", 0, True, list(exc.frames)))
     for st in trace.threads:
+        if st.is_main and not st.frames and shown:
+            continue
         if st.is_main or any(fi.user or fi.in_cell for fi in st.frames):
             shown.append(st)
         else:
