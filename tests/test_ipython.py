@@ -276,3 +276,12 @@ def test_a_broken_compiler_banner_stays_out_of_the_notebook(monkeypatch, capfd, 
     assert ran and "WARNING" not in out.out + out.err                 # nothing printed
     assert native.status()["reason"] == "RuntimeError: Error building extension 'backward_doctor_native'"
     assert "could not be built: RuntimeError: Error building extension" in magic.first_use_line()
+
+
+def test_quiet_leaves_nothing_where_the_placeholder_was(kernel_like):
+    shell = kernel_like
+    _run(shell, MLP)
+    result, cap = _run(shell, "%%backward_doctor --quiet\nmodel(x).sum().backward()")
+    assert bd.last_report().ok
+    assert cap.outputs[0].data["text/plain"] == "backward_doctor: running…"
+    assert cap.outputs[-1].update and cap.outputs[-1].data == {"text/plain": ""}

@@ -95,7 +95,7 @@ class BackwardDoctorMagics(Magics):
             raise
         if args.quiet and report.ok:
             if notice is not None:
-                notice.say("backward_doctor: OK - the step ran and nothing looks wrong")
+                notice.say("")  # --quiet: the placeholder goes, nothing takes its place
             return None
         _show(shell, report, cell, limit, timeout, notice)
         return None

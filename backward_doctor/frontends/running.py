@@ -51,6 +51,8 @@ class _Line:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         import html
 
+        if not self.text:  # an empty output: what is left of the placeholder under --quiet
+            return {"text/plain": ""}
         return {"text/plain": self.text,
                 "text/html": f'<div class="bd-running" style="color:var(--jp-ui-font-color2,#57606a);'
                              f'font-family:var(--jp-ui-font-family,sans-serif);font-size:13px">'
