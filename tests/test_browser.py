@@ -308,6 +308,17 @@ def test_verdict_above_the_traceback_in_the_dark_theme(tmp_path):
             assert _luminance(bg) < 0.35 and _luminance(ink) > 0.6, (bg, ink)
             page.evaluate("() => document.querySelector('.jp-Notebook').scrollTo(0, 0)")
             cell.screenshot(path=os.path.join(shots, "panel-dark-verdict-first.png"))
+            # The autograd graph too: a dark box, dark nodes with light ink.
+            panel.locator(".lm-TabBar-tab", has_text="Autograd graph").click()
+            node = panel.locator("svg .bd-node").nth(0)
+            node.wait_for(timeout=20_000)
+            graph_bg = panel.locator(".bd .graph").first.evaluate("e => getComputedStyle(e).backgroundColor")
+            fills = panel.locator("svg .bd-node").evaluate_all(
+                "els => els.map(g => getComputedStyle(g.querySelectorAll('rect')[g.querySelectorAll('rect').length - 1]).fill)")
+            # every node but the finding's (light yellow in both themes) is dark
+            assert _luminance(graph_bg) < 0.35 and sum(_luminance(f) < 0.35 for f in fills) >= len(fills) - 1, \
+                (graph_bg, fills)
+            panel.screenshot(path=os.path.join(shots, "panel-dark-graph.png"))
         finally:
             browser.close()
     if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":

@@ -80,7 +80,7 @@ CSS = """
 .bd .legend span{display:inline-block;margin-right:12px;font-size:12px}
 .bd .legend i{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px}
 .bd details>summary{cursor:pointer;color:var(--jp-content-link-color,#0b5cad);margin:4px 0}
-.bd .graph{overflow:auto;border:1px solid LINE2;border-radius:6px;background:#fff;max-height:760px}
+.bd .graph{overflow:auto;border:1px solid LINE2;border-radius:6px;background:BG;max-height:760px}
 .bd img.plot{max-width:100%;height:auto;display:block}
 .bd .bd-fix-failed .headline{color:var(--jp-error-color1,#c62828)}
 .bd .bd-next{margin-top:4px}
