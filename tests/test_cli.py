@@ -29,9 +29,10 @@ def test_cli_finds_problem_exits_1_and_writes_json(tmp_path):
     out = tmp_path / "report.json"
     proc = _run(["-m", "backward_doctor", str(script), "--json", str(out)])
     assert proc.returncode == 1, proc.stderr
-    assert "PROBLEM - NaN/Inf created here at cell line 4" in proc.stdout  # in plain words
+    assert "PROBLEM - NaN/Inf created here at step.py, line 4" in proc.stdout  # in plain words, the script named
     data = json.loads(out.read_text())
     assert data["ok"] is False and data["findings"][0]["kind"] == "nonfinite" and data["findings"][0]["line"] == 4
+    assert data["findings"][0]["place"] == "step.py" and data["places"] == {"": "step.py"}  # names in the JSON
 
 
 def test_cli_ok_exits_0(tmp_path):
@@ -46,7 +47,7 @@ def test_cli_hang_and_memory_limit(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import threading\nlock = threading.Lock()\nlock.acquire()\nlock.acquire()\n")
     proc = _run(["-m", "backward_doctor", str(script), "--timeout", "0.5"])
-    assert proc.returncode == 1 and "The step hangs at cell line 4" in proc.stdout
+    assert proc.returncode == 1 and "The step hangs at hang.py, line 4" in proc.stdout
 
 
 @pytest.mark.parametrize("args", [["--memory-limit", "much"], ["--timeout", "-1"], ["--fix", "nope"],

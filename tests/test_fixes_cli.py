@@ -42,7 +42,8 @@ def test_cli_fix_reruns_a_script_with_accumulation(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr          # the fixed step runs
     assert "fix accumulate:4: applied, the step ran" in proc.stdout
     # "OK" alone would hide that the original step ran out of memory
-    assert proc.stdout.startswith("backward_doctor: FIXED - the step ran with accumulate:4; without it: Out of memory")
+    assert proc.stdout.startswith("backward_doctor: FIXED - the step ran with accumulate:4; without it: Out of memory "
+                                  "at step.py, line 10")
     assert "code to keep" in proc.stdout and "xb_micro = xb[start:start + micro_size]" in proc.stdout
     data = json.loads(out.read_text())
     fr = data["fix_result"]

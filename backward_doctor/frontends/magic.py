@@ -23,6 +23,7 @@ from ..api import check_engine, check_fix, check_timeout
 from ..capture.process import one_run_at_a_time
 from ..capture.runner import running_progress
 from ..run.engine import ENGINES, choose_engine, python_tier_reason
+from ..report.places import name_places
 from ..run.step import run_step
 from ..util.units import parse_size
 from .running import RunningNotice, doctor_frames_hidden
@@ -86,6 +87,7 @@ class BackwardDoctorMagics(Magics):
                 stack.enter_context(doctor_frames_hidden(shell, before=lambda: _number_cell(shell, filename, number)))
                 if args.fix is not None:
                     report = _run_with_fix(shell, cell, args.fix, timeout, limit, not args.no_rollback)
+                    name_places(report, shell.user_ns, ipython_places(shell, filename, number))
                 else:
                     report = self._run_cell(args, cell, timeout, limit, engine, filename, number)
                 _number_cell(shell, filename, number)  # functions defined here are "Cell In[N]" in later tracebacks

@@ -54,6 +54,12 @@ def name_places(report: "Report", namespace: dict[str, Any] | None, namer: Namer
         f.place = report.places.get(CELL if f.file is None else f.file, f.place)
         if f.module and not f.module_type and namespace:
             f.module_type = module_type(namespace, f.module) or ""
+    fr = report.fix_result  # a fixed run: the original run's findings are named the same way
+    if fr is not None and isinstance(fr.original, dict):
+        for fd in fr.original.get("findings") or []:
+            name = report.places.get(CELL if fd.get("file") is None else fd["file"])
+            if name and not fd.get("place"):
+                fd["place"] = name
 
 
 def module_type(namespace: dict[str, Any], path: str) -> str | None:
