@@ -285,3 +285,20 @@ def test_quiet_leaves_nothing_where_the_placeholder_was(kernel_like):
     assert bd.last_report().ok
     assert cap.outputs[0].data["text/plain"] == "backward_doctor: running…"
     assert cap.outputs[-1].update and cap.outputs[-1].data == {"text/plain": ""}
+
+
+def test_a_front_end_that_cannot_show_the_placeholder_still_gets_the_report():
+    from backward_doctor.frontends.running import RunningNotice
+
+    shown = []
+
+    def display(obj, display_id=None):
+        if display_id:
+            raise RuntimeError("no display ids here")
+        shown.append(obj)
+
+    with RunningNotice(display, read=lambda: None, interval=0.01) as notice:
+        ran = True                                   # the cell runs all the same
+    notice.replace("the report")
+    assert ran and shown == ["the report"]
+    assert not [t for t in threading.enumerate() if t.name == "backward_doctor-progress"]

@@ -85,7 +85,11 @@ class RunningNotice:
 
     def __enter__(self) -> "RunningNotice":
         self._last = progress_text(None)
-        self._handle = self._display(_Line(self._last), display_id=True)
+        try:
+            self._handle = self._display(_Line(self._last), display_id=True)
+        except Exception:  # noqa: BLE001 - a front end that cannot show it: the cell runs all the same
+            self._handle = None
+            return self
         context = contextvars.copy_context()
         self._thread = threading.Thread(target=context.run, args=(self._poll,), daemon=True,
                                         name="backward_doctor-progress")
@@ -116,6 +120,8 @@ class RunningNotice:
         self.stop()
         if self._handle is not None:
             self._handle.update(obj)
+        else:  # the placeholder could not be shown: the report goes where it would have gone anyway
+            self._display(obj)
 
     def say(self, text: str) -> None:
         """Replace the placeholder with one line (no report could be made)."""
