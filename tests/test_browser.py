@@ -325,3 +325,46 @@ def test_verdict_above_the_traceback_in_the_dark_theme(tmp_path):
         os.makedirs(SHOTS, exist_ok=True)
         for name in os.listdir(shots):
             shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))
+
+
+def test_a_fix_that_did_not_work_says_so_and_offers_the_next(tmp_path):
+    """On a 12 MB device two micro-batches are not enough: the after-view is red, offers no code to insert,
+    and a "Try accumulate:4" button appears; that one works and offers its code."""
+    pytest.importorskip("jupyterlab")
+    root = str(tmp_path)
+    write_notebook(os.path.join(root, "failed.ipynb"), [SETUP_CELL, OOM_CELL.replace("20MB", "12MB")])
+    shots = str(tmp_path / "shots")
+    os.makedirs(shots)
+    with jupyter_server(root, "lab") as (base, token), sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 2000}, device_scale_factor=1)
+        page.set_default_timeout(60_000)
+        try:
+            page.goto(base + APPS["lab"][1].format(nb="failed.ipynb") + f"?token={token}&reset")
+            _run_cells(page, "lab")
+            panel = page.locator(".backward-doctor-panel")
+            panel.wait_for(timeout=90_000)
+            panel.locator("button", has_text="Try accumulate:2").click()
+            failed = panel.locator(".bd-fix-failed")
+            failed.wait_for(timeout=90_000)
+            text = failed.inner_text()
+            assert "did not work" in text and "accumulate:2 did not fix the step" in text and "Next:" in text
+            color = failed.locator(".headline").evaluate("e => getComputedStyle(e).color")
+            r, g, b = (int(v) for v in color[color.index("(") + 1:].rstrip(")").split(",")[:3])
+            assert r > 150 and g < 90 and b < 90, color                      # red (the theme's error colour)
+            assert panel.locator(".bd-keep").count() == 0                   # nothing to insert
+            assert "AFTER THE FIX" not in panel.inner_text().upper()
+            nxt = panel.locator("button", has_text="Try accumulate:4")
+            nxt.wait_for(timeout=10_000)
+            fix_box = panel.locator(".bd-fix-box")
+            fix_box.scroll_into_view_if_needed()
+            fix_box.screenshot(path=os.path.join(shots, "panel-fix-failed.png"))
+            nxt.click()
+            panel.locator(".bd-keep").wait_for(timeout=90_000)           # the next step works: code to keep
+            assert panel.locator(".bd-fix-failed").count() == 0
+        finally:
+            browser.close()
+    if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":
+        os.makedirs(SHOTS, exist_ok=True)
+        for name in os.listdir(shots):
+            shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))

@@ -350,7 +350,7 @@ def fix_result_parts(result: "FixResult") -> tuple[str, str, str]:
     nxt = fix_next_step(result)
     head = (f'<div class="verdict bd-fix-verdict{" bd-fix-failed" if fix_failed(result) else ""}" '
             f'style="--sev:{color}"><span class="badge">{esc(badge)}</span><div>'
-            f'<div class="headline">{esc(headline)}</div><div class="sub">{esc(msg)}</div>'
+            f'<div class="headline">{esc(headline)}</div><div class="sub">{_message_html(msg)}</div>'
             + (f'<div class="bd-next"><b>Next:</b> {_message_html(nxt)}</div>' if nxt else "") + "</div></div>")
     return head, comparison_html(result), diff_html(result.diff)
 
