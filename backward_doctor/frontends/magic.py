@@ -238,7 +238,11 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def first_use_line() -> str:
     """The one line ``%load_ext`` prints when the native recorder is not ready: it is being built in the
-    background, or why it cannot be ('' when the cached build just loads)."""
+    background, or why it cannot be ('' when the cached build just loads).
+
+    >>> isinstance(first_use_line(), str)
+    True
+    """
     from .. import native
 
     if not native.enabled():

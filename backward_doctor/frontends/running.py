@@ -129,7 +129,12 @@ class RunningNotice:
 
 
 def is_doctor_frame(frame: types.FrameType) -> bool:
-    """True for a frame running the doctor's own code (the capture's hooks, its simulated OOM)."""
+    """True for a frame running the doctor's own code (the capture's hooks, its simulated OOM).
+
+    >>> import sys
+    >>> is_doctor_frame(sys._getframe())  # a doctest's frame is not the doctor's
+    False
+    """
     return frame.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
@@ -137,6 +142,14 @@ def without_doctor_frames(tb: types.TracebackType | None) -> types.TracebackType
     """A copy of the traceback chain ``tb`` without the doctor's frames (the user's stay in order).
 
     The exception keeps its own ``__traceback__``: only what is shown changes.
+
+    >>> try:
+    ...     raise ValueError("x")
+    ... except ValueError as exc:
+    ...     tb = exc.__traceback__
+    >>> shown = without_doctor_frames(tb)  # a doctest's frames are the user's: all kept, a copy
+    >>> shown is not tb and shown.tb_frame is tb.tb_frame
+    True
     """
     kept = []
     while tb is not None:
@@ -157,6 +170,15 @@ def doctor_frames_hidden(shell: Any, before: Callable[[], None] | None = None) -
     the doctor itself, so the shown chain is trimmed instead. The shell's own method is back in place
     afterwards, whatever happens. ``before()`` runs before each traceback is drawn (the magic numbers
     the cell there).
+
+    >>> class Shell:
+    ...     def showtraceback(self, exc_tuple=None): return "shown"
+    >>> sh = Shell()
+    >>> with doctor_frames_hidden(sh):
+    ...     "showtraceback" in vars(sh)
+    True
+    >>> "showtraceback" in vars(sh)  # the class's own method again
+    False
     """
     had = "showtraceback" in vars(shell)
     saved = vars(shell).get("showtraceback")

@@ -94,12 +94,20 @@ def load(build: bool = True, retry: bool = False) -> Any:
 
 
 def built_file() -> str:
-    """Where the compiled recorder is cached (it may not exist yet)."""
+    """Where the compiled recorder is cached (it may not exist yet).
+
+    >>> built_file().endswith("backward_doctor_native.so")
+    True
+    """
     return os.path.join(_build_dir(), "backward_doctor_native.so")
 
 
 def needs_build() -> bool:
-    """True when ``load()`` would have to compile (~40 s) rather than load the cached build (~1 s)."""
+    """True when ``load()`` would have to compile (~40 s) rather than load the cached build (~1 s).
+
+    >>> isinstance(needs_build(), bool)
+    True
+    """
     return enabled() and _module is None and _reason is None and not os.path.exists(built_file())
 
 

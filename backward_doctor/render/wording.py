@@ -39,14 +39,23 @@ def kind_words(kind: str) -> str:
 
 
 def finding_title(f: Finding) -> str:
-    """What a finding is called: its title, else its kind in plain words."""
+    """What a finding is called: its title, else its kind in plain words.
+
+    >>> finding_title(Finding("stale_grad", "")), finding_title(Finding("oom", "", title="Out of memory"))
+    ('Gradients never zeroed', 'Out of memory')
+    """
     return f.title or kind_words(f.kind)
 
 
 
 # --------------------------------------------------------------------------- fixes
 def fix_failed(result: "FixResult") -> bool:
-    """True when the fix was applied and its re-run did not complete (ran out of memory, raised, hung)."""
+    """True when the fix was applied and its re-run did not complete (ran out of memory, raised, hung).
+
+    >>> from backward_doctor.report.fix_result import FixResult
+    >>> fix_failed(FixResult("amp", applied=True, fits=False)), fix_failed(FixResult("amp", applied=True, fits=True))
+    (True, False)
+    """
     return bool(result.applied and not result.cancelled and result.fits is False)
 
 
@@ -74,7 +83,12 @@ def fix_next_step(result: "FixResult") -> str:
 
 def original_verdict(result: "FixResult") -> str:
     """What was wrong with the step before the fix ('' when it was fine or is not known): a fixed
-    report must not read as if nothing had ever been wrong."""
+    report must not read as if nothing had ever been wrong.
+
+    >>> from backward_doctor.report.fix_result import FixResult
+    >>> original_verdict(FixResult("amp", original={"findings": [{"kind": "oom", "message": "", "line": 4}]}))
+    'Out of memory at cell line 4'
+    """
     original = result.original or {}
     findings = original.get("findings") or []
     if findings:

@@ -100,7 +100,12 @@ def line_label(places: dict[str, str], line: int | None, file: str | None) -> st
 
 
 def where_label(places: dict[str, str], where: "Where") -> str:
-    """:func:`line_label` of a recorded place."""
+    """:func:`line_label` of a recorded place.
+
+    >>> from backward_doctor.trace.records import Where
+    >>> where_label({"": "Cell In[4]"}, Where(line=2))
+    'Cell In[4], line 2'
+    """
     return line_label(places, where.line, where.file)
 
 
