@@ -63,15 +63,19 @@ APPS = {"lab": ("jupyterlab", "/lab/tree/{nb}"), "notebook": ("notebook", "/note
 
 
 @contextlib.contextmanager
-def jupyter_server(root: str, app: str = "lab"):
+def jupyter_server(root: str, app: str = "lab", theme: str | None = None):
     """JupyterLab / Notebook 7 / classic Notebook on a free localhost port with a random token;
-    yields (base url, token)."""
+    yields (base url, token). ``theme``: JupyterLab's theme ("JupyterLab Dark")."""
     port, token = _free_port(), secrets.token_hex(16)
     settings = os.path.join(root, ".settings")
     os.makedirs(os.path.join(settings, "@jupyterlab", "apputils-extension"), exist_ok=True)
     with open(os.path.join(settings, "@jupyterlab", "apputils-extension", "notification.jupyterlab-settings"),
               "w") as fh:
         json.dump({"fetchNews": "false", "checkForUpdates": False}, fh)
+    if theme:
+        with open(os.path.join(settings, "@jupyterlab", "apputils-extension", "themes.jupyterlab-settings"),
+                  "w") as fh:
+            json.dump({"theme": theme}, fh)
     # Private config/data/runtime dirs: a user-level kernelspec or setting cannot leak in; the
     # "python3" kernel is this interpreter (the one running the tests).
     env = dict(os.environ, JUPYTER_CONFIG_DIR=os.path.join(root, ".config"),
@@ -193,12 +197,12 @@ def test_panel_in_the_browser(tmp_path, app):
             box = plot.bounding_box()
             assert box and box["width"] > 400 and box["height"] > 100, box
             assert plot.locator("polygon").count() >= 1 and "peak" in (plot.text_content() or "")
-            assert "Out of memory at cell line 4" in panel.inner_text()
+            assert "Out of memory at Cell In[2], line 4" in panel.inner_text()  # named as IPython names it
             if app == "lab":  # the README's pictures
                 panel.scroll_into_view_if_needed()
                 panel.screenshot(path=os.path.join(shots, "panel-oom.png"))
                 panel.locator(".lm-TabBar-tab", has_text="Root cause").click()
-                panel.get_by_text("root cause: cell, line").first.wait_for(timeout=20_000)
+                panel.get_by_text("root cause: Cell In[2], line").first.wait_for(timeout=20_000)
                 panel.screenshot(path=os.path.join(shots, "panel-root-cause.png"))
                 panel.locator(".lm-TabBar-tab", has_text="Autograd graph").click()
                 panel.locator("svg .bd-node").first.wait_for(timeout=20_000)
@@ -237,6 +241,130 @@ def test_panel_in_the_browser(tmp_path, app):
     if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":
         # Only on request (a normal run must not dirty the tracked pictures), and only by a run that got
         # this far.
+        os.makedirs(SHOTS, exist_ok=True)
+        for name in os.listdir(shots):
+            shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))
+
+
+# --------------------------------------------------------------------------- issue 16: verdict first, dark theme
+SLOW_OOM_CELL = """\
+%%backward_doctor --memory-limit 20MB
+import time
+for i in range(12):                  # a few small steps first: the placeholder shows the progress
+    time.sleep(0.35)
+    loss = F.cross_entropy(model(torch.randn(8, 256)), torch.randint(0, 10, (8,)))
+    loss.backward(); opt.step(); opt.zero_grad()
+xb = torch.randn(2048, 256)          # then a batch too big for the (simulated) 20 MB device
+yb = torch.randint(0, 10, (2048,))
+loss = F.cross_entropy(model(xb), yb)
+loss.backward()"""
+
+
+def _luminance(css_color: str) -> float:
+    """0 (black) .. 1 (white) of an ``rgb(...)``/``rgba(...)`` computed colour."""
+    import re
+
+    r, g, b = (int(v) for v in re.findall(r"[\d.]+", css_color)[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+def test_verdict_above_the_traceback_in_the_dark_theme(tmp_path):
+    """In JupyterLab's dark theme: the placeholder shows the run's progress while the cell runs, then the
+    panel takes its place, above the traceback; the traceback has no frame of the doctor's; the cards
+    take the theme's colours."""
+    pytest.importorskip("jupyterlab")
+    root = str(tmp_path)
+    write_notebook(os.path.join(root, "dark.ipynb"), [SETUP_CELL, SLOW_OOM_CELL])
+    shots = str(tmp_path / "shots")
+    os.makedirs(shots)
+    with jupyter_server(root, "lab", theme="JupyterLab Dark") as (base, token), sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1600}, device_scale_factor=1)
+        page.set_default_timeout(60_000)
+        try:
+            page.goto(base + APPS["lab"][1].format(nb="dark.ipynb") + f"?token={token}&reset")
+            _run_cells(page, "lab")
+            cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+            # While the cell runs: the placeholder, updated from the kernel's polling thread.
+            running = cell.locator(".bd-running")
+            running.filter(has_text="iterations").wait_for(timeout=90_000)
+            assert "backward_doctor: running…" in running.inner_text()
+            cell.screenshot(path=os.path.join(shots, "panel-running.png"))
+            panel = cell.locator(".backward-doctor-panel")
+            panel.wait_for(timeout=120_000)
+            error = cell.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+            error.first.wait_for(timeout=30_000)
+            # The verdict is the first thing in the cell's output, above the traceback.
+            assert panel.bounding_box()["y"] < error.first.bounding_box()["y"]
+            assert cell.locator(".bd-running").count() == 0
+            shown = error.first.inner_text()
+            assert "OutOfMemoryError" in shown and "Cell In[2], line 9" in shown, shown
+            assert "backward_doctor/" not in shown and "_raise_simulated_oom" not in shown
+            assert "Out of memory at Cell In[2], line 9" in panel.inner_text()
+            # Dark theme: the cards are dark with light text, not white islands.
+            fact = panel.locator(".bd .fact").first
+            bg = fact.evaluate("e => getComputedStyle(e).backgroundColor")
+            ink = fact.evaluate("e => getComputedStyle(e).color")
+            assert _luminance(bg) < 0.35 and _luminance(ink) > 0.6, (bg, ink)
+            page.evaluate("() => document.querySelector('.jp-Notebook').scrollTo(0, 0)")
+            cell.screenshot(path=os.path.join(shots, "panel-dark-verdict-first.png"))
+            # The autograd graph too: a dark box, dark nodes with light ink.
+            panel.locator(".lm-TabBar-tab", has_text="Autograd graph").click()
+            node = panel.locator("svg .bd-node").nth(0)
+            node.wait_for(timeout=20_000)
+            graph_bg = panel.locator(".bd .graph").first.evaluate("e => getComputedStyle(e).backgroundColor")
+            fills = panel.locator("svg .bd-node").evaluate_all(
+                "els => els.map(g => getComputedStyle(g.querySelectorAll('rect')[g.querySelectorAll('rect').length - 1]).fill)")
+            # every node but the finding's (light yellow in both themes) is dark
+            assert _luminance(graph_bg) < 0.35 and sum(_luminance(f) < 0.35 for f in fills) >= len(fills) - 1, \
+                (graph_bg, fills)
+            panel.screenshot(path=os.path.join(shots, "panel-dark-graph.png"))
+        finally:
+            browser.close()
+    if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":
+        os.makedirs(SHOTS, exist_ok=True)
+        for name in os.listdir(shots):
+            shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))
+
+
+def test_a_fix_that_did_not_work_says_so_and_offers_the_next(tmp_path):
+    """On a 12 MB device two micro-batches are not enough: the after-view is red, offers no code to insert,
+    and a "Try accumulate:4" button appears; that one works and offers its code."""
+    pytest.importorskip("jupyterlab")
+    root = str(tmp_path)
+    write_notebook(os.path.join(root, "failed.ipynb"), [SETUP_CELL, OOM_CELL.replace("20MB", "12MB")])
+    shots = str(tmp_path / "shots")
+    os.makedirs(shots)
+    with jupyter_server(root, "lab") as (base, token), sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 2000}, device_scale_factor=1)
+        page.set_default_timeout(60_000)
+        try:
+            page.goto(base + APPS["lab"][1].format(nb="failed.ipynb") + f"?token={token}&reset")
+            _run_cells(page, "lab")
+            panel = page.locator(".backward-doctor-panel")
+            panel.wait_for(timeout=90_000)
+            panel.locator("button", has_text="Try accumulate:2").click()
+            failed = panel.locator(".bd-fix-failed")
+            failed.wait_for(timeout=90_000)
+            text = failed.inner_text()
+            assert "did not work" in text and "accumulate:2 did not fix the step" in text and "Next:" in text
+            color = failed.locator(".headline").evaluate("e => getComputedStyle(e).color")
+            r, g, b = (int(v) for v in color[color.index("(") + 1:].rstrip(")").split(",")[:3])
+            assert r > 150 and g < 90 and b < 90, color                      # red (the theme's error colour)
+            assert panel.locator(".bd-keep").count() == 0                   # nothing to insert
+            assert "AFTER THE FIX" not in panel.inner_text().upper()
+            nxt = panel.locator("button", has_text="Try accumulate:4")
+            nxt.wait_for(timeout=10_000)
+            fix_box = panel.locator(".bd-fix-box")
+            fix_box.scroll_into_view_if_needed()
+            fix_box.screenshot(path=os.path.join(shots, "panel-fix-failed.png"))
+            nxt.click()
+            panel.locator(".bd-keep").wait_for(timeout=90_000)           # the next step works: code to keep
+            assert panel.locator(".bd-fix-failed").count() == 0
+        finally:
+            browser.close()
+    if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":
         os.makedirs(SHOTS, exist_ok=True)
         for name in os.listdir(shots):
             shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))

@@ -29,9 +29,10 @@ def test_cli_finds_problem_exits_1_and_writes_json(tmp_path):
     out = tmp_path / "report.json"
     proc = _run(["-m", "backward_doctor", str(script), "--json", str(out)])
     assert proc.returncode == 1, proc.stderr
-    assert "nonfinite at cell line 4" in proc.stdout
+    assert "PROBLEM - NaN/Inf created here at step.py, line 4" in proc.stdout  # in plain words, the script named
     data = json.loads(out.read_text())
     assert data["ok"] is False and data["findings"][0]["kind"] == "nonfinite" and data["findings"][0]["line"] == 4
+    assert data["findings"][0]["place"] == "step.py" and data["places"] == {"": "step.py"}  # names in the JSON
 
 
 def test_cli_ok_exits_0(tmp_path):
@@ -46,7 +47,7 @@ def test_cli_hang_and_memory_limit(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import threading\nlock = threading.Lock()\nlock.acquire()\nlock.acquire()\n")
     proc = _run(["-m", "backward_doctor", str(script), "--timeout", "0.5"])
-    assert proc.returncode == 1 and "hang at cell line 4" in proc.stdout
+    assert proc.returncode == 1 and "The step hangs at hang.py, line 4" in proc.stdout
 
 
 @pytest.mark.parametrize("args", [["--memory-limit", "much"], ["--timeout", "-1"], ["--fix", "nope"],
@@ -68,5 +69,8 @@ def test_terminal_ipython_shows_text_report():
     proc = subprocess.run([sys.executable, "-m", "IPython", "--simple-prompt", "--no-banner", "--quick",
                            "--colors=NoColor"], input=cells, capture_output=True, text=True, env=ENV, cwd=ROOT,
                           timeout=120)
-    assert "backward_doctor: PROBLEM - index_out_of_range at cell line 1 (emb)" in proc.stdout, proc.stdout + proc.stderr
+    # named as IPython's traceback names the cell (In [4]), the module with its class
+    assert "backward_doctor: PROBLEM - Index out of range at Cell In[4], line 1, module emb (Embedding)" in proc.stdout, \
+        proc.stdout + proc.stderr
+    assert "Cell In[4], line 1" in proc.stdout.split("IndexError")[1]  # the traceback says the same
     assert "IndexError: index out of range in self" in proc.stdout

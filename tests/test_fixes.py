@@ -174,7 +174,9 @@ def test_checkpoint_fixes_oom_with_identical_gradients(res_peak):
     report = bd.diagnose(STEP, ns, memory_limit=limit, fix="checkpoint")
     fr = report.fix_result
     assert fr.applied and fr.fits, fr.message
-    assert "use_reentrant=False" in fr.code and "list(model.blocks)" in fr.code
+    assert "use_reentrant=False" in fr.code and "with checkpointing(*model.blocks):" in fr.code
+    blocks = [f"model.blocks[{i}]" for i in range(len(ns["model"].blocks))]
+    assert all(f"{b} (" in fr.message for b in blocks) and "..." not in fr.message  # every module named
     assert fr.comparison["after"]["peak_bytes"] <= limit
     ref = plain(res_mlp)
     for a, b in zip(grads(ns), grads(ref)):
@@ -184,6 +186,37 @@ def test_checkpoint_fixes_oom_with_identical_gradients(res_peak):
     exec(compile(fr.code, "<kept>", "exec"), alone)
     for a, b in zip(params(alone), params(ns)):
         assert torch.equal(a, b)
+
+
+class Named(nn.Module):
+    """Blocks held as attributes, not in a Sequential: the kept code lists each one."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.first, self.second, self.third = Block(d), Block(d), Block(d)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.head(self.third(self.second(self.first(self.inp(x)))))
+
+
+def test_checkpoint_code_lists_every_module_in_a_with_block():
+    def setup():
+        torch.manual_seed(0)
+        return _ns(Named(), torch.randn(1024, 16), torch.randint(0, 10, (1024,)), opt=torch.optim.AdamW)
+
+    peak = bd.diagnose(STEP, setup()).trace.memory.peak_bytes
+    ns = setup()
+    fr = bd.diagnose(STEP, ns, memory_limit=int(peak * 0.6), fix="checkpoint").fix_result
+    assert fr.applied and fr.fits, fr.message
+    chosen = [m for m in ("inp", "first", "second", "third") if f"    model.{m},  # " in fr.code]
+    assert len(chosen) >= 2 and "with checkpointing(\n" in fr.code          # each module on its own line
+    assert all(f"model.{m} (" in fr.message for m in chosen)               # and named in the message
+    assert "functools.partial(checkpoint" not in fr.code.split("def checkpointing")[0]  # the cell reads plainly
+    assert all("forward" not in vars(m) for m in ns["model"].modules())   # for this step only
+    alone = setup()
+    exec(compile(fr.code, "<kept>", "exec"), alone)                       # the kept code runs on its own
 
 
 def test_checkpoint_refuses_when_one_module_holds_everything(mlp_peak):

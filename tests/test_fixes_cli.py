@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent("""\
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     xb, yb = torch.randn(512, 32), torch.randint(0, 4, (512,))
+    a = 1; b = 2; c = a + b
     optimizer.zero_grad()
     loss = F.cross_entropy(model(xb), yb)
     loss.backward()
@@ -40,9 +41,18 @@ def test_cli_fix_reruns_a_script_with_accumulation(tmp_path):
                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr          # the fixed step runs
     assert "fix accumulate:4: applied, the step ran" in proc.stdout
-    assert "code to keep:" in proc.stdout and "xb_micro = xb[start:start + micro_size]" in proc.stdout
+    # "OK" alone would hide that the original step ran out of memory
+    assert proc.stdout.startswith("backward_doctor: FIXED - the step ran with accumulate:4; without it: Out of memory "
+                                  "at step.py, line 10")
+    assert "code to keep" in proc.stdout and "xb_micro = xb[start:start + micro_size]" in proc.stdout
     data = json.loads(out.read_text())
     fr = data["fix_result"]
+    # The code is printed as it is (no "| " before each line), between two rulers: it pastes unchanged.
+    printed = proc.stdout.split(" 8< " + "-" * 40 + "\n", 1)[1].split("\n" + "-" * 40 + " >8 ", 1)[0]
+    assert printed == fr["code"].rstrip("\n") and "| " not in printed
+    # Only the lines the fix must change change: `a = 1; b = 2; c = a + b` stays one line.
+    assert "a = 1; b = 2; c = a + b\n" in fr["code"]
+    assert [ln for ln in fr["diff"].splitlines() if ln.startswith("-") and "a = 1" in ln] == []
     assert fr["applied"] and fr["fits"] and fr["original"]["exception"].startswith("OutOfMemoryError")
     # the kept script runs on its own
     kept = tmp_path / "kept.py"

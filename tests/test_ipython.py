@@ -53,7 +53,10 @@ def test_failing_cell_keeps_traceback_and_reports_root_cause(shell):
     assert "modified by an inplace operation" in cap.stdout  # PyTorch's own traceback shown
     f = bd.last_report().findings[0]
     assert (f.kind, f.line, f.module, f.op) == ("inplace", 1, "model.2", "aten::relu_")
-    assert cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM - inplace at cell line 1 (model.2)")
+    # Plain words, the cell as IPython names it, the module with its type
+    assert cap.outputs[-1].data["text/plain"].startswith(
+        f"backward_doctor: PROBLEM - Saved tensor modified in place at Cell In[{result.execution_count}], line 1, "
+        "module model.2 (ReLU)")
 
 
 def test_bad_arguments_give_usage_error_and_do_not_run(shell):
@@ -119,3 +122,183 @@ def test_engine_flag_picks_what_records_the_ops(shell):
     assert bd.last_report().trace.engine == ("native" if native_available() else "python")
     _run(shell, "%%backward_doctor --memory-limit 1GB" + step)  # a simulated device: either engine
     assert bd.last_report().trace.engine == ("native" if native_available() else "python")
+
+
+# --------------------------------------------------------------------------- issue 16: the notebook as a newcomer meets it
+import re
+import threading
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+LOOP = """
+import time
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for i in range(8):
+    time.sleep(0.25)
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+"""
+MLP = """
+import torch, torch.nn as nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Sigmoid(), nn.Linear(8, 1))
+x = torch.randn(5, 4)
+"""
+
+
+@pytest.fixture
+def kernel_like(shell, monkeypatch):
+    """The shell as the magic sees it in Jupyter (``shell.kernel`` set): placeholder, progress, panel."""
+    monkeypatch.setattr(shell, "kernel", object(), raising=False)
+    return shell
+
+
+def test_placeholder_shows_progress_then_is_replaced_by_the_panel(kernel_like):
+    shell = kernel_like
+    _run(shell, MLP)
+    result, cap = _run(shell, "%%backward_doctor" + LOOP)
+    first, *updates = cap.outputs
+    display_id = first.transient["display_id"]
+    # Displayed before the cell ran, so in a notebook the report takes the place above the traceback
+    assert first.data["text/plain"] == "backward_doctor: running…" and not first.update
+    assert all(o.update and o.transient["display_id"] == display_id for o in updates), updates
+    lines = [o.data["text/plain"] for o in updates[:-1]]
+    assert len(lines) >= 2 and all(ln.startswith("backward_doctor: running… ") for ln in lines), lines
+    assert any(re.search(r"\d+\.\d s, \d+ iterations?", ln) for ln in lines), lines  # seconds and iterations
+    final = updates[-1].data
+    assert "application/vnd.jupyter.widget-view+json" in final and final["text/plain"].startswith("backward_doctor: OK")
+    assert not [t for t in threading.enumerate() if t.name == "backward_doctor-progress"]  # the poller stopped
+
+
+def test_ctrl_c_stops_the_cell_and_the_report_so_far_still_shows(kernel_like):
+    shell = kernel_like
+    _run(shell, MLP)
+    cell = ("%%backward_doctor\nimport os, signal, threading, time\n"
+            "threading.Timer(0.8, os.kill, (os.getpid(), signal.SIGINT)).start()  # a Ctrl-C, as the kernel sends it\n"
+            "loss = model(x).sum()\nloss.backward()\nfor _ in range(300):\n    time.sleep(0.1)\n")
+    t0 = __import__("time").perf_counter()
+    result, cap = _run(shell, cell)
+    assert __import__("time").perf_counter() - t0 < 20
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)  # the cell stopped, and is marked failed
+    assert "KeyboardInterrupt" in ANSI.sub("", cap.stdout)    # with the user's traceback
+    assert cap.outputs[-1].update and cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM")
+    assert bd.last_report().trace.exception.type == "KeyboardInterrupt" and bd.last_report().trace.op_count > 0
+    text = str(bd.last_report())  # without --timeout: the interrupt's traceback is the main thread's stack
+    assert "unknown code" not in text and "MainThread (main):" in text and "in <module>: time.sleep(0.1)" in text
+    assert not [t for t in threading.enumerate() if t.name == "backward_doctor-progress"]
+    assert "showtraceback" not in vars(shell)                    # the shell's own method is back
+
+
+def test_the_doctors_frames_are_hidden_from_the_traceback_but_not_from_the_exception(shell):
+    _run(shell, SETUP)
+    result, cap = _run(shell, "%%backward_doctor --engine python --memory-limit 100KB\n"
+                              "big = model(x.repeat(500, 1))\nbig.sum().backward()")
+    shown = ANSI.sub("", cap.stdout)
+    assert "OutOfMemoryError" in shown and "Linear.forward" in shown  # the user's and torch's frames stay
+    assert "backward_doctor" not in shown.split("OutOfMemoryError: ")[0].replace("backward_doctor memory_limit", "")
+    assert "_raise_simulated_oom" not in shown
+    tb, names = result.error_in_exec.__traceback__, []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert "_raise_simulated_oom" in names                            # the exception itself is untouched
+    assert "showtraceback" not in vars(shell)
+
+
+def test_places_are_named_as_ipython_names_them(shell):
+    _run(shell, "import torch, torch.nn as nn\n"
+                "class Block(nn.Module):\n"
+                "    def __init__(self):\n"
+                "        super().__init__()\n"
+                "        self.lin = nn.Linear(4, 4)\n"
+                "    def forward(self, t):\n"
+                "        return torch.log(self.lin(t) - 100)\n"
+                "net = nn.Sequential(Block())\nx = torch.randn(3, 4)")
+    defined = shell.execution_count - 1
+    result, cap = _run(shell, "%%backward_doctor\nloss = net(x).sum()\nloss.backward()")
+    report = bd.last_report()
+    f = report.findings[0]
+    assert f.kind == "nonfinite" and f.file is not None                  # the raw file is kept...
+    assert f.place == f"Cell In[{defined}]" and f.function == "Block.forward"
+    assert f.location().startswith(f"Cell In[{defined}], line 7, in Block.forward")
+    assert report.places[""] == f"Cell In[{result.execution_count}]"  # the cell's own number, not the next one
+    text = cap.outputs[-1].data["text/plain"]
+    assert f"Cell In[{defined}], line 7, in Block.forward" in text.splitlines()[0]
+    assert f"Cell In[{defined}], line 7" in cap.outputs[-1].data["text/html"]
+    again = bd.Report.from_dict(report.to_dict())                         # ...and the names travel in the JSON
+    assert again.findings[0].location() == f.location() and again.findings[0].file == f.file
+
+
+def test_the_traceback_numbers_the_cell_as_its_prompt(shell):
+    _run(shell, MLP)
+    result, cap = _run(shell, "%%backward_doctor\ny = model(x)\nz = y.view(2, 3)")
+    shown = ANSI.sub("", cap.stdout)
+    assert f"Cell In[{result.execution_count}], line 2" in shown, shown[-800:]
+    assert f"Cell In[{result.execution_count + 1}]" not in shown
+
+
+def test_load_ext_says_the_native_recorder_builds_in_the_background(monkeypatch):
+    from backward_doctor import native
+    from backward_doctor.frontends import magic
+
+    monkeypatch.setattr(native, "needs_build", lambda: True)
+    monkeypatch.setattr(native, "_reason", None)
+    line = magic.first_use_line()
+    assert "native recorder in the background (~40 s" in line and "footer" in line
+    monkeypatch.setattr(native, "needs_build", lambda: False)
+    assert magic.first_use_line() == ""
+
+
+def test_the_report_footer_says_which_recorder_ran(shell):
+    _run(shell, MLP)
+    _run(shell, "%%backward_doctor --engine python\nmodel(x).sum().backward()")
+    assert "ops recorded by the Python recorder" in str(bd.last_report())
+    assert "ops recorded by the Python recorder" in bd.last_report().to_html()
+
+
+def test_a_broken_compiler_banner_stays_out_of_the_notebook(monkeypatch, capfd, tmp_path):
+    """The background build runs in a child process whose output is kept: torch's "!! WARNING !!" banner
+    never reaches the cell's output, and the reason is what the first-use line and the footer say."""
+    import subprocess as sp
+
+    from backward_doctor import native
+    from backward_doctor.frontends import magic
+
+    banner = ("\n!! WARNING !!\n\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\nYour compiler (c++) is not compatible...\n"
+              "RuntimeError: Error building extension 'backward_doctor_native'")
+    ran = []
+    monkeypatch.setattr(native, "built_file", lambda: str(tmp_path / "none.so"))
+    monkeypatch.setattr(native, "_reason", None)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(sp, "run", lambda cmd, **kw: ran.append(cmd) or sp.CompletedProcess(cmd, 1, "", banner))
+    native._build_then_load()
+    out = capfd.readouterr()
+    assert ran and "WARNING" not in out.out + out.err                 # nothing printed
+    assert native.status()["reason"] == "RuntimeError: Error building extension 'backward_doctor_native'"
+    assert "could not be built: RuntimeError: Error building extension" in magic.first_use_line()
+
+
+def test_quiet_leaves_nothing_where_the_placeholder_was(kernel_like):
+    shell = kernel_like
+    _run(shell, MLP)
+    result, cap = _run(shell, "%%backward_doctor --quiet\nmodel(x).sum().backward()")
+    assert bd.last_report().ok
+    assert cap.outputs[0].data["text/plain"] == "backward_doctor: running…"
+    assert cap.outputs[-1].update and cap.outputs[-1].data == {"text/plain": ""}
+
+
+def test_a_front_end_that_cannot_show_the_placeholder_still_gets_the_report():
+    from backward_doctor.frontends.running import RunningNotice
+
+    shown = []
+
+    def display(obj, display_id=None):
+        if display_id:
+            raise RuntimeError("no display ids here")
+        shown.append(obj)
+
+    with RunningNotice(display, read=lambda: None, interval=0.01) as notice:
+        ran = True                                   # the cell runs all the same
+    notice.replace("the report")
+    assert ran and shown == ["the report"]
+    assert not [t for t in threading.enumerate() if t.name == "backward_doctor-progress"]

@@ -109,3 +109,29 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch):
     if missing:
         message.append(f"cells tagged {RAISES!r} that did not raise:\n  " + "\n  ".join(missing))
     assert not message, f"{path.name} ({elapsed:.0f} s):\n" + "\n".join(message)
+
+
+def test_the_verdict_comes_before_the_traceback_in_a_real_kernel(tmp_path):
+    """Issue 16, in a real kernel: the doctored cell's first output is the report (the placeholder it
+    replaced was displayed before the cell ran), then the traceback; the traceback names the cell as its
+    prompt does and shows none of the doctor's frames; the kernel's own threads stay out of the way."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext backward_doctor\nimport torch\n"
+                                          "model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),"
+                                          " torch.nn.Linear(512, 10))"),
+                nbformat.v4.new_code_cell("%%backward_doctor --memory-limit 2MB\nx = torch.randn(2048, 64)\n"
+                                          "model(x).sum().backward()")]
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    outputs = nb.cells[1].outputs
+    kinds = [o.output_type for o in outputs]
+    assert kinds[0] == "display_data" and "error" in kinds, kinds
+    report = outputs[0].data["text/plain"]
+    assert report.startswith("backward_doctor: PROBLEM - Out of memory at Cell In[2], line 2"), report[:300]
+    assert "running…" not in report                                          # replaced, not appended
+    error = next(o for o in outputs if o.output_type == "error")
+    shown = _ANSI.sub("", "\n".join(error.traceback))
+    assert "Cell In[2], line 2" in shown and "Cell In[3]" not in shown
+    assert "backward_doctor/" not in shown and "_raise_simulated_oom" not in shown
+    assert error.ename == "OutOfMemoryError"                                  # the user's exception, unchanged

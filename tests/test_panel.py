@@ -179,7 +179,7 @@ def fake_runner(calls: list, *, block: threading.Event | None = None):
         after = bd.diagnose("import torch\nw = torch.ones(3, requires_grad=True)\n(w * 2).sum().backward()", {})
         code = "# fixed\n" + source
         after.fix_result = FakeResult(
-            name=fix, applied=not cancelled, cancelled=cancelled, code=code,
+            name=fix, applied=not cancelled, cancelled=cancelled, code=code, fits=not cancelled,
             diff="--- cell\n+++ cell (fixed)\n@@ -1 +1,2 @@\n+# fixed\n " + source.splitlines()[0],
             comparison={"before": {"peak_bytes": 20_000_000, "peak_by_category": {"activations": 15_000_000,
                                                                                    "parameters": 5_000_000},
@@ -408,3 +408,42 @@ def test_fixed_report_panel_leads_with_the_after_view():
     assert "accumulate:2" in after and "peak memory" in after
     if report.fix_result.applied:
         assert "Insert as a new cell below" in p.keep.value
+
+
+# ------------------------------------------------------------------ issue 16: a failed fix says so
+def test_a_fix_that_did_not_fit_is_red_with_no_insert_button_and_a_next_step(reports):
+    report, src, ns, kw = reports["oom"]
+
+    def still_oom(source, namespace, fix, **kw_):
+        after = bd.diagnose("import torch\nw = torch.ones(3, requires_grad=True)\n(w * 2).sum().backward()", {})
+        after.fix_result = FixResult(name=fix, applied=True, fits=False, code="# tried\n" + source,
+                                     message="The fixed step did not complete: OutOfMemoryError: out of memory.",
+                                     comparison={"before": {"peak_bytes": 20_000_000, "completed": False},
+                                                 "after": {"peak_bytes": 21_000_000, "completed": False}})
+        return after
+
+    p = Panel(report, src, ns, memory_limit=20_000_000, run_fix=still_oom)
+    arg = next(a for a in p.fix_buttons if a.startswith("accumulate"))
+    k = int(arg.split(":")[1])
+    p.fix_buttons[arg].click()
+    p.wait(30)
+    after = p.after.value
+    assert "did not work" in after and "did not fix the step" in text_of(after)
+    assert "after the fix" not in after                      # no success styling...
+    assert "#c62828" in after                                # ...but red
+    assert "Insert as a new cell below" not in p.keep.value and p.keep.value == ""
+    assert f"accumulate:{2 * k}" in text_of(after)           # the next step, in words
+    assert f"accumulate:{2 * k}" in p.fix_buttons            # and as a button that runs it
+    assert p.fix_buttons[f"accumulate:{2 * k}"] in p.fix_box.children[1].children
+
+
+def test_summary_uses_plain_words_and_counts_only_the_models_the_step_ran():
+    ns = namespace()
+    exec("import torch\nother = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(5)])", ns)
+    report = bd.diagnose("loss = F.cross_entropy(model(x), y)\nloss.backward()\nloss.backward()", ns)
+    p = Panel(report, "", ns)
+    summary = text_of(p.summary.value)
+    assert "backward_twice" not in summary and "Backward run twice" in summary  # the badge in words
+    used = sum(1 for _ in ns["model"].parameters())
+    assert f"{used} tensors" in summary and "of the models this step ran" in summary
+    assert f"({used + 10} in the namespace)" in summary

@@ -15,6 +15,7 @@ import backward_doctor as bd
 from backward_doctor.frontends.cli import main
 from backward_doctor.report import Report
 from backward_doctor.report.renderers import Renderer, _REGISTRY, names, register, renderer
+from backward_doctor.trace import Trace
 
 INPLACE = "import torch\nw = torch.ones(3, requires_grad=True)\nw += 1\n"
 
@@ -42,7 +43,7 @@ def test_render_gives_back_the_same_text_and_page(saved, capsys, tmp_path):
     page = tmp_path / "r.html"
     assert main(["render", str(path), "--html", str(page)]) == 1
     assert page.read_text(encoding="utf-8") == renderer("page").render(Report.from_dict(report.to_dict()))
-    assert "inplace" in page.read_text(encoding="utf-8")
+    assert "In-place write" in page.read_text(encoding="utf-8")  # the kind in plain words
 
 
 def test_render_of_a_healthy_report_exits_0(tmp_path, capsys):
@@ -95,4 +96,61 @@ def test_render_runs_from_the_command_line(saved):
     out = subprocess.run([sys.executable, "-m", "backward_doctor", "render", str(saved[1])], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 1, out.stderr
-    assert out.stdout.startswith("backward_doctor: PROBLEM - inplace at cell line 3")
+    assert out.stdout.startswith("backward_doctor: PROBLEM - In-place write on a leaf that requires grad at cell line 3")
+
+
+# --------------------------------------------------------------------------- issue 16: plain words, less clutter
+def test_failed_fix_is_red_offers_no_code_and_proposes_the_next_step():
+    from backward_doctor.render.sections import fix_result_parts
+    from backward_doctor.report import FixResult
+
+    failed = FixResult("accumulate:4", applied=True, fits=False, code="x = 1\n",
+                       message="The fixed step did not complete: OutOfMemoryError: ...",
+                       comparison={"before": {"peak_bytes": 100, "completed": False,
+                                              "peak_by_category": {"gradients": 0}},
+                                   "after": {"peak_bytes": 90, "completed": False,
+                                             "peak_by_category": {"gradients": 50}}})
+    head, table, _ = fix_result_parts(failed)
+    assert "did not work" in head and "after the fix" not in head and "bd-fix-failed" in head
+    assert "#c62828" in head and "accumulate:8" in head                   # red, and a bigger k next
+    assert 'class="num good"' not in table and 'class="num bad"' not in table  # no verdicts on a failed run
+    assert "until it failed" in table
+    page = Report(fix_result=failed, exception="OutOfMemoryError: x").to_html()
+    assert "Code to keep" not in page and "Insert as a new cell" not in page
+    text = str(Report(fix_result=failed, exception="OutOfMemoryError: x"))
+    assert "DID NOT WORK" in text and "Next: Try accumulate:8" in text and "code to keep" not in text
+    worked = FixResult("accumulate:4", applied=True, fits=True, code="a = 1\nb = 2\n", original={
+        "findings": [{"kind": "oom", "message": "", "line": 4, "title": "Out of memory"}]})
+    text = str(Report(fix_result=worked))
+    assert text.startswith("backward_doctor: FIXED - the step ran with accumulate:4; without it: Out of memory at "
+                           "cell line 4")
+    assert "\na = 1\nb = 2\n" in text and "| a = 1" not in text         # pastes as it is
+
+
+def test_ops_table_leaves_out_profiler_markers_and_empty_columns():
+    from backward_doctor.render.sections import ops_table_html, tensors_html
+    from backward_doctor.trace.records import OpRecord, TensorMeta, Where
+
+    ops = [OpRecord(0, "profiler::_record_function_enter_new", "forward", [], [], Where(line=1)),
+           OpRecord(1, "aten::mm", "forward", [], [], Where(line=1))]
+    html_ = ops_table_html(Trace(ops=ops))
+    assert "aten::mm" in html_ and "profiler::" not in html_ and "allocated" not in html_
+    t = tensors_html([TensorMeta(shape=[2, 3], dtype="float32", device="cpu")], [])
+    assert "min" not in t and "not recorded" not in t and "<th>grad</th>" not in t and "all on cpu" in t
+
+
+def test_hang_report_folds_the_kernels_threads():
+    from backward_doctor.analysis.findings import Finding
+    from backward_doctor.trace.records import FrameInfo, ThreadStack
+
+    threads = [ThreadStack("MainThread", 1, True, [FrameInfo("<cell>", 3, "<module>", in_cell=True,
+                                                             code="while True:")])]
+    threads += [ThreadStack(n, i + 2, False, [FrameInfo("/site/zmq/x.py", 9, "run", code="poll()")])
+                for i, n in enumerate(["Heartbeat", "IOPub", "Control", "IPythonHistorySavingThread"])]
+    report = Report(findings=[Finding("hang", "The step hangs.", line=3, title="The step hangs")],
+                    trace=Trace(threads=threads, timed_out=True), places={"": "Cell In[5]"})
+    text = str(report)
+    assert "Cell In[5], line 3 in <module>: while True:" in text
+    assert "poll()" not in text and "4 more threads of the kernel" in text and "Heartbeat" in text
+    page = report.to_html()
+    assert "poll()" not in page and "4 more threads of the kernel and libraries" in page

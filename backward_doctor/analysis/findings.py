@@ -38,22 +38,38 @@ class Finding:
     #: 0-based iteration of the cell's loop (the outermost ``for``/``while`` holding the root-cause line) in
     #: which the root cause happened; None outside a loop or when unknown (``analysis/loops.py``)
     iteration: int | None = None
+    #: the function the root-cause line is in (``Block.forward``; None at a cell's top level)
+    function: str | None = None
+    #: ``file`` (or the cell) as the frontend that ran it names it: ``Cell In[2]`` in IPython; '' unnamed
+    place: str = ""
+    #: the class of ``module`` (``BatchNorm2d``), when the namespace could tell
+    module_type: str = ""
 
     def location(self) -> str:
-        """``cell line 4`` / ``models.py:12``, plus the module when known, plus the loop's iteration.
+        """Where, as the user knows the place: ``Cell In[2], line 12, in Block.forward`` (a frontend named
+        the cell) or ``cell line 4`` / ``models.py:12``; then the module with its type and the loop's
+        iteration.
 
         >>> Finding("nonfinite", "", line=3, iteration=20, evidence={"loop_line": 1}).location()
         'cell line 3, in iteration 20 of the loop at line 1'
+        >>> Finding("oom", "", line=12, file="/tmp/ipykernel_1/167147110.py", function="Block.forward",
+        ...         place="Cell In[2]", module="net.blocks.1.bn2", module_type="BatchNorm2d").location()
+        'Cell In[2], line 12, in Block.forward, module net.blocks.1.bn2 (BatchNorm2d)'
         """
         if self.line is None:
             loc = "unknown line"
+        elif self.place:
+            loc = f"{self.place}, line {self.line}"
         elif self.file is None:
             loc = f"cell line {self.line}"
         else:
             import os
 
             loc = f"{os.path.basename(self.file)}:{self.line}"
-        loc = f"{loc} ({self.module})" if self.module else loc
+        if self.function and not self.function.startswith("<") and self.line is not None:
+            loc += f", in {self.function}"
+        if self.module:
+            loc += f", module {self.module} ({self.module_type})" if self.module_type else f" ({self.module})"
         return f"{loc}, {self.when()}" if self.iteration is not None else loc
 
     def when(self) -> str:
@@ -86,6 +102,7 @@ def forward_where(trace: Trace, rec: OpRecord | None) -> Where:
 
 def at(kind: str, where: Where, message: str, **kw: Any) -> Finding:
     """A finding located at ``where``."""
+    kw.setdefault("function", where.function)
     return Finding(kind=kind, message=message, line=where.line, file=where.file,
                    cell_line=where.cell_line, module=where.module, **kw)
 

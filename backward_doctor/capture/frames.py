@@ -101,7 +101,7 @@ class UserFrames:
                     if w.line is None:
                         w.line = f.f_lineno
                         w.file = None if kind == CELL else code.co_filename
-                        w.function = code.co_name
+                        w.function = getattr(code, "co_qualname", code.co_name)  # "Block.forward" (3.11+)
                         w.lasti = f.f_lasti
                     if kind == CELL:
                         w.cell_line = f.f_lineno
@@ -123,7 +123,7 @@ class UserFrames:
                 if w.line is None:
                     w.line = self.line_at(code, lastis[j])
                     w.file = None if kind == CELL else code.co_filename
-                    w.function = code.co_name
+                    w.function = getattr(code, "co_qualname", code.co_name)  # "Block.forward" (3.11+)
                     w.lasti = lastis[j]
                 if kind == CELL:
                     w.cell_line = self.line_at(code, lastis[j])

@@ -102,7 +102,7 @@ def screen_nonfinite(t: torch.Tensor) -> bool:
 
 
 def format_stats(s: TensorStats | None) -> str:
-    """``min=-1.2 max=3.4 mean=0.1 nan!3 inf!1`` for reports."""
+    """``min=-1.2 max=3.4 mean=0.1, 3 NaN, 1 -Inf`` for reports (counts in words: "-inf!105" read as code)."""
     if not s:
         return ""
     parts = []
@@ -111,9 +111,9 @@ def format_stats(s: TensorStats | None) -> str:
     else:
         parts.append("no finite values")
     if s.nan:
-        parts.append(f"nan!{s.nan}")
+        parts.append(f"{s.nan:,} NaN")
     if s.posinf:
-        parts.append(f"+inf!{s.posinf}")
+        parts.append(f"{s.posinf:,} +Inf")
     if s.neginf:
-        parts.append(f"-inf!{s.neginf}")
-    return " ".join(parts)
+        parts.append(f"{s.neginf:,} -Inf")
+    return ", ".join(parts)

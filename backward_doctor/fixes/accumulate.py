@@ -261,8 +261,8 @@ def rewrite(source: str, namespace: dict[str, Any], k: int | None, original: Any
     if total_v:
         lines.append(f"    {total_v} += {loss}.detach(){' * ' + share_v if share_v else ''}\n")
         lines.append(f"{loss} = {total_v}  # the loss of the whole batch, as the original cell computed it\n")
-    prefix = "".join(cell.chunks[i] for i in range(start_i)) + "".join(cell.chunks[i] for i in hoisted)
-    suffix = "".join(cell.chunks[i] for i in range(b + 1, len(cell.stmts)))
+    prefix = cell.kept(range(start_i)) + cell.kept(hoisted)  # untouched lines stay as written (`a; b`)
+    suffix = cell.kept(range(b + 1, len(cell.stmts)))
     code = prefix + "".join(lines) + suffix
     check_compiles(code)
 

@@ -119,7 +119,7 @@ def rewrite(source: str, namespace: dict[str, Any], dtype: str | None = None) ->
                         "split the loss into its own line to keep backward outside it")
     elif b != last:
         lines.append(scaled(b))
-    prefix = "".join(cell.chunks[i] for i in range(first))
+    prefix = cell.kept(range(first))  # untouched lines stay as written (`a; b`)
     rest = []
     stepped = False
     for i in range(max(b, last) + 1, len(cell.stmts)):

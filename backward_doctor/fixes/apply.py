@@ -263,7 +263,7 @@ def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit
             parts.append(f"Loss {after['loss']:.6g} (original {before['loss']:.6g}).")
     else:
         exc = trace.exception.summary().split("\n")[0][:200] if trace.exception else "timed out"
-        parts.append(f"The fixed step did not complete: {exc}.")
+        parts.append(f"The fixed step did not complete: {exc.rstrip('.')}.")
     if result.warnings:
         parts.append("Note: " + "; ".join(result.warnings) + ".")
     return " ".join(parts)

@@ -1,13 +1,16 @@
 """``checkpoint``: run chosen submodules through ``torch.utils.checkpoint`` (non-reentrant).
 
-The modules are chosen from the original run's trace (see ``plan.py``): the
+The modules are chosen from the original run's trace (see ``analysis/fix_plan.py``): the
 activations saved for backward are added up per module and up the module tree; the
-modules at the depth whose checkpointing removes most bytes win. The rewrite
-patches their ``forward`` for the forward pass of this step only. Gradients are
-those of the original step, bit for bit on CPU.
+modules at the depth whose checkpointing removes most bytes win. The rewritten cell
+defines a small context manager and runs the forward pass inside
+``with checkpointing(model.blocks[0], ...)``, every module named with its class, so
+the modules are checkpointed for this step only. Gradients are those of the original
+step, bit for bit on CPU.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import torch
@@ -97,38 +100,46 @@ def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
                                 "checkpointing it here could undo that")
         exprs.append((expr, mod))
     taken = cell.all_names() | set(namespace)
-    list_v = fresh_name("checkpointed", taken)
-    mod_v = fresh_name("module", taken)
+    helper = fresh_name("checkpointing", taken)
     parent = chosen[0].rsplit(".", 1)[0]
     parent_found = module_expr(namespace, parent)
     if parent_found and isinstance(parent_found[1], (torch.nn.Sequential, torch.nn.ModuleList)) \
             and [m for _, m in exprs] == list(parent_found[1]):
-        list_expr = f"list({parent_found[0]})"
+        # Every block of a Sequential / ModuleList: the container says it, and the comment lists them.
+        args = f"*{parent_found[0]}"
+        with_line = f"with {helper}({args}):\n"
     else:
-        list_expr = "[" + ", ".join(e for e, _ in exprs) + "]"
-        if len(list_expr) > 90:
-            list_expr = "[\n" + "".join(f"    {e},\n" for e, _ in exprs) + "]"
-    names = ", ".join(e for e, _ in exprs[:3]) + (f" ... ({len(exprs)} modules)" if len(exprs) > 3 else "")
-    head = ["import functools\n", "from torch.utils.checkpoint import checkpoint\n"]
-    lines = [f"# backward_doctor fix checkpoint: {names} keep only their inputs during the forward\n",
-             "# pass; backward recomputes their activations one module at a time (same gradients, about one more\n",
-             "# forward pass of compute). The modules are patched for this step only.\n",
-             f"{list_v} = {list_expr}\n",
-             f"for {mod_v} in {list_v}:\n",
-             f"    {mod_v}.forward = functools.partial(checkpoint, {mod_v}.forward, use_reentrant=False)\n",
-             "try:\n"]
+        with_line = f"with {helper}(\n" + "".join(f"    {e},  # {type(m).__name__}\n" for e, m in exprs) + "):\n"
+    names = ", ".join(f"{e} ({type(m).__name__})" for e, m in exprs)  # every module: nothing hidden
+    head = ["import contextlib\n", "import functools\n", "from torch.utils.checkpoint import checkpoint\n", "\n",
+            "\n",
+            "@contextlib.contextmanager\n",
+            f"def {helper}(*modules):\n",
+            '    """Activation checkpointing for these modules inside the block: each keeps only its inputs in\n',
+            "    forward and recomputes its activations during backward (same gradients, about one more forward\n",
+            '    pass of compute). Outside the block the modules are as they were."""\n',
+            "    for module in modules:\n",
+            "        module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)\n",
+            "    try:\n",
+            "        yield\n",
+            "    finally:\n",
+            "        for module in modules:\n",
+            "            del module.forward  # back to the class's own forward\n",
+            "\n", "\n"]
+    about = (f"backward_doctor fix checkpoint: {names} keep only their inputs in forward; backward recomputes "
+             "their activations.")
+    lines = [f"# {text}\n" for text in textwrap.wrap(about, 98)] + [with_line]
     for i in range(first, last + 1):
         lines.append(indent(cell.chunks[i]))
-    lines += ["finally:\n", f"    for {mod_v} in {list_v}:\n", f"        del {mod_v}.forward  # back to the class's own forward\n"]
-    prefix = "".join(cell.chunks[i] for i in range(first))
-    suffix = "".join(cell.chunks[i] for i in range(last + 1, len(cell.stmts)))
+    prefix = cell.kept(range(first))  # untouched lines stay as written (`a; b`)
+    suffix = cell.kept(range(last + 1, len(cell.stmts)))
     code = "".join(head) + prefix + "".join(lines) + suffix
     check_compiles(code)
     warnings = []
     if with_backward:
         warnings.append("forward and backward are one statement here, so the modules stay patched during backward")
     from ..util.units import format_bytes
-    msg = (f"Checkpoint {len(chosen)} module{'s' if len(chosen) > 1 else ''} ({names}): they hold "
+    msg = (f"Checkpoint {len(chosen)} module{'s' if len(chosen) > 1 else ''}: {names}. They hold "
            f"{format_bytes(sum(incl.get(p, 0) for p in chosen))} of the {format_bytes(total)} of activations saved for "
            f"backward; with checkpointing about {format_bytes(kept)} stay saved at the peak.")
     return Rewrite(code=code, message=msg, warnings=warnings,

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from ..api import check_fix, check_timeout, diagnose
 from ..report import Report
+from ..report.places import name_places
 from ..report.renderers import names, renderer
 from ..run.engine import choose_engine
 from ..util.units import parse_size
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os._exit = real_exit
         sys.path.remove(os.path.dirname(path))
+    # The script is the "cell": its lines are named as Python's tracebacks name them ("step.py, line 4").
+    name_places(report, namespace, lambda file: os.path.basename(path) if file is None else None)
     _emit(report, args)
     return 0 if report.ok else 1
 

@@ -49,8 +49,9 @@ try{navigator.clipboard.writeText(code).then(done,function(){st.textContent='Sel
 catch(e){st.textContent='Select the code above and copy it.';}})(this)"""
 
 
-_BTN = ("border:1px solid #d0d7de;border-radius:6px;background:#f6f8fa;padding:3px 12px;margin:4px 6px 4px 0;"
-        "cursor:pointer;font-size:13px")
+#: Theme variables (JupyterLab light or dark), the light look as fallback.
+_BTN = ("border:1px solid var(--jp-border-color1,#d0d7de);border-radius:6px;background:var(--jp-layout-color2,#f6f8fa);"
+        "color:var(--jp-ui-font-color1,#1f2328);padding:3px 12px;margin:4px 6px 4px 0;cursor:pointer;font-size:13px")
 
 
 def keep_html(code: str) -> str:
@@ -60,6 +61,6 @@ def keep_html(code: str) -> str:
             f'<button class="bd-insert" style="{_BTN};background:#1f883d;color:#fff;border-color:#1a7f37" '
             f'onclick="{html.escape(KEEP_JS, quote=True)}">Insert as a new cell below</button>'
             f'<button class="bd-copy" style="{_BTN}" onclick="{html.escape(COPY_JS, quote=True)}">Copy code</button>'
-            f'<span class="bd-keep-status" style="color:#57606a"></span>'
+            f'<span class="bd-keep-status" style="color:var(--jp-ui-font-color2,#57606a)"></span>'
             f'<details><summary>Show the code</summary><div class="src"><pre style="padding:6px 8px">{esc(code)}'
             f"</pre></div></details><textarea hidden>{esc(code)}</textarea></div>")

@@ -3,14 +3,16 @@
 Loaded lazily by ``%load_ext backward_doctor``; this is the only module of the
 core that imports IPython. The cell runs with ``shell.run_cell`` so variables,
 traceback, ``Out[]`` and history are exactly those of a normal run; the report
-is displayed after it (HTML in Jupyter, text in a terminal).
+is displayed after it (HTML in Jupyter, text in a terminal). In Jupyter a placeholder is displayed
+first and replaced by the report (``running.py``), so the verdict sits above the cell's traceback.
 """
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
+import os
 import traceback
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
@@ -19,9 +21,12 @@ from IPython.display import display
 
 from ..api import check_engine, check_fix, check_timeout
 from ..capture.process import one_run_at_a_time
-from ..run.engine import ENGINES, choose_engine
+from ..capture.runner import running_progress
+from ..run.engine import ENGINES, choose_engine, python_tier_reason
+from ..report.places import name_places
 from ..run.step import run_step
 from ..util.units import parse_size
+from .running import RunningNotice, doctor_frames_hidden
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +76,37 @@ class BackwardDoctorMagics(Magics):
 
     def _run(self, args: Any, cell: str, timeout: float | None, limit: int | None, engine: str) -> None:
         shell = self.shell
-        if args.fix is not None:
-            _run_with_fix(shell, cell, args.fix, timeout, limit, not args.no_rollback, args.quiet)
+        # In Jupyter the report's place is taken before the cell runs, so it ends above the traceback.
+        notice = RunningNotice(display, running_progress) if _in_kernel(shell) else None
+        try:
+            with contextlib.ExitStack() as stack:
+                if notice is not None:
+                    stack.enter_context(notice)
+                number = _cell_number(shell)
+                filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
+                stack.enter_context(doctor_frames_hidden(shell, before=lambda: _number_cell(shell, filename, number)))
+                if args.fix is not None:
+                    report = _run_with_fix(shell, cell, args.fix, timeout, limit, not args.no_rollback)
+                    name_places(report, shell.user_ns, ipython_places(shell, filename, number))
+                else:
+                    report = self._run_cell(args, cell, timeout, limit, engine, filename, number)
+                _number_cell(shell, filename, number)  # functions defined here are "Cell In[N]" in later tracebacks
+        except BaseException as exc:  # a Ctrl-C in the doctor's own code: say so where the report would be
+            if notice is not None:
+                notice.say(f"backward_doctor: no report ({type(exc).__name__} before it was made)")
+            raise
+        if args.quiet and report.ok:
+            if notice is not None:
+                notice.say("")  # --quiet: the placeholder goes, nothing takes its place
             return None
-        # The same name run_cell will give the cell's code object, so frames map to its lines.
-        filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
+        _show(shell, report, cell, limit, timeout, notice)
+        return None
+
+    def _run_cell(self, args: Any, cell: str, timeout: float | None, limit: int | None, engine: str,
+                  filename: str, number: int) -> Any:
+        """Run the cell through ``run_cell`` under the capture. ``filename``: the name ``run_cell`` gives the
+        cell's code (so frames map to its lines); ``number``: its ``In[N]``."""
+        shell = self.shell
         # The result of the cell that holds this magic: the inner run_cell's error is
         # copied onto it so Jupyter marks the cell failed (and "Run All" stops), as usual.
         outer = getattr(shell.displayhook, "exec_result", None)
@@ -91,13 +122,52 @@ class BackwardDoctorMagics(Magics):
 
         report = run_step(cell, shell.user_ns, timeout=timeout, memory_limit=limit, engine=engine,
                           rollback=not args.no_rollback, cell_file=filename, execute=run, build=False, fix=args.fix,
-                          every_iteration=args.every_iteration)
+                          every_iteration=args.every_iteration, places=ipython_places(shell, filename, number))
+        if args.engine == "auto" and report.trace.engine == "python":
+            report.engine_note = python_tier_reason()
         if report.trace.exception is not None and report.trace.exception.type == "OutOfMemoryError":
             _release_failed_frames(outer)
-        if args.quiet and report.ok:
-            return None
-        _show(shell, report, cell, limit, timeout)
-        return None
+        return report
+
+
+def _cell_number(shell: Any) -> int:
+    """The ``In[N]`` of the cell holding the magic. IPython counts the cell up as it starts, so during it
+    ``shell.execution_count`` is already the next cell's number; the cell's own result knows its number."""
+    outer = getattr(shell.displayhook, "exec_result", None)
+    number = getattr(outer, "execution_count", None)
+    return number if isinstance(number, int) else shell.execution_count
+
+
+def _number_cell(shell: Any, filename: str, number: int) -> None:
+    """Make IPython call the cell's code ``Cell In[number]`` (the inner ``run_cell`` numbered it as the next
+    cell: the "Cell In[9] under prompt [8]" of tracebacks)."""
+    names = getattr(shell.compile, "_filename_map", None)
+    if isinstance(names, dict) and filename in names:
+        names[filename] = number
+
+
+def ipython_places(shell: Any, filename: str, number: int) -> Callable[[str | None], str | None]:
+    """The namer for ``report/places.py``: the cell is ``Cell In[number]``, code from other cells is named
+    as IPython's tracebacks name it (``Cell In[2]``), anything else keeps its file name.
+
+    >>> class Compile:
+    ...     def format_code_name(self, name): return ("Cell", "In[2]") if name == "/t/2.py" else None
+    >>> shell = type("Shell", (), {"compile": Compile()})()
+    >>> name = ipython_places(shell, "/t/5.py", 5)
+    >>> name(None), name("/t/5.py"), name("/t/2.py"), name("/lib/models.py")
+    ('Cell In[5]', 'Cell In[5]', 'Cell In[2]', None)
+    """
+    def name(file: str | None) -> str | None:
+        if file is None or file == filename:
+            return f"Cell In[{number}]"
+        label = shell.compile.format_code_name(file) if hasattr(shell.compile, "format_code_name") else None
+        return f"{label[0]} {label[1]}" if label else None
+    return name
+
+
+def _in_kernel(shell: Any) -> bool:
+    """A Jupyter kernel (displays can be updated in place), not terminal IPython."""
+    return getattr(shell, "kernel", None) is not None
 
 
 @contextlib.contextmanager
@@ -114,16 +184,18 @@ def _exclusive() -> Iterator[None]:
         guard.__exit__(None, None, None)
 
 
-def _show(shell: Any, report: Any, cell: str, limit: int | None, timeout: float | None) -> None:
+def _show(shell: Any, report: Any, cell: str, limit: int | None, timeout: float | None,
+          notice: RunningNotice | None = None) -> None:
     """The panel in a kernel that shows widgets; else the report (HTML or text) and, in a kernel
-    without ipywidgets, a one-line hint to install it."""
-    if getattr(shell, "kernel", None) is None:  # terminal IPython, a plain InteractiveShell
-        display(report)
+    without ipywidgets, a one-line hint to install it. With ``notice``, in the placeholder's place."""
+    put = notice.replace if notice is not None else display
+    if not _in_kernel(shell):  # terminal IPython, a plain InteractiveShell
+        put(report)
         return
     try:
         import ipywidgets  # noqa: F401
     except ImportError:
-        display(report)
+        put(report)
         print("backward_doctor: `pip install ipywidgets` for the interactive panel (memory, graph, fix buttons)")
         return
     from .panel import Panel
@@ -132,10 +204,10 @@ def _show(shell: Any, report: Any, cell: str, limit: int | None, timeout: float 
         panel = Panel(report, cell, shell.user_ns, memory_limit=limit, timeout=timeout)
     except Exception as exc:  # never lose the diagnosis to a drawing problem
         log.warning("the panel could not be built", exc_info=True)
-        display(report)
+        put(report)
         print(f"backward_doctor: the panel could not be built ({type(exc).__name__}: {exc})")
         return
-    display(panel)
+    put(panel)
 
 
 def _release_failed_frames(outer: Any) -> None:
@@ -156,17 +228,49 @@ def load_ipython_extension(ipython: Any) -> None:
     from .. import native
 
     ipython.register_magics(BackwardDoctorMagics)
-    # The native recorder compiles once (~40 s, cached); cells run on the Python tier meanwhile.
+    # The native recorder compiles once (~40 s, cached); cells run on the Python tier meanwhile. Say so
+    # once, here: a first cell that runs on the slower tier, silently, looks like the doctor's cost.
+    line = first_use_line()
     native.build_in_background()
+    if line:
+        print(line)
+
+
+def first_use_line() -> str:
+    """The one line ``%load_ext`` prints when the native recorder is not ready: it is being built in the
+    background, or why it cannot be ('' when the cached build just loads).
+
+    >>> isinstance(first_use_line(), str)
+    True
+    """
+    from .. import native
+
+    if not native.enabled():
+        return ""
+    if native.status()["reason"]:
+        return (f"backward_doctor: the Python recorder records the ops here (the native one could not be built: "
+                f"{native.status()['reason']})")
+    if not native.needs_build():
+        return ""
+    import shutil
+
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available() or not shutil.which(os.environ.get("CXX", "c++")):
+        missing = "ninja" if not is_ninja_available() else "a C++ compiler"
+        return (f"backward_doctor: no {missing} here, so the Python recorder records the ops (about 1.2x a step; "
+                "`pip install ninja` and a C++ compiler give the native one)")
+    return ("backward_doctor: building the native recorder in the background (~40 s, once); until it is ready "
+            "cells run on the Python recorder, and each report's footer says which one ran")
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Nothing global is left installed between cells, so there is nothing to undo."""
 
 
-def _run_with_fix(shell: Any, cell: str, fix: str, timeout: float | None, limit: int | None, rollback: bool,
-                  quiet: bool) -> None:
-    """``--fix``: the original cell, then the rewritten one (``backward_doctor.fixes``); show the fixed report.
+def _run_with_fix(shell: Any, cell: str, fix: str, timeout: float | None, limit: int | None,
+                  rollback: bool) -> Any:
+    """``--fix``: the original cell, then the rewritten one (``backward_doctor.fixes``); the fixed report.
 
     The cell is marked failed (so "Run All" stops) when the step still fails after the fix.
     """
@@ -177,6 +281,4 @@ def _run_with_fix(shell: Any, cell: str, fix: str, timeout: float | None, limit:
     if outer is not None and report.exception is not None:
         outer.error_in_exec = RuntimeError(f"backward_doctor --fix {fix}: the step still fails: "
                                            f"{report.exception.splitlines()[0]}")
-    if quiet and report.ok:
-        return
-    _show(shell, report, cell, limit, timeout)
+    return report

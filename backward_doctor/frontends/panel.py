@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import ipywidgets as W
 
-from ..render import sections as S, style, view
+from ..render import sections as S, style, view, wording
 from ..render.style import esc
 from .keep_code import keep_html
 
@@ -232,7 +232,7 @@ class Panel:
         group = self.ops_group.value
         rows = self._rows.get(group)
         if rows is None:
-            rows = self._rows[group] = view.op_rows(self.report.trace, group)
+            rows = self._rows[group] = view.op_rows(self.report.trace, group, self.report.places)
         self.ops_html.value = _wrap(S.ops_table_html(self.report.trace, group, self.ops_sort.value, limit=30,
                                                      rows=rows))
 
@@ -314,7 +314,7 @@ class Panel:
 
     def _not_available(self, fix: str, exc: BaseException) -> None:
         self.status.value = _wrap(
-            f'<div class="exc" style="background:#fff8e1;border-color:#f0d48a"><b>The fix <code>{esc(fix)}</code> is '
+            f'<div class="exc" style="background:rgba(255,193,7,.12);border-color:rgba(178,106,0,.4)"><b>The fix <code>{esc(fix)}</code> is '
             f"not available yet</b> in this version of backward_doctor ({esc(type(exc).__name__)}: {esc(exc)}). "
             "The findings above still say what to change by hand.</div>")
 
@@ -344,6 +344,21 @@ class Panel:
                 log.warning("the fixed run's memory plot could not be drawn", exc_info=True)
                 self.after_plot.layout.display = "none"
         code = result.code
-        if code and result.applied:
+        if code and result.applied and result.fits:  # only a fix that worked offers its code to insert
             self.keep.value = keep_html(code)
+        elif wording.fix_failed(result):
+            self._offer_next(result)
         self.status.value = ""
+
+    def _offer_next(self, result: Any) -> None:
+        """After a fix that did not work, a button for the next one to try (``accumulate:8`` after
+        ``accumulate:4``), unless there already is one."""
+        nxt = wording.next_fix_arg(result)
+        if nxt is None or nxt in self.fix_buttons:
+            return
+        b = W.Button(description=f"Try {nxt}", tooltip=wording.fix_next_step(result), button_style="primary",
+                     icon="wrench", layout=W.Layout(width="auto"))
+        b.on_click(lambda _b, arg=nxt: self.start_fix(arg))
+        self.fix_buttons[nxt] = b
+        row = self.fix_box.children[1]
+        row.children = tuple(row.children) + (b,)

@@ -93,15 +93,62 @@ def load(build: bool = True, retry: bool = False) -> Any:
     return _module
 
 
+def built_file() -> str:
+    """Where the compiled recorder is cached (it may not exist yet).
+
+    >>> built_file().endswith("backward_doctor_native.so")
+    True
+    """
+    return os.path.join(_build_dir(), "backward_doctor_native.so")
+
+
+def needs_build() -> bool:
+    """True when ``load()`` would have to compile (~40 s) rather than load the cached build (~1 s).
+
+    >>> isinstance(needs_build(), bool)
+    True
+    """
+    return enabled() and _module is None and _reason is None and not os.path.exists(built_file())
+
+
 def build_in_background() -> threading.Thread | None:
-    """Start building the recorder without waiting (``%load_ext`` does this); None if nothing to do."""
+    """Start building the recorder without waiting (``%load_ext`` does this); None if nothing to do.
+
+    The compile runs in a child process whose output is kept (torch's "!! WARNING !!" compiler
+    banners, ninja's lines): nothing lands in the notebook. Its last line of errors, if any, is the
+    reason ``status()`` gives; otherwise this process then loads the cached build.
+    """
     global _thread
     if _module is not None or not enabled() or _reason is not None:
         return None
     if _thread is None or not _thread.is_alive():
-        _thread = threading.Thread(target=load, name="backward_doctor-native-build", daemon=True)
+        _thread = threading.Thread(target=_build_then_load, name="backward_doctor-native-build", daemon=True)
         _thread.start()
     return _thread
+
+
+def _build_then_load() -> None:
+    global _reason
+    if not os.path.exists(built_file()):
+        import subprocess
+
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        code = (f"import sys; sys.path.insert(0, {root!r}); from backward_doctor import native; "
+                "m = native.load(); sys.exit(0 if m is not None else (print(native.status()['reason'], "
+                "file=sys.stderr) or 1))")
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.SubprocessError) as exc:
+            _reason = f"the build could not be started: {type(exc).__name__}: {exc}"
+            return
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+            _reason = lines[-1] if lines else f"the build exited with status {proc.returncode}"
+            log.info("native recorder unavailable (%s); the Python tier records the ops", _reason)
+            return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load()
 
 
 def ready() -> Any:

@@ -17,11 +17,11 @@ True
 """
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from ..analysis.findings import forward_where
+from ..report.places import line_label
 from .style import esc
 from .view import offending_record, tensor_bytes
 from ..trace.records import OpRecord, Trace
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from ..report.report import Report
 
 MAX_NODES = 32
+#: Ops autograd and the dispatcher run for themselves (``detach`` of a saved output): left out of node labels.
+INTERNAL_OPS = frozenset({"detach", "alias", "lift_fresh", "_reshape_alias"})
 
 
 class ModuleGraph:
@@ -94,6 +96,8 @@ class ModuleGraph:
                 n.detail = self.ops[n.ops[0]].line_text
             elif "#" in n.id:
                 names = list(dict.fromkeys(self.ops[i].name for i in n.ops))
+                # autograd's own bookkeeping (it detaches what it saves): not something the user wrote
+                names = [m for m in names if m not in INTERNAL_OPS] or names
                 n.detail = "· " + ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
         edges: dict[tuple[str, str], list[_Edge]] = defaultdict(list)
         for e in self.edges:
@@ -147,17 +151,19 @@ class ModuleGraph:
         return draw(v, self.has_backward, within, max_width)
 
 
-def _line_key(trace: Trace, rec: OpRecord) -> tuple[str, str]:
+def _line_key(trace: Trace, rec: OpRecord, places: dict[str, str] | None = None) -> tuple[str, str]:
+    """(label, source text) of the line an op ran on, named as the report names it (``Cell In[2], line 4``)."""
     w = rec.where
     if w.line is None:
         return "line ?", ""
+    label = line_label(places or {}, w.line, w.file)
     if w.file is None:
         lines = trace.source.splitlines()
         text = lines[w.line - 1].strip() if 0 < w.line <= len(lines) else ""
-        return f"cell line {w.line}", text
+        return label, text
     import linecache
 
-    return f"{os.path.basename(w.file)}:{w.line}", linecache.getline(w.file, w.line).strip()
+    return label, linecache.getline(w.file, w.line).strip()
 
 
 def _builds_graph(op: OpRecord) -> bool:
@@ -184,7 +190,7 @@ def build_graph(trace: Trace, report: "Report | None" = None) -> ModuleGraph:
                 last_module = rec.where.module
             lk = (rec.where.line, rec.where.file)
             if lk not in line_cache:
-                line_cache[lk] = _line_key(trace, rec)
+                line_cache[lk] = _line_key(trace, rec, getattr(report, "places", None))
             key, text = line_cache[lk]
             ops[rec.index] = _Op(rec.index, rec.where.module, key, text, name=rec.op.split("::")[-1],
                                  run=runs[rec.where.module], fwd_us=rec.duration_us)

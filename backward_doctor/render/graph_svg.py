@@ -23,6 +23,10 @@ _RANK_GAP = 30
 
 
 _FONT = 11
+#: JupyterLab theme variables (inline SVG takes CSS variables in style attributes), light values as fallback.
+_INK, _MUTED = "var(--jp-ui-font-color1,#1f2328)", "var(--jp-ui-font-color2,#57606a)"
+_PAPER, _PAPER2 = "var(--jp-layout-color1,#ffffff)", "var(--jp-layout-color2,#f6f8fa)"
+_PAPER3 = "var(--jp-layout-color3,#eaeef2)"
 
 
 _CHAR_W = 6.7
@@ -201,12 +205,15 @@ def draw(v: View, has_backward: bool, within: str | None, max_width: int) -> str
         dash = "" if forward else ' stroke-dasharray="4 3"'
         out.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="{sw:.1f}"{dash} '
                    f'marker-end="url(#{marker})"><title>{tip}</title></path>')
+        ink = "#b3261e" if saved_b else _MUTED
         labels.append(f'<text x="{lx:.1f}" y="{ly:.1f}" text-anchor="{anchor}" font-size="10" '
-                      f'fill="{"#b3261e" if saved_b else "#6e7781"}" paint-order="stroke" stroke="#fff" '
+                      f'style="fill:{ink};stroke:{_PAPER}" paint-order="stroke" '
                       f'stroke-width="3">{label}</text>')
     for n in nodes:
         title, line2 = texts[n.id]
-        fill = "#fff8e1" if n.highlight else "#f6f8fa" if n.composite else "#ffffff"
+        # The theme's colours (dark in JupyterLab's dark theme); the finding's node keeps its light
+        # yellow with dark red ink in both themes.
+        fill = "#fff8e1" if n.highlight else _PAPER2 if n.composite else _PAPER
         stroke = "#c62828" if n.highlight else "#57606a" if n.composite else "#afb8c1"
         swn = 2.6 if n.highlight else 1.2
         tip = esc(f"{n.label}: {len(n.ops)} forward ops, forward {format_us(n.fwd_us, compact=True)}, backward {format_us(n.bwd_us, compact=True)}, "
@@ -214,13 +221,14 @@ def draw(v: View, has_backward: bool, within: str | None, max_width: int) -> str
                   + ("\n(collapsed module: expand to see inside)" if n.composite else "")
                   + ("\nthe finding is here" if n.highlight else ""))
         dbl = (f'<rect x="{n.x + 3:.1f}" y="{n.y + 3:.1f}" width="{n.w:.1f}" height="{_NODE_H}" rx="6" '
-               f'fill="#eaeef2" stroke="#afb8c1"/>') if n.composite else ""
+               f'style="fill:{_PAPER3}" stroke="#afb8c1"/>') if n.composite else ""
         out.append(f'<g class="bd-node" data-id="{esc(n.id)}"><title>{tip}</title>{dbl}'
-                   f'<rect x="{n.x:.1f}" y="{n.y:.1f}" width="{n.w:.1f}" height="{_NODE_H}" rx="6" fill="{fill}" '
-                   f'stroke="{stroke}" stroke-width="{swn}"/>'
+                   f'<rect x="{n.x:.1f}" y="{n.y:.1f}" width="{n.w:.1f}" height="{_NODE_H}" rx="6" '
+                   f'style="fill:{fill}" stroke="{stroke}" stroke-width="{swn}"/>'
                    f'<text x="{n.x + 10:.1f}" y="{n.y + 16:.1f}" font-weight="bold" '
-                   f'fill="{"#b3261e" if n.highlight else "#1f2328"}">{esc(title)}</text>'
-                   f'<text x="{n.x + 10:.1f}" y="{n.y + 31:.1f}" font-size="10" fill="#57606a">{esc(line2)}</text>'
+                   f'style="fill:{"#b3261e" if n.highlight else _INK}">{esc(title)}</text>'
+                   f'<text x="{n.x + 10:.1f}" y="{n.y + 31:.1f}" font-size="10" '
+                   f'style="fill:{"#57606a" if n.highlight else _MUTED}">{esc(line2)}</text>'
                    "</g>")
     out.extend(labels)
     out.append("</svg>")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
-from . import sections as S, style, view
+from . import sections as S, style, view, wording
 from .style import esc
 
 if TYPE_CHECKING:
@@ -77,8 +77,8 @@ def ops_section(report: "Report") -> str:
     return (S.ops_table_html(tr, "op", "time", 15, rows=by_op) +
             "<details><summary>Ops by memory allocated</summary>" + S.ops_table_html(tr, "op", "memory", 15, by_op) +
             "</details><details><summary>Modules by time</summary>" + S.ops_table_html(tr, "module", "time", 20) +
-            "</details><details><summary>Lines by time</summary>" + S.ops_table_html(tr, "line", "time", 20) +
-            "</details>")
+            "</details><details><summary>Lines by time</summary>" +
+            S.ops_table_html(tr, "line", "time", 20, places=report.places) + "</details>")
 
 
 def fixes_section(report: "Report") -> str:
@@ -125,7 +125,7 @@ def fix_after_html(result: "FixResult", with_code: bool = True) -> str:
     if diff:
         out.append("<div><b>The change</b></div>" + diff)
     code = result.code
-    if code and with_code:
+    if code and with_code and result.applied and result.fits:  # a fix that did not work is no code to keep
         out.append(f'<div><b>Code to keep</b></div><div class="src"><pre style="padding:6px 8px">{esc(code)}</pre></div>')
     return "".join(out)
 
@@ -147,8 +147,9 @@ def render_html(report: "Report") -> str:
             log.warning("report section %r could not be drawn", title, exc_info=True)
             body = f'<div class="bad">This section could not be drawn: {esc(type(exc).__name__)}: {esc(exc)}</div>'
         parts.append(f"<h3>{esc(title)}</h3>{body}")
-    parts.append(f'<div class="muted" style="margin-top:10px;font-size:11px">torch {esc(tr.torch_version)} · '
-                 f"device {esc(tr.device)} · {tr.op_count:,} ops recorded</div></div>")
+    parts.append(f'<div class="muted bd-footer" style="margin-top:10px;font-size:11px">torch {esc(tr.torch_version)} · '
+                 f"device {esc(tr.device)} · {tr.op_count:,} ops recorded by {esc(wording.recorder_words(report))}"
+                 "</div></div>")
     return "".join(parts)
 
 

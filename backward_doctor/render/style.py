@@ -20,58 +20,74 @@ CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimi
                    "activations": "saved activations", "other": "other"}
 
 
+#: JupyterLab's theme variables with the light values as fallbacks: the cards follow a dark theme in
+#: JupyterLab and look the same as before on a static page. Highlights are translucent so they read on
+#: either background.
+INK, INK2, INK3 = "var(--jp-ui-font-color1,#1f2328)", "var(--jp-ui-font-color2,#57606a)", "var(--jp-ui-font-color3,#8c959f)"
+BG, BG2 = "var(--jp-layout-color1,#fff)", "var(--jp-layout-color2,#f6f8fa)"
+LINE, LINE2 = "var(--jp-border-color1,#d0d7de)", "var(--jp-border-color2,#e5e7eb)"
+HIT = "rgba(255,193,7,.28)"
+
 CSS = """
-.bd{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;
- font-size:13px;line-height:1.45;color:#1f2328;background:#fff;max-width:1100px}
+.bd{font-family:var(--jp-ui-font-family,-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif);
+ font-size:13px;line-height:1.45;color:INK;background:BG;max-width:1100px}
 .bd *{box-sizing:border-box}
-.bd h3{font-size:14px;margin:14px 0 6px;color:#1f2328;border-bottom:1px solid #e5e7eb;padding-bottom:3px}
-.bd code,.bd pre,.bd .mono{font-family:"SFMono-Regular",Menlo,Consolas,"DejaVu Sans Mono",monospace;font-size:12px}
+.bd h3{font-size:14px;margin:14px 0 6px;color:INK;border-bottom:1px solid LINE2;padding-bottom:3px}
+.bd code,.bd pre,.bd .mono{font-family:var(--jp-code-font-family,"SFMono-Regular",Menlo,Consolas,"DejaVu Sans Mono",monospace);
+ font-size:12px}
 .bd pre{margin:0;white-space:pre-wrap;word-break:break-word}
 .bd .verdict{display:flex;align-items:flex-start;gap:10px;padding:10px 12px;border-radius:6px;
- border-left:6px solid var(--sev);background:#fafafa}
+ border-left:6px solid var(--sev);background:BG2}
 .bd .badge{display:inline-block;padding:1px 8px;border-radius:10px;color:#fff;font-weight:600;
- font-size:11px;text-transform:uppercase;letter-spacing:.03em;background:var(--sev);white-space:nowrap}
+ font-size:11px;letter-spacing:.02em;background:var(--sev);white-space:nowrap}
 .bd .headline{font-size:15px;font-weight:600}
-.bd .sub{color:#57606a}
+.bd .sub{color:INK2}
 .bd .facts{display:grid;grid-template-columns:repeat(auto-fit,minmax(190px,1fr));gap:8px;margin:10px 0}
-.bd .fact{border:1px solid #e5e7eb;border-radius:6px;padding:6px 10px;background:#fff}
-.bd .fact .k{color:#57606a;font-size:11px;text-transform:uppercase;letter-spacing:.04em}
+.bd .fact{border:1px solid LINE2;border-radius:6px;padding:6px 10px;background:BG}
+.bd .fact .k{color:INK2;font-size:11px;text-transform:uppercase;letter-spacing:.04em}
 .bd .fact .v{font-size:15px;font-weight:600}
-.bd .gauge{height:6px;background:#eef0f3;border-radius:3px;margin-top:4px;overflow:hidden}
+.bd .gauge{height:6px;background:LINE2;border-radius:3px;margin-top:4px;overflow:hidden}
 .bd .gauge>div{height:6px;border-radius:3px}
-.bd .exc{background:#fff5f5;border:1px solid #f3c2c2;border-radius:6px;padding:6px 10px;margin:8px 0}
-.bd .chip{display:inline-block;border:1px solid #d0d7de;border-radius:12px;padding:1px 9px;margin:2px 4px 2px 0;
- background:#f6f8fa;font-size:12px}
-.bd .finding{border-left:4px solid var(--sev);padding:4px 10px;margin:8px 0;background:#fcfcfc}
-.bd .src{border:1px solid #e5e7eb;border-radius:6px;overflow:hidden;margin:6px 0}
-.bd .src .cap{background:#f6f8fa;color:#57606a;padding:2px 8px;font-size:11px;border-bottom:1px solid #e5e7eb}
-.bd .src .ln{display:flex;white-space:pre;font-family:"SFMono-Regular",Menlo,Consolas,"DejaVu Sans Mono",monospace;
- font-size:12px;padding:0 8px}
-.bd .src .ln .no{color:#8c959f;min-width:3.2em;text-align:right;padding-right:10px;user-select:none}
-.bd .src .ln.hit{background:#fff1c2;font-weight:600}
-.bd .src .ln.hit .no{color:#8a6d00}
+.bd .exc{background:rgba(248,81,73,.08);border:1px solid rgba(198,40,40,.35);border-radius:6px;padding:6px 10px;
+ margin:8px 0}
+.bd .chip{display:inline-block;border:1px solid LINE;border-radius:12px;padding:1px 9px;margin:2px 4px 2px 0;
+ background:BG2;font-size:12px}
+.bd .finding{border-left:4px solid var(--sev);padding:4px 10px;margin:8px 0;background:BG}
+.bd .src{border:1px solid LINE2;border-radius:6px;overflow:hidden;margin:6px 0}
+.bd .src .cap{background:BG2;color:INK2;padding:2px 8px;font-size:11px;border-bottom:1px solid LINE2}
+.bd .src .ln{display:flex;white-space:pre;font-family:var(--jp-code-font-family,"SFMono-Regular",Menlo,Consolas,
+ "DejaVu Sans Mono",monospace);font-size:12px;padding:0 8px}
+.bd .src .ln .no{color:INK3;min-width:3.2em;text-align:right;padding-right:10px;user-select:none}
+.bd .src .ln.hit{background:HIT;font-weight:600}
+.bd .src .ln.hit .no{color:INK2}
 .bd table.t{border-collapse:collapse;margin:6px 0;width:100%}
-.bd table.t th{text-align:left;font-weight:600;color:#57606a;border-bottom:1px solid #d0d7de;padding:3px 8px;
+.bd table.t th{text-align:left;font-weight:600;color:INK2;border-bottom:1px solid LINE;padding:3px 8px;
  font-size:12px;white-space:nowrap}
-.bd table.t td{border-bottom:1px solid #f0f1f3;padding:3px 8px;vertical-align:top}
+.bd table.t td{border-bottom:1px solid LINE2;padding:3px 8px;vertical-align:top;text-align:left}
 .bd table.t td.num,.bd table.t th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
-.bd table.t tr.hit td{background:#fff1c2}
-.bd .bad{color:#c62828;font-weight:600}
-.bd .good{color:#2e7d32;font-weight:600}
-.bd .muted{color:#8c959f}
-.bd .diff{border:1px solid #e5e7eb;border-radius:6px;padding:4px 0;margin:6px 0;overflow-x:auto}
-.bd .diff div{white-space:pre;padding:0 8px;font-family:"SFMono-Regular",Menlo,Consolas,"DejaVu Sans Mono",monospace;
- font-size:12px}
-.bd .diff .add{background:#e6ffec}.bd .diff .del{background:#ffebe9}.bd .diff .hunk{color:#8250df;background:#f6f8fa}
+.bd table.t tr.hit td{background:HIT}
+.bd .bad{color:var(--jp-error-color1,#c62828);font-weight:600}
+.bd .good{color:var(--jp-success-color1,#2e7d32);font-weight:600}
+.bd .muted{color:INK3}
+.bd .diff{border:1px solid LINE2;border-radius:6px;padding:4px 0;margin:6px 0;overflow-x:auto}
+.bd .diff div{white-space:pre;padding:0 8px;font-family:var(--jp-code-font-family,"SFMono-Regular",Menlo,Consolas,
+ "DejaVu Sans Mono",monospace);font-size:12px}
+.bd .diff .add{background:rgba(46,160,67,.18)}.bd .diff .del{background:rgba(248,81,73,.18)}
+.bd .diff .hunk{color:#8250df;background:BG2}
 .bd .chain{margin:4px 0;padding-left:0;list-style:none}
 .bd .chain li{margin:2px 0}
-.bd .chain li:before{content:"\\2192 ";color:#8c959f}
+.bd .chain li:before{content:"\\2192 ";color:INK3}
 .bd .legend span{display:inline-block;margin-right:12px;font-size:12px}
 .bd .legend i{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px}
-.bd details>summary{cursor:pointer;color:#0b5cad;margin:4px 0}
-.bd .graph{overflow:auto;border:1px solid #e5e7eb;border-radius:6px;background:#fff;max-height:760px}
+.bd details>summary{cursor:pointer;color:var(--jp-content-link-color,#0b5cad);margin:4px 0}
+.bd .graph{overflow:auto;border:1px solid LINE2;border-radius:6px;background:BG;max-height:760px}
 .bd img.plot{max-width:100%;height:auto;display:block}
+.bd .bd-fix-failed .headline{color:var(--jp-error-color1,#c62828)}
+.bd .bd-next{margin-top:4px}
 """
+for _name, _value in (("INK3", INK3), ("INK2", INK2), ("INK", INK), ("BG2", BG2), ("BG", BG), ("LINE2", LINE2),
+                      ("LINE", LINE), ("HIT", HIT)):
+    CSS = CSS.replace(_name, _value)
 
 
 def esc(text: Any) -> str:

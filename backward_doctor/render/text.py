@@ -6,7 +6,6 @@ backward_doctor: OK - the step ran and nothing looks wrong
 """
 from __future__ import annotations
 
-import os
 import textwrap
 from typing import TYPE_CHECKING
 
@@ -14,7 +13,9 @@ from ..analysis.findings import source_line
 from ..capture.stats import format_stats
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
-from .view import phase_counts
+from ..report.places import line_label
+from .view import hang_threads, phase_counts
+from .wording import finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
@@ -36,7 +37,8 @@ def summary_line(report: "Report") -> str:
     mem = tr.memory
     if mem.peak_bytes:
         peak = tr.op(mem.peak_index)
-        at = f" at {peak.op}, line {peak.where.line}" if peak and peak.where.line else ""
+        at = f" at {peak.op}, {line_label(report.places, peak.where.line, peak.where.file)}" \
+            if peak and peak.where.line else ""
         limit = f" of {format_bytes(mem.limit_bytes)} limit" if mem.limit_bytes else ""
         parts.append(f"peak live tensors {format_bytes(mem.peak_bytes)}{limit}{at}")
     return "; ".join(parts)
@@ -46,18 +48,22 @@ def render_text(report: "Report") -> str:
     """The whole report as text (verdict, summary, each finding with its source line)."""
     tr = report.trace
     out: list[str] = []
-    if report.ok:
+    fr = report.fix_result
+    before = original_verdict(fr) if report.ok and fr is not None and fr.applied and fr.fits else ""
+    if before:  # a fixed run: "OK" alone would hide what the original step did
+        out.append(f"backward_doctor: FIXED - the step ran with {fr.name}; without it: {before}")
+    elif report.ok:
         out.append("backward_doctor: OK - the step ran and nothing looks wrong")
     else:
         top = report.findings[0] if report.findings else None
-        verdict = f"{top.kind} at {top.location()}" if top else "the step did not complete"
+        verdict = f"{finding_title(top)} at {top.location()}" if top else "the step did not complete"
         out.append(f"backward_doctor: PROBLEM - {verdict}")
     out.append("  " + summary_line(report))
     if report.exception:
         out.extend(_wrap(f"exception: {report.exception.splitlines()[0]}", "  "))
     for i, f in enumerate(report.findings, 1):
         out.append("")
-        out.append(f"[{i}] {f.kind} ({f.severity}) at {f.location()}{' - ' + f.title if f.title else ''}")
+        out.append(f"[{i}] {finding_title(f)} at {f.location()} ({f.kind}, {f.severity})")
         code = source_line(tr, f.line, f.file)
         if code:
             out.append(f"    > {f.line:>4} | {code}")
@@ -82,15 +88,23 @@ def render_text(report: "Report") -> str:
     if any(f.kind == "hang" for f in report.findings):
         out.append("")
         out.append("thread stacks (innermost last):")
-        for stack in tr.threads:
+        shown, folded = hang_threads(tr)
+        for stack in shown:
             out.append(f"  {stack.name}{' (main)' if stack.is_main else ''}:")
+            if not stack.frames:
+                out.append("    (no Python frames were seen in this thread)")
             for fi in stack.frames[-8:]:
-                loc = "cell" if fi.in_cell else os.path.basename(fi.file)
-                out.append(f"    {loc}:{fi.line} in {fi.function}: {fi.code}")
+                loc = frame_label(fi, report.places)
+                out.append(f"    {loc} in {fi.function}: {fi.code}")
+        if folded:
+            out.extend(_wrap(f"({len(folded)} more threads of the kernel and libraries, idle, never ran your "
+                             f"code: {', '.join(folded)})", "  "))
     for note in tr.notes:
         out.append(f"  note: {note}")
     if report.fix_result is not None:
         out.extend(_fix_lines(report.fix_result))
+    out.append("")
+    out.append(f"  ({tr.op_count:,} ops recorded by {recorder_words(report)})")
     return "\n".join(out)
 
 
@@ -101,7 +115,7 @@ def _fix_lines(fr: "FixResult") -> list[str]:
     elif not fr.applied:
         state = "not applied"
     else:
-        state = "applied, the step ran" if fr.fits else "applied, the step still fails"
+        state = "applied, the step ran" if fr.fits else "DID NOT WORK: the step still fails with it"
     out = ["", f"fix {fr.name}: {state}"]
     out.extend(_wrap(fr.message, "    "))
     cmp = fr.comparison or {}
@@ -116,9 +130,14 @@ def _fix_lines(fr: "FixResult") -> list[str]:
                        f"{'' if before.get('completed') else ', until it failed'})")
     if numbers:
         out.extend(_wrap("; ".join(numbers), "    "))
-    if fr.code and fr.applied:
-        out.append("    code to keep:")
-        out.extend(f"    | {line}" for line in fr.code.rstrip("\n").splitlines())
+    if fix_failed(fr):
+        out.extend(_wrap("Next: " + fix_next_step(fr).replace("`", ""), "    "))
+    if fr.code and fr.applied and fr.fits:
+        # Printed as it is, between two rulers, so it pastes into a cell or a file unchanged.
+        out.append("    code to keep (between the lines):")
+        out.append("-" * 40 + " 8< " + "-" * 40)
+        out.extend(fr.code.rstrip("\n").splitlines())
+        out.append("-" * 40 + " >8 " + "-" * 40)
     return out
 
 

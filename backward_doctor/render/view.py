@@ -9,14 +9,15 @@ table's rows, the fixes that apply, the source lines around a place.
 from __future__ import annotations
 
 import linecache
-import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..analysis.findings import forward_where
+from ..report.places import line_label
 from ..trace.records import OpRecord, TensorMeta, Trace, Where
 from .style import CATEGORY_LABELS
+from .wording import finding_title, original_verdict
 
 if TYPE_CHECKING:
     from ..report.report import Report
@@ -33,6 +34,20 @@ FIX_INFO = {
     "sync": ("Synchronous replay",
              "Re-run with synchronous kernel launches to find the op that really failed."),
 }
+
+
+#: Ops the profiler and the recorder add around the user's own (``record_function`` markers): they are
+#: bookkeeping, not work the step asked for, so the ops table leaves them out.
+BOOKKEEPING_PREFIXES = ("profiler::",)
+
+
+def is_bookkeeping(op_name: str) -> bool:
+    """True for an op that is the recorder's or profiler's own marker (``profiler::_record_function_enter_new``).
+
+    >>> is_bookkeeping("profiler::_record_function_enter_new"), is_bookkeeping("aten::mm")
+    (True, False)
+    """
+    return op_name.startswith(BOOKKEEPING_PREFIXES)
 
 
 # --------------------------------------------------------------------------- derivations
@@ -159,15 +174,18 @@ class OpRow:
     where: str = ""
 
 
-def op_rows(trace: Trace, group: str = "op") -> list[OpRow]:
-    """Ops grouped by op name, module or line: count, time, bytes newly allocated."""
+def op_rows(trace: Trace, group: str = "op", places: dict[str, str] | None = None) -> list[OpRow]:
+    """Ops grouped by op name, module or line: count, time, bytes newly allocated (the profiler's own
+    markers left out). ``places``: the report's names for the cell and files (``Cell In[2], line 4``)."""
     rows: dict[str, OpRow] = {}
     for op in trace.ops:
+        if is_bookkeeping(op.op):
+            continue
         if group == "module":
             key = _module_label(trace, op)
         elif group == "line":
             w = forward_where(trace, op)
-            key = _line_label(w) + (" (backward)" if op.phase == "backward" else "")
+            key = _line_label(w, places) + (" (backward)" if op.phase == "backward" else "")
         else:
             key = op.op
         row = rows.get(key)
@@ -179,15 +197,15 @@ def op_rows(trace: Trace, group: str = "op") -> list[OpRow]:
         row.alloc_bytes += sum(tensor_bytes(m) for k, m in zip(op.out_keys, op.outputs) if k and k not in ins)
     if group == "op" and trace.ops_dropped:  # totals cover the ops dropped from the middle
         for name, (count, total) in trace.op_totals.items():
+            if is_bookkeeping(name):
+                continue
             row = rows.setdefault(name, OpRow(name, 0, 0.0, 0))
             row.count, row.time_us = int(count), float(total)
     return list(rows.values())
 
 
-def _line_label(w: Where) -> str:
-    if w.line is None:
-        return "(unknown line)"
-    return f"cell line {w.line}" if w.file is None else f"{os.path.basename(w.file)}:{w.line}"
+def _line_label(w: Where, places: dict[str, str] | None = None) -> str:
+    return line_label(places or {}, w.line, w.file)
 
 
 SORT_KEYS = {"time": lambda r: -r.time_us, "memory": lambda r: -r.alloc_bytes, "count": lambda r: -r.count,
@@ -242,17 +260,77 @@ def source_context(trace: Trace, line: int | None, file: str | None, around: int
 
 
 def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
-    """(severity, badge, headline, one sentence)."""
+    """(severity, badge, headline, one sentence). A fixed run that works says what was wrong before it."""
     tr = report.trace
     if report.ok:
+        fr = report.fix_result
+        before = original_verdict(fr) if fr is not None and fr.applied and fr.fits else ""
+        if before:
+            return "ok", "fixed", f"The step ran with {fr.name}", f"Without it: {before}."
         return "ok", "OK", "The step ran and nothing looks wrong", ""
     top = report.root_cause
     if top is None:
         what = "timed out" if tr.timed_out else "did not complete"
         return "error", "problem", f"The step {what}", (report.exception or "").split("\n")[0]
-    title = top.title or top.kind.replace("_", " ")
+    title = finding_title(top)
     return top.severity, top.severity if top.severity != "error" else "problem", \
         f"{title} at {top.location()}", first_sentence(top.message)
 
 
 # --------------------------------------------------------------------------- fix results
+
+
+# --------------------------------------------------------------------------- threads and parameters
+def hang_threads(trace: Trace) -> tuple[list, list[str]]:
+    """The thread stacks worth reading in a hang report, and the names of those folded away.
+
+    A thread that never ran the user's code (ipykernel's Heartbeat, IOPub, Control; a history saver)
+    says nothing about the hang: it is folded to its name. The main thread always shows.
+
+    >>> from backward_doctor.trace.records import FrameInfo, ThreadStack
+    >>> t = Trace(threads=[ThreadStack("MainThread", 1, True), ThreadStack("Heartbeat", 2, False,
+    ...                    [FrameInfo("/zmq/heartbeat.py", 5, "run")])])
+    >>> [s.name for s in hang_threads(t)[0]], hang_threads(t)[1]
+    (['MainThread'], ['Heartbeat'])
+    """
+    shown, folded = [], []
+    exc = trace.exception
+    if not any(st.is_main and st.frames for st in trace.threads) and exc is not None and exc.frames:
+        # A Ctrl-C without a timeout photographs no stacks: the interrupt's traceback is the main one.
+        from ..trace.records import ThreadStack
+
+        shown.append(ThreadStack("MainThread", 0, True, list(exc.frames)))
+    for st in trace.threads:
+        if st.is_main and not st.frames and shown:
+            continue
+        if st.is_main or any(fi.user or fi.in_cell for fi in st.frames):
+            shown.append(st)
+        else:
+            folded.append(st.name)
+    return shown, folded
+
+
+def used_parameters(trace: Trace) -> tuple[int, int, int] | None:
+    """(tensors, trainable, bytes) of the parameters of the models the step ran, when fewer than all
+    the namespace holds (None: the totals are the step's own).
+
+    A model is used when an op ran inside one of its modules or one of its parameters got a gradient or
+    was stepped. Bytes are the totals' share by element count (one dtype per model is the common case).
+
+    >>> used_parameters(Trace()) is None
+    True
+    """
+    params = trace.params
+    if not params:
+        return None
+    roots = {op.where.module.split(".")[0].split("[")[0] for op in trace.ops if op.where.module}
+
+    def root(name: str) -> str:
+        return name.split(".")[0].split("[")[0]
+
+    used = [p for p in params if root(p.name) in roots or p.got_grad or p.stepped]
+    if not used or len(used) >= len(params):
+        return None
+    total_numel = sum(p.numel for p in params) or 1
+    share = sum(p.numel for p in used) / total_numel
+    return len(used), sum(p.requires_grad for p in used), int(trace.parameters.bytes * share)

@@ -28,6 +28,10 @@ class Report:
     fix: str | None = None
     #: set when the report is of a run with ``fix=...`` (see ``backward_doctor.fixes``)
     fix_result: FixResult | None = None
+    #: raw file ('' for the cell) -> the name the frontend gives it (``Cell In[2]``; see ``places.py``)
+    places: dict[str, str] = field(default_factory=dict)
+    #: why the ops were recorded by the Python recorder when the native one was wanted (None: no reason to say)
+    engine_note: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -41,14 +45,16 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "exception": self.exception, "fix": self.fix,
                 "findings": [f.to_dict() for f in self.findings], "trace": self.trace.to_dict(),
-                "fix_result": self.fix_result.to_dict() if self.fix_result is not None else None}
+                "fix_result": self.fix_result.to_dict() if self.fix_result is not None else None,
+                "places": dict(self.places), "engine_note": self.engine_note}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Report":
         return cls(findings=[Finding.from_dict(f) for f in data.get("findings", [])],
                    exception=data.get("exception"), fix=data.get("fix"),
                    trace=Trace.from_dict(data.get("trace", {})),
-                   fix_result=FixResult.from_dict(data["fix_result"]) if data.get("fix_result") else None)
+                   fix_result=FixResult.from_dict(data["fix_result"]) if data.get("fix_result") else None,
+                   places=dict(data.get("places") or {}), engine_note=data.get("engine_note"))
 
     def __str__(self) -> str:
         return renderer("text").render(self)

@@ -85,6 +85,29 @@ def choose_engine(engine: str, *, memory_limit: int | None = None, build: bool =
     return "python"
 
 
+def python_tier_reason() -> str | None:
+    """Why ``auto`` recorded with the Python tier just now, in words for a report's footer (None: switched
+    off on purpose, nothing to say).
+
+    >>> python_tier_reason() is None or isinstance(python_tier_reason(), str)
+    True
+    """
+    from .. import native
+
+    status = native.status()
+    if not status["enabled"]:
+        return None
+    if status["building"]:
+        return "the native recorder was still being built (it is used from the next run on)"
+    if status["reason"]:
+        return f"the native recorder could not be built: {status['reason']}"
+    import torch
+
+    if torch.cuda.is_available():
+        return None  # auto keeps CUDA runs on the Python tier by design
+    return "the native recorder is not built yet"
+
+
 def screens_every_op() -> bool:
     """True where the one run screens every op for NaN/Inf (the CPU); False on CUDA, where a screen per op
     would synchronise the device after every op and the first run screens only scalars (see module doc).

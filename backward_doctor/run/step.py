@@ -20,9 +20,10 @@ from ..analysis import analyze
 from ..capture.history import history_for
 from ..capture.runner import cell_filename, make_capture, run_source, run_under_capture
 from ..report import Report
+from ..report.places import Namer, name_places
 from ..trace import Trace
 from .iteration_replay import IterationRollback, replay_iteration
-from .engine import choose_engine, replay_in_detail, screens_every_op, snapshot_for, wants_replay
+from .engine import choose_engine, python_tier_reason, replay_in_detail, screens_every_op, snapshot_for, wants_replay
 
 _last: list[Report | None] = [None]
 _MAX_TIMEOUT = 1e6
@@ -91,14 +92,15 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
              memory_limit: int | None = None, engine: str = "auto", rollback: bool = True,
              cell_file: str | None = None, execute: Callable[[], BaseException | None] | None = None,
              build: bool = True, history: bool = True, detail: bool | None = None,
-             fix: str | None = None, every_iteration: bool = False) -> Report:
+             fix: str | None = None, every_iteration: bool = False, places: Namer | None = None) -> Report:
     """Run the cell ``source`` in ``namespace`` under a capture and diagnose it (arguments already
     checked). ``execute``: runs the cell and returns its exception (default: ``exec`` of ``source``
     compiled as ``cell_file``). ``build``: whether the native recorder may be built now (the magic
     says no: a first cell must not wait ~40 s). ``history``: compare with the cell's earlier runs (stale
     gradients, growing memory; a fix's rewritten cell has none). ``detail``: screen every op for
     NaN/Inf in this run (default: where that is cheap, see ``engine.screens_every_op``). ``fix``: the name the report is labelled
-    with. ``every_iteration``: record every iteration of a loop (the native recorder samples them)."""
+    with. ``every_iteration``: record every iteration of a loop (the native recorder samples them). ``places``:
+    the frontend's names for the cell and files (``Cell In[2]``; ``report/places.py``)."""
     chosen = choose_engine(engine, memory_limit=memory_limit, build=build)
     if detail is None:  # one run, every op screened where that is cheap: no replay, no snapshot (engine.py)
         detail = screens_every_op()
@@ -124,4 +126,8 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
         # ends as a plain run leaves it (the replay recomputes the same step).
         trace = replay_in_detail(trace, source, namespace, snapshot, timeout=timeout, memory_limit=memory_limit)
     del snapshot
-    return build_report(trace, fix)
+    report = build_report(trace, fix)
+    name_places(report, namespace, places)
+    if engine == "auto" and trace.engine == "python":
+        report.engine_note = python_tier_reason()
+    return report

@@ -67,6 +67,28 @@ class Cell:
             text = text[:-1].rstrip()
         return text + "\n" if text else ""
 
+    def kept(self, indices: Iterable[int]) -> str:
+        r"""The statements ``indices`` as the user wrote them: a run of statements that shared a line
+        (``a; b; c``) stays on its line, so a fix changes only the lines it must.
+
+        >>> c = Cell("a = 1; b = 2; c = 3\nloss.backward(); opt.step()\n")
+        >>> c.kept(range(3)), c.kept([4]), c.kept([2, 4])
+        ('a = 1; b = 2; c = 3\n', 'opt.step()\n', 'c = 3\nopt.step()\n')
+        """
+        out: list[str] = []
+        run: list[int] = []
+        for i in list(indices) + [None]:  # type: ignore[list-item]
+            if run and (i is None or i != run[-1] + 1):
+                lo, hi = self.bounds[run[0]][0], self.bounds[run[-1]][1]
+                text = self._raw[lo:hi].decode("utf-8").rstrip()
+                if text.endswith(";"):  # the run ends before a statement on its line that is not kept
+                    text = text[:-1].rstrip()
+                out.append(text + "\n" if text else "")
+                run = []
+            if i is not None:
+                run.append(i)
+        return "".join(out)
+
     def edited(self, i: int, edits: list[tuple[int, int, str]]) -> str:
         """Chunk ``i`` with ``edits`` (absolute byte spans -> replacement text) applied."""
         return self._chunk_text(i, edits)

@@ -22,6 +22,7 @@ import pytest
 
 from backward_doctor.analysis import analyze  # the rules' import path: named here only
 from backward_doctor.render import renderer  # the registry: renderers by name ("text", "html", "page")
+from backward_doctor.render.wording import finding_title, kind_words
 from backward_doctor.report import Report
 from backward_doctor.trace import Trace
 
@@ -120,7 +121,11 @@ def test_there_are_problem_and_healthy_fixtures():
 def test_text_verdict_names_the_root_cause_and_its_line(name):
     exp, text = expected(name), text_of(name)
     lines = text.splitlines()
-    assert lines[0] == f"backward_doctor: PROBLEM - {exp['first_kind']} at {location(exp)}"
+    top = build(name).findings[0]
+    assert top.kind == exp["first_kind"]
+    # The verdict in plain words (the finding's title), not the kind's identifier (STALE_GRAD, NONFINITE)
+    assert lines[0] == f"backward_doctor: PROBLEM - {finding_title(top)} at {location(exp)}"
+    assert finding_title(top) != top.kind
     code = cell_line(name, exp["first_line"]).strip()
     assert f"    > {exp['first_line']:>4} | {code}" in lines  # the root-cause line of the cell, quoted
     assert "OK" not in lines[0]
@@ -132,7 +137,7 @@ def test_text_draws_each_finding_once(name):
     headers = [ln for ln in text.splitlines() if re.match(r"\[\d+\] ", ln)]
     assert len(headers) == len(report.findings) == len(expected(name)["kinds"])
     for i, (f, header) in enumerate(zip(report.findings, headers), 1):
-        assert header.startswith(f"[{i}] {f.kind} ({f.severity}) at {f.location()}")
+        assert header == f"[{i}] {finding_title(f)} at {f.location()} ({f.kind}, {f.severity})"
         assert bare(f.message) in bare(text)
         assert text.count(f"[{i}] ") == 1
 
@@ -214,7 +219,7 @@ def test_html_draws_each_finding_once(name):
     frag, report = html_of(name), build(name)
     assert frag.count('<div class="finding"') == len(report.findings)
     for kind in set(expected(name)["kinds"]):
-        badge = re.compile(r'<span class="badge" style="--sev:[^"]*">' + re.escape(kind) + r"</span> <b>")
+        badge = re.compile(r'<span class="badge" style="--sev:[^"]*">' + re.escape(kind_words(kind)) + r"</span> <b>")
         assert len(badge.findall(frag)) == expected(name)["kinds"].count(kind)
 
 

@@ -45,7 +45,9 @@ def hang(trace: Trace) -> list[Finding]:
         return []
     where = _main_where(trace)
     main = next((s for s in trace.threads if s.is_main), None)
-    inner = main.frames[-1] if main and main.frames else None
+    # A Ctrl-C without a timeout photographs no stacks; the interrupt's own traceback is the main stack.
+    frames = main.frames if main and main.frames else (exc.frames if interrupted else [])
+    inner = frames[-1] if frames else None
     if inner is None:
         waiting = "unknown code"
     elif inner.in_cell or inner.function == "<module>":

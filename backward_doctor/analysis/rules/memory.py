@@ -108,8 +108,10 @@ def oom(trace: Trace) -> list[Finding]:
     breakdown = ", ".join(f"{c} {format_bytes(v)}" for c, v in cats.items() if v)
     msg = (f"Memory ran out during {phase} at line {where.line}"
            f"{' in ' + where.module if where.module else ''}{' (' + rec.op + ')' if rec else ''}: "
-           f"{format_bytes(live)} live tensors{' on a ' + format_bytes(limit) + ' device' if limit else ''} "
-           f"({breakdown}).")
+           + (f"{format_bytes(live - requested)} already live and {format_bytes(requested)} asked for, "
+              f"{format_bytes(live)} in all" if info.simulated and 0 < requested <= live
+              else f"{format_bytes(live)} live tensors")  # a simulated device counts the request in `live`
+           + f"{' on a ' + format_bytes(limit) + ' device' if limit else ''} ({breakdown}).")
     fixes: list[str] = []
     activations = cats.get("activations", 0)
     if rec is not None and rec.phase == "backward" and requested > activations:
