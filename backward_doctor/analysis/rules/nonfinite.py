@@ -132,7 +132,8 @@ def nonfinite(trace: Trace) -> list[Finding]:
 def _nonfinite(trace: Trace) -> list[Finding]:
     origins: list[NonFiniteEvent] = [e for e in trace.nonfinite if e.is_origin and e.reached]
     its = trace.iterations
-    if its.first_nonfinite is not None and its.replayed is None and its.first_nonfinite not in its.recorded:
+    if its.first_nonfinite is not None and its.replayed is None and its.recorded \
+            and its.first_nonfinite not in its.recorded:  # (a sampled loop's unrecorded iteration)
         return _unrecorded_first(trace)
     if not origins:
         return _without_origin(trace)
