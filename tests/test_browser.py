@@ -288,7 +288,8 @@ def test_verdict_above_the_traceback_in_the_dark_theme(tmp_path):
             # While the cell runs: the placeholder, updated from the kernel's polling thread.
             running = cell.locator(".bd-running")
             running.filter(has_text="iterations").wait_for(timeout=90_000)
-            assert "backward_doctor: running…" in running.inner_text()
+            # iterations done and live memory, from the kernel's polling thread
+            assert "backward_doctor: running…" in running.inner_text() and " live" in running.inner_text()
             cell.screenshot(path=os.path.join(shots, "panel-running.png"))
             panel = cell.locator(".backward-doctor-panel")
             panel.wait_for(timeout=120_000)
