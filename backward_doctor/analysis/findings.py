@@ -38,13 +38,22 @@ class Finding:
     #: 0-based iteration of the cell's loop (the outermost ``for``/``while`` holding the root-cause line) in
     #: which the root cause happened; None outside a loop or when unknown (``analysis/loops.py``)
     iteration: int | None = None
+    #: the rank (process) of a distributed run the finding is about; None: one process, or all ranks
+    rank: int | None = None
 
     def location(self) -> str:
-        """``cell line 4`` / ``models.py:12``, plus the module when known, plus the loop's iteration.
+        """``cell line 4`` / ``models.py:12``, plus the module when known, plus the loop's iteration;
+        ``rank 1, cell line 4`` for a rank of a distributed run.
 
         >>> Finding("nonfinite", "", line=3, iteration=20, evidence={"loop_line": 1}).location()
         'cell line 3, in iteration 20 of the loop at line 1'
+        >>> Finding("desync", "", line=9, rank=1).location()
+        'rank 1, cell line 9'
         """
+        loc = self._place()
+        return loc if self.rank is None else f"rank {self.rank}, {loc}"
+
+    def _place(self) -> str:
         if self.line is None:
             loc = "unknown line"
         elif self.file is None:

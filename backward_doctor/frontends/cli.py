@@ -21,7 +21,7 @@ import tokenize
 from typing import Any, Callable
 
 from ..api import check_fix, check_timeout, diagnose
-from ..report import Report
+from ..report.combined import load_report
 from ..report.renderers import names, renderer
 from ..run.engine import choose_engine
 from ..util.units import parse_size
@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="what records the ops (default auto: the native recorder where it can be used)")
     p.add_argument("--every-iteration", action="store_true",
                    help="record every iteration of a training loop (default: 0, 1, 2 and powers of two)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="run FILE on N local ranks as torchrun would (the script calls init_process_group); "
+                        "one combined report (default --timeout there: 300 s)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
     p.add_argument("--html", default=None, metavar="OUT",
                    help="also write the report as one self-contained HTML page to OUT")
@@ -92,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         check_timeout(args.timeout)
         limit = parse_size(args.memory_limit)
         check_fix(args.fix)
+        if args.nproc is not None:
+            from .launch import check_nproc
+
+            check_nproc(args.nproc)
         if args.engine == "native":
             choose_engine("native", memory_limit=limit)
     except ValueError as exc:
@@ -99,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     _check_output(parser, "--json", args.json)
     _check_output(parser, "--html", args.html)
     source = _read(parser, args.file)
+    if args.nproc is not None:
+        return _distributed(parser, args)
     path = os.path.abspath(args.file)
     namespace = {"__name__": "__main__", "__file__": path}
     sys.path.insert(0, os.path.dirname(path))  # imports next to the script work, as with `python FILE`
@@ -110,6 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os._exit = real_exit
         sys.path.remove(os.path.dirname(path))
+    _emit(report, args)
+    return 0 if report.ok else 1
+
+
+def _distributed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--nproc N``: the script on N local ranks, one combined report (``launch.py``)."""
+    from .launch import check_nproc, launch
+
+    try:
+        check_nproc(args.nproc)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.fix or args.memory_limit:
+        parser.error("--nproc runs the script as it is: --fix and --memory-limit apply to one process")
+    report = launch(args.file, args.nproc, timeout=args.timeout, engine=args.engine,
+                    every_iteration=args.every_iteration)
     _emit(report, args)
     return 0 if report.ok else 1
 
@@ -157,7 +182,7 @@ def render_main(argv: list[str]) -> int:
     try:
         with open(args.report, encoding="utf-8") as fh:
             data = json.load(fh)
-        report = Report.from_dict(data)
+        report = load_report(data)
     except OSError as exc:
         p.error(f"cannot read {args.report}: {exc.strerror or exc}")
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # not JSON, or not a report's JSON
