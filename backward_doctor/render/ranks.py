@@ -102,7 +102,9 @@ def _trace_for(report: "CombinedReport", rank: int | None) -> Trace:
 def ranks_html(report: "CombinedReport") -> str:
     """The combined report as one HTML fragment: verdict, a row per rank, findings, each rank's report."""
     from . import sections as S
-    from .html import render_html
+    from ..report.renderers import renderer
+
+    render_html = renderer("html").render  # (by name: html.py hands combined reports to this module)
 
     sev = "ok" if report.ok else (report.root_cause.severity if report.root_cause else "error")
     out = [f"<style>{CSS}</style>", '<div class="bd">',

@@ -1,9 +1,10 @@
 """The one report of a distributed run: findings over all ranks (root cause first, each with its rank)
 and every rank's record (how it ended, its collectives, its own trace).
 
+>>> from backward_doctor.trace import Trace
 >>> from backward_doctor.trace.distributed import RankRecord
->>> r = CombinedReport(ranks=[RankRecord(0, 2, exitcode=0, wrote_report=True),
-...                           RankRecord(1, 2, exitcode=0, wrote_report=True)], nproc=2)
+>>> r = CombinedReport(ranks=[RankRecord(k, 2, exitcode=0, wrote_report=True, trace=Trace()) for k in range(2)],
+...                    nproc=2)
 >>> r.ok, CombinedReport.from_dict(r.to_dict()).to_dict() == r.to_dict()
 (True, True)
 """
