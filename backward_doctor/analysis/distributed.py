@@ -143,7 +143,7 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
                 continue  # said once below as a consequence (or explained by unused_parameters)
             rest.append(f)
         if is_consequence(r) or (nan and r.rank != nan[0].rank and any(f.kind == "nonfinite" for f in own[r.rank])):
-            after.append(_consequence(r, roots[0] if roots else None))
+            after.append(_consequence(r, roots[0] if roots else None, own[r.rank]))
     return roots + rest + after
 
 
@@ -152,11 +152,13 @@ def _tag(f: Finding, rank: int) -> Finding:
     return f
 
 
-def _consequence(r: RankRecord, root: Finding | None) -> Finding:
+def _consequence(r: RankRecord, root: Finding | None, own: list[Finding]) -> Finding:
     err = rank_error(r) or (f"its gradients turned NaN/Inf after the all-reduce" if r.trace is not None else r.ended())
     where = r.waiting_in or next((c for c in reversed(r.collectives) if c.error), None)
     exc = r.trace.exception.where if r.trace is not None and r.trace.exception is not None else None
-    line, file = (where.line, where.file) if where else ((exc.line, exc.file) if exc else (None, None))
+    seen = next((f for f in own if f.kind == "nonfinite"), None)  # where the received NaN showed on this rank
+    line, file = (where.line, where.file) if where else ((exc.line, exc.file) if exc else
+                                                         ((seen.line, seen.file) if seen else (None, None)))
     cause = f"of {root.kind} on rank {root.rank}" if root is not None and root.rank is not None else \
         "of what happened on another rank"
     msg = (f"Rank {r.rank} {r.ended()}: {err}. This is a consequence {cause}, not a root cause: when one rank "

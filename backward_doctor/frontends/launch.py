@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from ..analysis.distributed import analyze_ranks
 from ..report.combined import CombinedReport
@@ -139,9 +139,8 @@ def _failed(r: _Rank, out_dir: str) -> bool:
 
 def launch(script: str, nproc: int, *, timeout: float | None = None, engine: str = "auto",
            every_iteration: bool = False, echo: bool = True) -> CombinedReport:
-    """Run ``script`` on ``nproc`` local ranks under the doctor; the combined report.
-
-    ``ValueError`` before anything runs for a bad ``nproc`` or ``timeout`` or a missing script.
+    """Run the file ``script`` on ``nproc`` local ranks (fresh processes) under the doctor; the combined
+    report. ``ValueError`` before anything runs for a bad ``nproc`` or ``timeout`` or a missing script.
     """
     from ..api import check_timeout
 
@@ -150,22 +149,35 @@ def launch(script: str, nproc: int, *, timeout: float | None = None, engine: str
     if not os.path.isfile(script):
         raise ValueError(f"no such file: {script}")
     script = os.path.abspath(script)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def start(k: int, port: int, out_dir: str) -> _Rank:
+        env = rank_env(k, nproc, port)
+        # The ranks import this very backward_doctor, wherever it was imported from.
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        argv = [sys.executable, "-m", "backward_doctor.run.rank", script, out_dir, engine]
+        proc = subprocess.Popen(argv + (["every"] if every_iteration else []), env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                start_new_session=True, errors="replace")
+        return _Rank(k, proc, echo)
+
+    with open(script, encoding="utf-8", errors="replace") as fh:
+        source = fh.read()
+    return supervise(start, nproc, timeout, script=script, source=source)
+
+
+def supervise(start: Callable[[int, int, str], "_Rank"], nproc: int, timeout: float, *, script: str,
+              source: str) -> CombinedReport:
+    """Start ``nproc`` ranks with ``start(rank, port, out_dir)``, wait for them (see the module doc),
+    read what each left in ``out_dir`` and combine it."""
     out_dir = tempfile.mkdtemp(prefix="backward_doctor-ranks-")
     port = free_port()
-    start = time.monotonic()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    begin = time.monotonic()
     ranks: list[_Rank] = []
     try:
         for k in range(nproc):
-            env = rank_env(k, nproc, port)
-            # The ranks import this very backward_doctor, wherever it was imported from.
-            env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-            argv = [sys.executable, "-m", "backward_doctor.run.rank", script, out_dir, engine]
-            proc = subprocess.Popen(argv + (["every"] if every_iteration else []), env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, errors="replace")
-            ranks.append(_Rank(k, proc, echo))
-        _wait(ranks, out_dir, start + timeout)
+            ranks.append(start(k, port, out_dir))
+        _wait(ranks, out_dir, begin + timeout)
         for r in ranks:
             for t in r.threads:
                 t.join(timeout=5)
@@ -180,7 +192,8 @@ def launch(script: str, nproc: int, *, timeout: float | None = None, engine: str
                  "at interpreter exit; the run itself completed)"
                  for rec in records if rec.signal and rec.wrote_report and rec.trace and rec.trace.exception is None]
         return CombinedReport(findings=analyze_ranks(records, timeout=timeout), ranks=records, script=script,
-                              nproc=nproc, timeout_s=timeout, duration_s=time.monotonic() - start, notes=notes)
+                              source=source, nproc=nproc, timeout_s=timeout, duration_s=time.monotonic() - begin,
+                              notes=notes)
     finally:
         stop_all(ranks, "the launcher stopped")  # Ctrl-C or an error here: no rank outlives the launcher
         shutil.rmtree(out_dir, ignore_errors=True)

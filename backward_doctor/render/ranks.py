@@ -49,6 +49,9 @@ def _rank_line(r: RankRecord) -> str:
 def _code(report: "CombinedReport", f: Finding) -> str:
     if f.line is None:
         return ""
+    lines = report.source.splitlines()
+    if f.file is None and 0 < f.line <= len(lines):
+        return lines[f.line - 1].strip()
     return linecache.getline(f.file or report.script, f.line).strip()
 
 
@@ -92,11 +95,7 @@ def _trace_for(report: "CombinedReport", rank: int | None) -> Trace:
     traces = traces or [r.trace for r in report.ranks if r.trace is not None]
     if traces:
         return traces[0]
-    try:
-        with open(report.script, encoding="utf-8") as fh:
-            return Trace(source=fh.read(), cell_file=report.script)
-    except OSError:
-        return Trace()
+    return Trace(source=report.source, cell_file=report.script)
 
 
 def ranks_html(report: "CombinedReport") -> str:

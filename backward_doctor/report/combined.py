@@ -26,6 +26,8 @@ class CombinedReport:
     findings: list[Finding] = field(default_factory=list)
     ranks: list[RankRecord] = field(default_factory=list)
     script: str = ""
+    #: the script's (or the cell's) text: its lines are shown beside the findings
+    source: str = ""
     nproc: int = 0
     timeout_s: float | None = None
     duration_s: float = 0.0
@@ -51,7 +53,8 @@ class CombinedReport:
         return errors[0][1] if errors else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "distributed", "ok": self.ok, "script": self.script, "nproc": self.nproc,
+        return {"kind": "distributed", "ok": self.ok, "script": self.script, "source": self.source,
+                "nproc": self.nproc,
                 "timeout_s": self.timeout_s, "duration_s": self.duration_s, "notes": list(self.notes),
                 "findings": [f.to_dict() for f in self.findings], "ranks": [r.to_dict() for r in self.ranks]}
 
@@ -59,7 +62,7 @@ class CombinedReport:
     def from_dict(cls, data: dict[str, Any]) -> "CombinedReport":
         return cls(findings=[Finding.from_dict(f) for f in data.get("findings", [])],
                    ranks=[RankRecord.from_dict(r) for r in data.get("ranks", [])], script=data.get("script", ""),
-                   nproc=data.get("nproc", 0), timeout_s=data.get("timeout_s"),
+                   source=data.get("source", ""), nproc=data.get("nproc", 0), timeout_s=data.get("timeout_s"),
                    duration_s=data.get("duration_s", 0.0), notes=list(data.get("notes", [])))
 
     def __str__(self) -> str:

@@ -44,8 +44,21 @@ def paths(out_dir: str, rank: int) -> dict[str, str]:
 
 
 def run_rank(script: str, out_dir: str, *, engine: str = "auto", every_iteration: bool = False) -> int:
-    """Run ``script`` as this rank (RANK/WORLD_SIZE from the environment) under the capture and the
-    collective log; write the record; 0 when the script's run completed without an exception, else 1."""
+    """Run the file ``script`` as this rank (RANK/WORLD_SIZE from the environment): see
+    :func:`run_rank_source`."""
+    path = os.path.abspath(script)
+    with tokenize.open(path) as fh:
+        source = fh.read()
+    namespace: dict[str, Any] = {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}
+    sys.path.insert(0, os.path.dirname(path))
+    sys.argv = [path]
+    return run_rank_source(source, path, out_dir, namespace, engine=engine, every_iteration=every_iteration)
+
+
+def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[str, Any], *, engine: str = "auto",
+                    every_iteration: bool = False, build: bool = True) -> int:
+    """Run ``source`` (compiled as ``cell_file``) in ``namespace`` as this rank under the capture and the
+    collective log; write the record; 0 when the run completed without an exception, else 1."""
     from .step import run_step  # (the step's imports are heavy; the launcher parent never needs them)
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -56,17 +69,12 @@ def run_rank(script: str, out_dir: str, *, engine: str = "auto", every_iteration
     faulthandler.enable(file=fault, all_threads=True)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=fault, all_threads=True)
-    path = os.path.abspath(script)
-    with tokenize.open(path) as fh:
-        source = fh.read()
-    namespace: dict[str, Any] = {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}
-    sys.path.insert(0, os.path.dirname(path))
-    sys.argv = [path]
     start = time.perf_counter()
-    with CollectiveRecorder(cell_file=path, source=source, log_path=files["log"]) as rec:
+    with CollectiveRecorder(cell_file=cell_file, source=source, log_path=files["log"]) as rec:
         with one_run_at_a_time():
-            report = run_step(source, namespace, cell_file=path, engine=engine, every_iteration=every_iteration)
-    record = RankRecord(rank=rank, world_size=world, script=path, wrote_report=True,
+            report = run_step(source, namespace, cell_file=cell_file, engine=engine, every_iteration=every_iteration,
+                              build=build)
+    record = RankRecord(rank=rank, world_size=world, script=cell_file, wrote_report=True,
                         collectives=rec.collectives, unused=rec.unused, trace=report.trace,
                         duration_s=time.perf_counter() - start)
     tmp = files["record"] + ".tmp"
