@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["render"]:
         return render_main(argv[1:])
+    if argv[:1] == ["combine"]:
+        return combine_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -164,6 +166,27 @@ def _exit_with_report(real_exit: Callable[[int], Any], args: argparse.Namespace)
             sys.stderr.flush()
             real_exit(code)
     return _exit
+
+
+def combine_main(argv: list[str]) -> int:
+    """``combine FOLDER``: one report from the files ranks wrote under ``torchrun -m
+    backward_doctor.run.rank FILE.py FOLDER`` (several machines: gather their folders into one first)."""
+    from .launch import combine_folder
+
+    p = argparse.ArgumentParser(prog="python -m backward_doctor combine",
+                                description="Combine the ranks' files of a torchrun run into one report.")
+    p.add_argument("folder", help="the folder given to backward_doctor.run.rank on every rank")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
+    p.add_argument("--html", default=None, metavar="OUT", help="also write the report as an HTML page to OUT")
+    args = p.parse_args(argv)
+    _check_output(p, "--json", args.json)
+    _check_output(p, "--html", args.html)
+    try:
+        report = combine_folder(args.folder)
+    except ValueError as exc:
+        p.error(str(exc))
+    _emit(report, args)
+    return 0 if report.ok else 1
 
 
 def render_main(argv: list[str]) -> int:

@@ -199,6 +199,31 @@ def supervise(start: Callable[[int, int, str], "_Rank"], nproc: int, timeout: fl
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
+def combine_folder(folder: str) -> CombinedReport:
+    """The combined report of ranks that wrote into ``folder`` under another launcher (``torchrun -m
+    backward_doctor.run.rank FILE.py FOLDER`` on each machine, the folders gathered into one).
+    ``ValueError`` when the folder holds no rank's files. How each process ended is unknown here.
+
+    >>> combine_folder("/nonexistent")
+    Traceback (most recent call last):
+    ValueError: /nonexistent holds no rank files (rank0.json, rank0.log, ...)
+    """
+    import re
+
+    found = set()
+    if os.path.isdir(folder):
+        found = {int(m.group(1)) for name in os.listdir(folder) if (m := re.match(r"rank(\d+)\.(json|log)$", name))}
+    if not found:
+        raise ValueError(f"{folder} holds no rank files (rank0.json, rank0.log, ...)")
+    records = [load_rank(folder, k, max(found) + 1) for k in sorted(found)]
+    world = max([r.world_size for r in records] + [max(found) + 1])
+    script = next((r.script for r in records if r.script), "")
+    source = next((r.trace.source for r in records if r.trace is not None and r.trace.source), "")
+    notes = [f"rank {k} left no files" for k in range(world) if k not in found]
+    return CombinedReport(findings=analyze_ranks(records), ranks=records, script=script, source=source,
+                          nproc=world, notes=notes)
+
+
 def _wait(ranks: list[_Rank], out_dir: str, deadline: float) -> None:
     """Until every rank exits, the deadline passes, or the grace after a failure ends."""
     failed_at: float | None = None

@@ -65,7 +65,8 @@ def _verdict(report: "CombinedReport") -> str:
 
 def ranks_text(report: "CombinedReport") -> str:
     """The combined report as plain text."""
-    out = [_verdict(report), f"  {report.nproc} ranks of {report.script or 'the script'} in {report.duration_s:.1f} s"
+    took = f" in {report.duration_s:.1f} s" if report.duration_s else ""
+    out = [_verdict(report), f"  {report.nproc} ranks of {report.script or 'the script'}{took}"
            + (f" (timeout {report.timeout_s:g} s)" if report.timeout_s else "")]
     out += [f"  rank {r.rank}: {_rank_line(r)}" for r in report.ranks]
     for i, f in enumerate(report.findings, 1):

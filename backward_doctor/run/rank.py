@@ -100,7 +100,14 @@ def load_rank(out_dir: str, rank: int, world: int, script: str = "") -> RankReco
     except OSError:
         pass
     record.stacks = parse_fault(record.fault, record.script or script)
+    fatal = re.search(r"Fatal Python error: (\w[\w ]*)", record.fault)
+    if fatal and not record.wrote_report:  # what faulthandler saw kill it (the launcher knows better)
+        record.signal = _FATAL.get(fatal.group(1).strip(), fatal.group(1).strip())
     return record
+
+
+_FATAL = {"Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS",
+          "Floating point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
 
 
 def read_log(path: str) -> list[Collective]:

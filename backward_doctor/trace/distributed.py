@@ -132,7 +132,10 @@ class RankRecord:
             return f"stopped by the launcher ({self.stopped})"
         if self.signal:
             return f"killed by {self.signal}"
-        return "still running" if self.exitcode is None else f"exited {self.exitcode}"
+        if self.exitcode is None:  # combined from files (torchrun): how the process ended is not known
+            return "ran to the end (exit status unknown)" if self.wrote_report else \
+                "did not finish its run (exit status unknown)"
+        return f"exited {self.exitcode}"
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
