@@ -265,3 +265,66 @@ def test_desync_culprit_is_the_minority_of_three():
     ranks = [RankRecord(k, 3, collectives=[calls[k]]) for k in range(3)]
     (f,) = analyze_ranks(ranks)
     assert (f.kind, f.rank, f.line) == ("desync", 2, 12) and "collective #6" in f.message
+
+
+# ---------------------------------------------------------------- the magic (forked ranks) and torchrun
+
+MAGIC_DRIVER = """\
+import json, sys, torch, torch.nn as nn
+from IPython.testing.globalipapp import start_ipython
+ip = start_ipython()
+ip.run_line_magic("load_ext", "backward_doctor")
+# The kernel used OpenMP before forking (a multi-threaded matmul): the ranks must still not deadlock.
+torch.set_num_threads(2)
+ip.run_cell("import torch, torch.nn as nn\\ntorch.ones(256, 256) @ torch.ones(256, 256)\\n"
+            "model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
+ip.run_cell_magic("backward_doctor", "--nproc 2 --timeout 40", open(sys.argv[1]).read())
+import backward_doctor as bd
+json.dump(bd.last_report().to_dict(), open(sys.argv[2], "w"))
+print("kernel in a process group:", torch.distributed.is_initialized())
+"""
+
+MAGIC_CELL = """\
+import datetime, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=40))
+rank = dist.get_rank()
+ddp = nn.parallel.DistributedDataParallel(model)
+for step in range(3):
+    x = torch.randn(4, 8)
+    if rank == 1 and step == 1:
+        x[0, 0] = float("nan")
+    ddp(x).sum().backward()
+"""
+
+
+def test_magic_nproc_forks_ranks_from_the_kernel(tmp_path):
+    driver, cell, out = tmp_path / "driver.py", tmp_path / "cell.py", tmp_path / "report.json"
+    driver.write_text(MAGIC_DRIVER)
+    cell.write_text(MAGIC_CELL)
+    proc = subprocess.run([sys.executable, str(driver), str(cell), str(out)], capture_output=True, text=True,
+                          env=ENV, timeout=55)
+    assert out.exists(), proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    f = _first(data)
+    assert (f["kind"], f["rank"], f["line"]) == ("nonfinite", 1, 8)
+    assert "nonfinite at rank 1, cell line 8" in proc.stdout  # the report shown under the cell
+    assert "kernel in a process group: False" in proc.stdout
+
+
+def test_torchrun_ranks_combined_afterwards(tmp_path):
+    path = _script(tmp_path, "gather", """\
+        shard = torch.randn(17 if rank == 0 else 16, 4)
+        parts = [torch.empty_like(shard) for _ in range(2)]
+        dist.all_gather(parts, shard)
+    """)
+    folder = tmp_path / "ranks"
+    folder.mkdir()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--master-port", str(free_port()), "-m", "backward_doctor.run.rank", path, str(folder)],
+                   capture_output=True, text=True, env=ENV, timeout=55)
+    out = tmp_path / "combined.json"
+    proc = subprocess.run([sys.executable, "-m", "backward_doctor", "combine", str(folder), "--json", str(out)],
+                          capture_output=True, text=True, env=ENV, timeout=55)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    f = _first(json.loads(out.read_text()))
+    assert (f["kind"], f["rank"], f["line"]) == ("desync", 1, _line(path, "dist.all_gather"))

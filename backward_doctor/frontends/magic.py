@@ -20,7 +20,7 @@ from IPython.display import display
 from ..api import check_engine, check_fix, check_timeout
 from ..capture.process import one_run_at_a_time
 from ..run.engine import ENGINES, choose_engine
-from ..run.step import run_step
+from ..run.step import remember, run_step
 from ..util.units import parse_size
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class BackwardDoctorMagics(Magics):
                                  every_iteration=args.every_iteration)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        remember(report)  # type: ignore[arg-type]  (bd.last_report(): the combined report)
         if not (args.quiet and report.ok):
             display(report)
 
