@@ -262,6 +262,11 @@ class CollectiveRecorder:
         for module, fwd, params in watched:
             names = [n for n, p, gid, ver in params
                      if p.grad is None or (id(p.grad) == gid and p.grad._version == ver)]
+            if len(names) == len(params):
+                # This backward did not go through the module at all (a GAN's discriminator step on a
+                # detached fake): its own backward is still to come.
+                self._ddp_pending.setdefault(id(module), (weakref.ref(module), fwd))
+                continue
             if names:
                 self.unused.append(UnusedParams(names=names, module=type(module.module).__name__,
                                                 backward_index=self._backwards, forward_line=fwd.line,

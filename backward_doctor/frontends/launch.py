@@ -113,22 +113,25 @@ class _Rank:
             pass
         return True
 
-    def kill(self) -> None:
+    def signal_group(self, sig: int) -> None:
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: DataLoader workers go too
+            os.killpg(self.proc.pid, sig)  # its own session: DataLoader workers too
         except (ProcessLookupError, PermissionError):
             pass
-        self.proc.wait()
 
 
 def stop_all(ranks: list["_Rank"], why: str) -> None:
-    """Ask every running rank for its stacks first, then kill them all: killing one first would make the
-    others fail (a lost connection) and move before their stacks are taken."""
+    """Ask every running rank for its stacks, then freeze them all, then kill them: were one killed
+    first, the others would fail (a lost connection) and log that before their own end came."""
     asked = [r for r in ranks if r.ask_for_stacks(why)]
-    if asked:
-        time.sleep(0.5)
+    if not asked:
+        return
+    time.sleep(0.5)  # faulthandler writes from the signal handler: a few milliseconds
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for r in asked:
+            r.signal_group(sig)
     for r in asked:
-        r.kill()
+        r.proc.wait()
 
 
 def _failed(r: _Rank, out_dir: str) -> bool:

@@ -57,16 +57,20 @@ def _code(report: "CombinedReport", f: Finding) -> str:
 
 def _verdict(report: "CombinedReport") -> str:
     if report.ok:
-        return f"backward_doctor: OK - {report.nproc} ranks ran and nothing looks wrong"
+        return f"backward_doctor: OK - {_n(report.nproc)} ran and nothing looks wrong"
     top = report.root_cause
     what = f"{top.kind} at {top.location()}" if top else "a rank did not complete"
-    return f"backward_doctor: PROBLEM - {what} ({report.nproc} ranks)"
+    return f"backward_doctor: PROBLEM - {what} ({_n(report.nproc)})"
+
+
+def _n(nproc: int) -> str:
+    return f"{nproc} rank{'s' if nproc != 1 else ''}"
 
 
 def ranks_text(report: "CombinedReport") -> str:
     """The combined report as plain text."""
     took = f" in {report.duration_s:.1f} s" if report.duration_s else ""
-    out = [_verdict(report), f"  {report.nproc} ranks of {report.script or 'the script'}{took}"
+    out = [_verdict(report), f"  {_n(report.nproc)} of {report.script or 'the script'}{took}"
            + (f" (timeout {report.timeout_s:g} s)" if report.timeout_s else "")]
     out += [f"  rank {r.rank}: {_rank_line(r)}" for r in report.ranks]
     for i, f in enumerate(report.findings, 1):

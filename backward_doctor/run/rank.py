@@ -70,8 +70,9 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=fault, all_threads=True)
     start = time.perf_counter()
-    with CollectiveRecorder(cell_file=cell_file, source=source, log_path=files["log"]) as rec:
-        with one_run_at_a_time():
+    # Inside the diagnosis's Ctrl-C hold: the recorder's patches go on and come off whole.
+    with one_run_at_a_time():
+        with CollectiveRecorder(cell_file=cell_file, source=source, log_path=files["log"]) as rec:
             report = run_step(source, namespace, cell_file=cell_file, engine=engine, every_iteration=every_iteration,
                               build=build)
     record = RankRecord(rank=rank, world_size=world, script=cell_file, wrote_report=True,
