@@ -20,7 +20,7 @@ import re
 from .findings import Finding
 from .rules import analyze
 from .rank_rules import crashed, first_nonfinite, hang, unused_parameters
-from ..trace.distributed import Collective, RankRecord, loop_text
+from ..trace.distributed import DDP_BACKWARD, Collective, RankRecord, loop_text
 
 #: What a rank sees when a peer failed or went missing: a consequence, never the root cause.
 CONSEQUENCE = re.compile(r"Connection (closed|reset) by peer|Timed out waiting|Socket Timeout|Broken pipe|"
@@ -29,7 +29,7 @@ CONSEQUENCE = re.compile(r"Connection (closed|reset) by peer|Timed out waiting|S
 _UNUSED_ERROR = "Expected to have finished reduction in the prior iteration"
 #: Collectives whose tensors must have the same shapes on every rank.
 _SIZED = frozenset({"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                    "reduce_scatter_tensor", "reduce", "all_reduce_coalesced"})
+                    "reduce_scatter_tensor", "reduce", "all_reduce_coalesced", DDP_BACKWARD})
 _P2P = frozenset({"send", "recv", "isend", "irecv"})
 
 

@@ -275,6 +275,38 @@ class CollectiveRecorder:
         self._backwards += 1
 
 
+def fill_from_flight_recorder(collectives: list[Collective]) -> int:
+    """Give the calls whose collectives were launched in C++ (DDP's bucket all-reduces and broadcasts)
+    their sizes from PyTorch's Flight Recorder, when it ran (``TORCH_FR_BUFFER_SIZE`` set before the
+    process group was made; the launcher sets it). Matched by sequence number; returns how many calls
+    got sizes (0 without a recorder).
+
+    >>> fill_from_flight_recorder([])
+    0
+    """
+    wanted = [c for c in collectives if c.op in (DDP_BACKWARD, DDP_FORWARD) and c.seq is not None and c.count]
+    if not wanted or not os.environ.get("TORCH_FR_BUFFER_SIZE") or not dist.is_initialized():
+        return 0
+    try:
+        import pickle
+
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    except Exception:  # an older torch or a backend without it: the counts still say enough
+        return 0
+    by_seq = {}
+    for e in dump.get("entries", []):
+        if not e.get("is_p2p") and (e.get("process_group") or ("0",))[0] == "0":
+            by_seq[int(e["collective_seq_id"])] = e  # 1-based: the sequence number after the call
+    filled = 0
+    for c in wanted:
+        entries = [by_seq.get(c.seq + k + 1) for k in range(c.count or 0)]
+        if all(entries):
+            c.sizes = [list(s) for e in entries for s in e.get("input_sizes", [])][:_MAX_SIZES]
+            c.dtype = str(entries[0].get("input_dtypes", [""])[0]).lower()
+            filled += 1
+    return filled
+
+
 def _loop_names(source: str) -> list[str]:
     """Names bound by the script's loops (``for step in ...``): read as the ranks' positions."""
     if not source:

@@ -70,6 +70,8 @@ def rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = Non
                GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="backward_doctor")
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks must not each take every core
+    # PyTorch's Flight Recorder: the sizes of the collectives DDP launches in C++ (run/rank.py reads it).
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "4000")
     # Never TORCH_DISTRIBUTED_DEBUG=DETAIL: DDP segfaults with it on gloo (measured, torch 2.13).
     if env.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
         env["TORCH_DISTRIBUTED_DEBUG"] = "INFO"

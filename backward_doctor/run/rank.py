@@ -26,7 +26,7 @@ import time
 import tokenize
 from typing import Any
 
-from ..capture.collectives import _SKIP_DIRS, CollectiveRecorder
+from ..capture.collectives import _SKIP_DIRS, CollectiveRecorder, fill_from_flight_recorder
 from ..capture.process import one_run_at_a_time
 from ..trace.distributed import Collective, RankRecord
 from ..trace.records import FrameInfo, ThreadStack
@@ -75,6 +75,7 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
         with CollectiveRecorder(cell_file=cell_file, source=source, log_path=files["log"]) as rec:
             report = run_step(source, namespace, cell_file=cell_file, engine=engine, every_iteration=every_iteration,
                               build=build)
+        fill_from_flight_recorder(rec.collectives)
     record = RankRecord(rank=rank, world_size=world, script=cell_file, wrote_report=True,
                         collectives=rec.collectives, unused=rec.unused, trace=report.trace,
                         duration_s=time.perf_counter() - start)
