@@ -165,4 +165,4 @@ def _consequence(r: RankRecord, root: Finding | None, own: list[Finding]) -> Fin
            "fails or issues a different collective, its peers see a closed or reset connection, a timeout, or "
            "the values it sent.")
     return Finding(kind="consequence", message=msg, line=line, file=file, severity="info", rank=r.rank,
-                   title=f"Rank {r.rank} failed because another rank did")
+                   title=f"Rank {r.rank}: a consequence, not a cause")

@@ -83,7 +83,7 @@ def first_nonfinite(ranks: list[RankRecord], own: dict[int, list[Finding]]) -> l
               "weights are NaN/Inf after the step." if others else "")
     step = f" in iteration {it:g}" if it != float("inf") else ""
     f.message = (f"Rank {first.rank} made the first NaN/Inf{step}, before any collective carried it (from "
-                 f"its own data or ops).{spread} {f.message}")
+                 f"its own data or ops).{spread} {f.message[:1].upper()}{f.message[1:]}")
     f.evidence = {**f.evidence, "first_rank": first.rank, "spread_to": others}
     return [f]
 

@@ -123,8 +123,10 @@ def ranks_html(report: "CombinedReport") -> str:
 
     for r in report.ranks:
         issued = sum(c.count or (1 if c.pending else 0) for c in r.collectives)
+        where = position(r)[0] if (r.waiting_in is not None or r.stopped or not r.collectives) else \
+            f"last: {r.collectives[-1].label()}"
         out.append(f'<tr><td class="num">{r.rank}</td><td>{esc(r.ended())}</td><td class="num">{issued}</td>'
-                   f'<td class="mono">{esc(position(r)[0])}</td><td class="mono">{esc(rank_error(r)[:300])}</td></tr>')
+                   f'<td class="mono">{esc(where)}</td><td class="mono">{esc(rank_error(r)[:300])}</td></tr>')
     out.append("</table>")
     out.append("<h3>Root cause</h3>" if report.findings else '<div class="sub">No findings.</div>')
     for f in report.findings:
