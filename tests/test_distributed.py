@@ -127,6 +127,8 @@ def test_unused_parameter_on_every_rank(tmp_path):
     assert (f["kind"], f["rank"], f["line"]) == ("unused_parameters", None, _line(path, "ddp(x), y"))
     assert sorted(f["evidence"]["parameters"]) == ["extra.bias", "extra.weight"]
     assert f["evidence"]["same_on_all_ranks"] is True and "find_unused_parameters=True" in f["message"]
+    # PyTorch's own error still surfaces, on each rank, as it raised it.
+    assert all("Expected to have finished reduction" in r["trace"]["exception"]["message"] for r in data["ranks"])
 
 
 def test_control_flow_differing_by_rank(tmp_path):
@@ -215,6 +217,16 @@ def test_nan_from_one_ranks_batch(tmp_path):
 
 
 # ---------------------------------------------------------------- no processes: arguments, rules, records
+
+@pytest.mark.parametrize("args", [["--nproc", "2", "--fix", "amp"], ["--nproc", "2", "--memory-limit", "1GB"],
+                                  ["--nproc", "x"], ["--nproc", "2", "--timeout", "0"]])
+def test_cli_nproc_bad_combinations_exit_2(tmp_path, args):
+    script = tmp_path / "s.py"
+    script.write_text("x = 1\n")
+    proc = subprocess.run([sys.executable, "-m", "backward_doctor", str(script), *args], capture_output=True,
+                          text=True, env=ENV, timeout=60)
+    assert proc.returncode == 2 and "error" in proc.stderr
+
 
 @pytest.mark.parametrize("bad", [0, -1, 65, 1.5, True, "2"])
 def test_bad_nproc_is_a_value_error(bad):
@@ -329,3 +341,23 @@ def test_torchrun_ranks_combined_afterwards(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     f = _first(json.loads(out.read_text()))
     assert (f["kind"], f["rank"], f["line"]) == ("desync", 1, _line(path, "dist.all_gather"))
+
+
+def test_a_loop_strided_by_rank_is_not_a_desync():
+    # for i in range(rank, 8, 2): rank 0 sees i = 0, 2, 4, rank 1 sees 1, 3, 5, in step: no desync.
+    ranks = [RankRecord(k, 2, collectives=[Collective(j, "all_reduce", seq=3 + j, count=1, sizes=[[4]], line=9,
+                                                      loop={"i": k + 2 * j}) for j in range(3)]) for k in range(2)]
+    assert analyze_ranks(ranks) == []
+    ranks[1].collectives[2].loop = {"i": 7}  # rank 1 jumped a step
+    (f,) = analyze_ranks(ranks)
+    assert (f.kind, f.rank, f.evidence["seq"]) == ("desync", 1, 5)
+
+
+def test_recorder_restores_on_keyboard_interrupt():
+    import torch.distributed as dist
+
+    before = dist.all_gather
+    with pytest.raises(KeyboardInterrupt):
+        with CollectiveRecorder():
+            raise KeyboardInterrupt
+    assert dist.all_gather is before and torch.autograd.backward.__module__ == "torch.autograd"

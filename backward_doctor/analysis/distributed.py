@@ -67,27 +67,31 @@ def _slots(r: RankRecord) -> dict[int, Collective]:
     return out
 
 
-def _signature(c: Collective) -> tuple:
-    return (c.op, tuple(map(tuple, c.sizes)) if c.op in _SIZED else (), tuple(sorted(c.loop.items())))
+def _signature(c: Collective, base: dict[str, int]) -> tuple:
+    """What must match across ranks: op, sizes (where they must agree) and how far the loop has come
+    since the rank's first collective (not the loop variable itself: a strided ``range(rank, n, world)``
+    differs by rank from the start, in step)."""
+    moved = tuple(sorted((k, v - base.get(k, 0)) for k, v in c.loop.items()))
+    return (c.op, tuple(map(tuple, c.sizes)) if c.op in _SIZED else (), moved)
 
 
-def _culprit(calls: dict[int, Collective]) -> int:
+def _culprit(calls: dict[int, Collective], bases: dict[int, dict[str, int]]) -> int:
     """The rank not doing what the others do: the minority; between equals, the one whose loop ran
     ahead (it skipped a step); else the first that differs from the lowest rank."""
+    sig = {rank: _signature(c, bases[rank]) for rank, c in calls.items()}
     groups: dict[tuple, list[int]] = {}
-    for rank, c in calls.items():
-        groups.setdefault(_signature(c), []).append(rank)
+    for rank in calls:
+        groups.setdefault(sig[rank], []).append(rank)
     ordered = sorted(groups.values(), key=len)
     if len(ordered[-1]) > len(ordered[0]) and len(ordered) == 2:
         return ordered[0][0]
-    loops = {rank: c.loop for rank, c in calls.items()}
-    names = sorted(set.intersection(*(set(v) for v in loops.values()))) if loops else []
-    for name in names:
-        values = {rank: loops[rank][name] for rank in loops}
+    moved = {rank: dict(sig[rank][2]) for rank in calls}
+    for name in sorted(set.intersection(*(set(v) for v in moved.values()))):
+        values = {rank: moved[rank][name] for rank in moved}
         if len(set(values.values())) > 1:
             return max(values, key=lambda k: (values[k], -k))
     lowest = min(calls)
-    return min(rank for rank in calls if _signature(calls[rank]) != _signature(calls[lowest]))
+    return min(rank for rank in calls if sig[rank] != sig[lowest])
 
 
 def desync(ranks: list[RankRecord]) -> list[Finding]:
@@ -95,20 +99,22 @@ def desync(ranks: list[RankRecord]) -> list[Finding]:
     loop step they were in. A rank with no collective where the others have one is only a desync when
     it issued later ones (else it stopped there: that is the crash or the hang)."""
     slots = {r.rank: _slots(r) for r in ranks}
+    bases = {rank: s[min(s)].loop if s else {} for rank, s in slots.items()}
     for seq in sorted(set().union(*slots.values())):
         calls = {rank: s[seq] for rank, s in slots.items() if seq in s}
         gap = [rank for rank, s in slots.items() if seq not in s and s and max(s) > seq]
-        if len({_signature(c) for c in calls.values()}) <= 1 and not gap:
+        if len({_signature(c, bases[rank]) for rank, c in calls.items()}) <= 1 and not gap:
             continue
-        culprit = gap[0] if gap else _culprit(calls)
+        culprit = gap[0] if gap else _culprit(calls, bases)
         c = calls.get(culprit) or next(iter(calls.values()))
         each = "; ".join(f"rank {rank}: {calls[rank].label()}" for rank in sorted(calls))
         each += "".join(f"; rank {rank}: nothing (it went on to later collectives)" for rank in gap)
         missing = [r.rank for r in ranks if r.rank not in calls and r.rank not in gap]
         each += "".join(f"; rank {rank}: nothing (it stopped before)" for rank in missing)
         loops = {loop_text(x.loop) for x in calls.values()}
+        apart = len({_signature(x, bases[rank])[2] for rank, x in calls.items()}) > 1
         step = f" They were at different steps of the loop ({', '.join(sorted(loops))}): rank {culprit} skipped " \
-               "or repeated a step that issues collectives." if len(loops) > 1 else ""
+               "or repeated a step that issues collectives." if apart else ""
         msg = (f"The ranks issued different collectives at collective #{seq + 1} of the process group: {each}.{step} "
                "Every rank must issue the same collectives, in the same order, with the same sizes; when they "
                "do not, gloo/NCCL pair the wrong calls: a size check aborts a process, or the ranks wait for each "
