@@ -52,7 +52,11 @@ def rank_error(r: RankRecord) -> str:
 
 def is_consequence(r: RankRecord) -> bool:
     """The rank failed because a peer did (its error is a lost connection or a timeout), or the
-    launcher stopped it after another rank failed."""
+    launcher stopped it after another rank failed.
+
+    >>> is_consequence(RankRecord(0, 2, output_tail="RuntimeError: [pair.cc:553] Connection closed by peer"))
+    True
+    """
     return bool(r.stopped.startswith("after") or CONSEQUENCE.search(rank_error(r)))
 
 
@@ -97,7 +101,12 @@ def _culprit(calls: dict[int, Collective], bases: dict[int, dict[str, int]]) -> 
 def desync(ranks: list[RankRecord]) -> list[Finding]:
     """The first collective (by sequence number) that the ranks issued differently: op, sizes, or the
     loop step they were in. A rank with no collective where the others have one is only a desync when
-    it issued later ones (else it stopped there: that is the crash or the hang)."""
+    it issued later ones (else it stopped there: that is the crash or the hang).
+
+    >>> ok = [RankRecord(k, 2, collectives=[Collective(0, "barrier", seq=0, count=1, line=3)]) for k in range(2)]
+    >>> desync(ok)
+    []
+    """
     slots = {r.rank: _slots(r) for r in ranks}
     bases = {rank: s[min(s)].loop if s else {} for rank, s in slots.items()}
     for seq in sorted(set().union(*slots.values())):

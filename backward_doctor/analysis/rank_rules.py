@@ -68,7 +68,12 @@ def _nan_key(r: RankRecord) -> tuple[float, int]:
 
 
 def first_nonfinite(ranks: list[RankRecord], own: dict[int, list[Finding]]) -> list[Finding]:
-    """The rank whose NaN/Inf came first (its line); the ranks it spread to through the all-reduce."""
+    """The rank whose NaN/Inf came first (its line); the ranks it spread to through the all-reduce.
+    ``own``: each rank's findings from its own trace.
+
+    >>> first_nonfinite([RankRecord(0, 2), RankRecord(1, 2)], {0: [], 1: []})
+    []
+    """
     bad = [r for r in ranks if any(f.kind == "nonfinite" for f in own[r.rank]) or _nan_key(r)[0] != float("inf")]
     if not bad:
         return []
@@ -90,7 +95,11 @@ def first_nonfinite(ranks: list[RankRecord], own: dict[int, list[Finding]]) -> l
 
 def crashed(ranks: list[RankRecord], culprit: int | None = None) -> list[Finding]:
     """Ranks killed by a signal before their run ended (gloo aborts a process on a size mismatch):
-    no Python exception there, but their log and ``faulthandler`` say where."""
+    no Python exception there, but their log and ``faulthandler`` say where.
+
+    >>> [(f.kind, f.rank) for f in crashed([RankRecord(1, 2, exitcode=-6, signal="SIGABRT")])]
+    [('crash', 1)]
+    """
     out = []
     for r in ranks:
         if not r.signal or r.stopped or r.wrote_report:
@@ -121,7 +130,12 @@ def _user_frame(r: RankRecord):
 
 
 def position(r: RankRecord) -> tuple[str, int | None, str | None]:
-    """Where a rank was when the run ended: (words, line, file)."""
+    """Where a rank was when the run ended: (words, line, file).
+
+    >>> from backward_doctor.trace.distributed import Collective
+    >>> position(RankRecord(0, 2, collectives=[Collective(0, "barrier", seq=4, line=17)]))
+    ('waiting in barrier at line 17 (collective #5)', 17, None)
+    """
     if r.waiting_in is not None:
         c = r.waiting_in
         seq = f" (collective #{c.seq + 1})" if c.seq is not None else ""
@@ -136,7 +150,14 @@ def position(r: RankRecord) -> tuple[str, int | None, str | None]:
 def hang(ranks: list[RankRecord], culprit: int | None = None, explained: bool = False,
          timeout: float | None = None) -> list[Finding]:
     """The launcher's timeout ended ranks still running: where each one was, and which is not where
-    the others are (the culprit of a desync; else the minority; else the one that issued fewest)."""
+    the others are (the culprit of a desync; else the minority; else the one that issued fewest).
+
+    >>> from backward_doctor.trace.distributed import Collective
+    >>> ranks = [RankRecord(0, 2, stopped="timeout", collectives=[Collective(0, "barrier", seq=4, line=17)]),
+    ...          RankRecord(1, 2, stopped="timeout", collectives=[Collective(0, "all_reduce", seq=4, line=9)])]
+    >>> [(f.kind, f.rank, f.line) for f in hang(ranks, timeout=5)]
+    [('hang', 0, 17)]
+    """
     stuck = [r for r in ranks if r.stopped == "timeout"]
     if not stuck:
         return []

@@ -124,7 +124,10 @@ class _Rank:
 
 def stop_all(ranks: list["_Rank"], why: str) -> None:
     """Ask every running rank for its stacks, then freeze them all, then kill them: were one killed
-    first, the others would fail (a lost connection) and log that before their own end came."""
+    first, the others would fail (a lost connection) and log that before their own end came.
+
+    >>> stop_all([], "timeout")  # nothing running: nothing to do
+    """
     asked = [r for r in ranks if r.ask_for_stacks(why)]
     if not asked:
         return
@@ -146,6 +149,10 @@ def launch(script: str, nproc: int, *, timeout: float | None = None, engine: str
            every_iteration: bool = False, echo: bool = True) -> CombinedReport:
     """Run the file ``script`` on ``nproc`` local ranks (fresh processes) under the doctor; the combined
     report. ``ValueError`` before anything runs for a bad ``nproc`` or ``timeout`` or a missing script.
+
+    >>> launch("no_such_script.py", 2)
+    Traceback (most recent call last):
+    ValueError: no such file: no_such_script.py
     """
     from ..api import check_timeout
 
@@ -174,7 +181,8 @@ def launch(script: str, nproc: int, *, timeout: float | None = None, engine: str
 def supervise(start: Callable[[int, int, str], "_Rank"], nproc: int, timeout: float, *, script: str,
               source: str) -> CombinedReport:
     """Start ``nproc`` ranks with ``start(rank, port, out_dir)``, wait for them (see the module doc),
-    read what each left in ``out_dir`` and combine it."""
+    read what each left in ``out_dir`` and combine it (``launch`` and ``fork_ranks.launch_cell`` use it;
+    see ``launch``'s example)."""
     out_dir = tempfile.mkdtemp(prefix="backward_doctor-ranks-")
     port = free_port()
     begin = time.monotonic()

@@ -68,7 +68,7 @@ def _n(nproc: int) -> str:
 
 
 def ranks_text(report: "CombinedReport") -> str:
-    """The combined report as plain text."""
+    """The combined report as plain text (see the module's example)."""
     took = f" in {report.duration_s:.1f} s" if report.duration_s else ""
     out = [_verdict(report), f"  {_n(report.nproc)} of {report.script or 'the script'}{took}"
            + (f" (timeout {report.timeout_s:g} s)" if report.timeout_s else "")]
@@ -104,7 +104,12 @@ def _trace_for(report: "CombinedReport", rank: int | None) -> Trace:
 
 
 def ranks_html(report: "CombinedReport") -> str:
-    """The combined report as one HTML fragment: verdict, a row per rank, findings, each rank's report."""
+    """The combined report as one HTML fragment: verdict, a row per rank, findings, each rank's report.
+
+    >>> from backward_doctor.report.combined import CombinedReport
+    >>> "<th>rank</th>" in ranks_html(CombinedReport(ranks=[RankRecord(0, 1, exitcode=0)], nproc=1))
+    True
+    """
     from . import sections as S
     from ..report.renderers import renderer
 

@@ -45,7 +45,10 @@ def paths(out_dir: str, rank: int) -> dict[str, str]:
 
 def run_rank(script: str, out_dir: str, *, engine: str = "auto", every_iteration: bool = False) -> int:
     """Run the file ``script`` as this rank (RANK/WORLD_SIZE from the environment): see
-    :func:`run_rank_source`."""
+    :func:`run_rank_source`. What the launcher runs in each rank process::
+
+        RANK=0 WORLD_SIZE=2 ... python -m backward_doctor.run.rank train.py /tmp/ranks
+    """
     path = os.path.abspath(script)
     with tokenize.open(path) as fh:
         source = fh.read()
@@ -58,7 +61,12 @@ def run_rank(script: str, out_dir: str, *, engine: str = "auto", every_iteration
 def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[str, Any], *, engine: str = "auto",
                     every_iteration: bool = False, build: bool = True) -> int:
     """Run ``source`` (compiled as ``cell_file``) in ``namespace`` as this rank under the capture and the
-    collective log; write the record; 0 when the run completed without an exception, else 1."""
+    collective log; write the record; 0 when the run completed without an exception, else 1.
+    It turns ``faulthandler`` on for the whole process (a rank is a process of its own: a forked child
+    or ``python -m backward_doctor.run.rank``), so it is not run here; ``fork_ranks._child`` calls it::
+
+        code = run_rank_source(cell, "<backward_doctor-cell-3>", folder, namespace, build=False)
+    """
     from .step import run_step  # (the step's imports are heavy; the launcher parent never needs them)
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -113,7 +121,11 @@ _FATAL = {"Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV", "Bus error": "S
 
 
 def read_log(path: str) -> list[Collective]:
-    """The collectives a rank logged as it went (an entry never ended: it was still inside it)."""
+    """The collectives a rank logged as it went (an entry never ended: it was still inside it).
+
+    >>> read_log("/nonexistent.log")
+    []
+    """
     entries: dict[int, Collective] = {}
     try:
         with open(path, encoding="utf-8") as fh:

@@ -86,7 +86,11 @@ class Collective:
 @dataclass
 class UnusedParams:
     """Parameters of a DDP module that got no gradient in one ``backward()`` (DDP then waits for them
-    forever, or fails at the next forward). ``forward_line``: the line that called the DDP module."""
+    forever, or fails at the next forward). ``forward_line``: the line that called the DDP module.
+
+    >>> UnusedParams(names=["extra.bias"], forward_line=14).names
+    ['extra.bias']
+    """
 
     names: list[str]
     module: str = ""
@@ -127,7 +131,11 @@ class RankRecord:
         return pending[-1] if pending else None
 
     def ended(self) -> str:
-        """How the process ended, in words: ``exited 0``, ``killed by SIGABRT``, ``stopped (timeout)``."""
+        """How the process ended, in words.
+
+        >>> RankRecord(1, 2, exitcode=-6, signal="SIGABRT").ended(), RankRecord(0, 2, stopped="timeout").ended()
+        ('killed by SIGABRT', 'stopped by the launcher (timeout)')
+        """
         if self.stopped:
             return f"stopped by the launcher ({self.stopped})"
         if self.signal:
