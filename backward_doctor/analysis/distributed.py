@@ -157,7 +157,8 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
             if f.kind == "exception" and (is_consequence(r) or _UNUSED_ERROR in rank_error(r)):
                 continue  # said once below as a consequence (or explained by unused_parameters)
             rest.append(f)
-        if is_consequence(r) or (nan and r.rank != nan[0].rank and any(f.kind == "nonfinite" for f in own[r.rank])):
+        received = nan and r.rank in nan[0].evidence.get("spread_to", [])
+        if is_consequence(r) or received:
             after.append(_consequence(r, roots[0] if roots else None, own[r.rank]))
     return roots + rest + after
 

@@ -82,14 +82,20 @@ def first_nonfinite(ranks: list[RankRecord], own: dict[int, list[Finding]]) -> l
     if f is None:
         return []
     it = _nan_key(first)[0]
-    others = [r.rank for r in bad if r is not first]
+    # Ranks whose own data or ops made NaN/Inf in that same iteration made it too; the rest received it.
+    made = [r.rank for r in bad if _nan_key(r) == _nan_key(first)]
+    others = [r.rank for r in bad if r.rank not in made]
     spread = (f" The gradient all-reduce then carried it to rank{'s' if len(others) > 1 else ''} "
               f"{', '.join(map(str, others))}, whose own data were finite: every rank's gradients and "
               "weights are NaN/Inf after the step." if others else "")
     step = f" in iteration {it:g}" if it != float("inf") else ""
-    f.message = (f"Rank {first.rank} made the first NaN/Inf{step}, before any collective carried it (from "
-                 f"its own data or ops).{spread} {f.message[:1].upper()}{f.message[1:]}")
-    f.evidence = {**f.evidence, "first_rank": first.rank, "spread_to": others}
+    who = f"Rank {first.rank} made" if len(made) == 1 else \
+        f"Ranks {', '.join(map(str, made))} each made (rank {first.rank}'s shown)"
+    f.message = (f"{who} the first NaN/Inf{step}, before any collective carried it (from its own data or "
+                 f"ops).{spread} {f.message[:1].upper()}{f.message[1:]}")
+    if len(made) == len(ranks):
+        f.rank = None  # every rank made it: not one rank's problem (the same bad data or weights everywhere)
+    f.evidence = {**f.evidence, "first_rank": first.rank, "made_by": made, "spread_to": others}
     return [f]
 
 
