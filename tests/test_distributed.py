@@ -198,7 +198,8 @@ def test_all_gather_size_mismatch(tmp_path):
     assert all(r["signal"] == "SIGABRT" and not r["wrote_report"] for r in died)
 
 
-def test_nan_from_one_ranks_batch(tmp_path):
+@pytest.mark.parametrize("engine", ["auto", "python"])  # the native recorder and the Python tier
+def test_nan_from_one_ranks_batch(tmp_path, engine):
     path = _script(tmp_path, "nan", prefix=MODEL, body="""\
         for step in range(4):
             x = torch.randn(4, 8); y = torch.randint(0, 2, (4,))
@@ -208,7 +209,7 @@ def test_nan_from_one_ranks_batch(tmp_path):
             loss.backward()
             opt.step(); opt.zero_grad()
     """)
-    proc, data = _doctor(path, "--timeout", "40")
+    proc, data = _doctor(path, "--timeout", "40", "--engine", engine)
     f = _first(data)
     assert proc.returncode == 1
     assert (f["kind"], f["rank"], f["line"]) == ("nonfinite", 1, _line(path, 'float("nan")'))
