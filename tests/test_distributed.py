@@ -362,3 +362,19 @@ def test_recorder_restores_on_keyboard_interrupt():
         with CollectiveRecorder():
             raise KeyboardInterrupt
     assert dist.all_gather is before and torch.autograd.backward.__module__ == "torch.autograd"
+
+
+def test_a_rank_stuck_in_its_own_code_is_named_by_its_stack(tmp_path):
+    path = _script(tmp_path, "busy", """\
+        import time
+        t = torch.ones(3)
+        if rank == 1:
+            while True:
+                time.sleep(0.01)  # waiting for a file that never comes
+        dist.all_reduce(t)
+    """)
+    proc, data = _doctor(path, "--timeout", "5")
+    f = _first(data)
+    assert (f["kind"], f["rank"], f["line"]) == ("hang", 1, _line(path, "time.sleep(0.01)"))
+    assert "rank 0: waiting in all_reduce [3]" in f["message"]
+    assert data["duration_s"] < 15
