@@ -1,7 +1,9 @@
 """Command line: ``python -m backward_doctor FILE.py`` diagnoses a file as one cell;
 ``python -m backward_doctor render REPORT.json [--as NAME] [-o OUT]`` renders a saved report again
 (``--json`` writes one) with any registered renderer (``text``, ``html``, ``page``, ``json``), as
-pyinstrument's ``--load`` does.
+pyinstrument's ``--load`` does. ``--nproc N`` runs the file on N local ranks (``launch.py``: one report for
+all ranks); ``python -m backward_doctor combine FOLDER`` combines ranks run under ``torchrun -m
+backward_doctor.run.rank FILE.py FOLDER``.
 
 Exit status: 0 when the step ran and nothing was found, 1 when a problem was
 found, 2 for bad arguments (nothing is run then). With ``--fix NAME`` the report
