@@ -378,3 +378,16 @@ def test_a_rank_stuck_in_its_own_code_is_named_by_its_stack(tmp_path):
     assert (f["kind"], f["rank"], f["line"]) == ("hang", 1, _line(path, "time.sleep(0.01)"))
     assert "rank 0: waiting in all_reduce [3]" in f["message"]
     assert data["duration_s"] < 15
+
+
+def test_process_group_timeout_is_a_hang_at_the_busy_rank_and_the_timeout_a_consequence():
+    from backward_doctor.trace.records import FrameInfo, ThreadStack
+
+    waiting = RankRecord(0, 2, exitcode=1, output_tail="RuntimeError: Timed out waiting 5000ms for recv operation",
+                         collectives=[Collective(0, "all_reduce", seq=0, count=1, sizes=[[3]], line=8,
+                                                 error="RuntimeError: Timed out waiting 5000ms")])
+    busy = RankRecord(1, 2, exitcode=-9, stopped="after rank 0 failed", script="/x/busy.py", stacks=[ThreadStack(
+        "thread 0x1", 1, True, [FrameInfo("/x/busy.py", 7, "<module>", in_cell=True, user=True, code="time.sleep(1)")])])
+    findings = analyze_ranks([waiting, busy])
+    assert [(f.kind, f.rank, f.line) for f in findings] == [("hang", 1, 7), ("consequence", 0, 8)]
+    assert "rank 0: failed in all_reduce [3] at line 8" in findings[0].message

@@ -26,6 +26,8 @@ from ..trace.distributed import DDP_BACKWARD, Collective, RankRecord, loop_text
 CONSEQUENCE = re.compile(r"Connection (closed|reset) by peer|Timed out waiting|Socket Timeout|Broken pipe|"
                          r"Read error|timed out|NCCL communicator was aborted|has been shut down|"
                          r"Watchdog caught collective operation timeout", re.I)
+_TIMED_OUT = re.compile(r"Timed out waiting|timed out|Socket Timeout|Watchdog caught collective operation timeout",
+                        re.I)
 _UNUSED_ERROR = "Expected to have finished reduction in the prior iteration"
 #: Collectives whose tensors must have the same shapes on every rank.
 _SIZED = frozenset({"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -148,7 +150,9 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
     nan = first_nonfinite(ranks, own)
     roots += nan
     roots += crashed(ranks, culprit=roots[0].rank if roots else None)
-    roots += hang(ranks, culprit=roots[0].rank if roots else None, explained=bool(roots), timeout=timeout)
+    timed_out = tuple(r.rank for r in ranks if _TIMED_OUT.search(rank_error(r)))
+    roots += hang(ranks, culprit=roots[0].rank if roots else None, explained=bool(roots), timeout=timeout,
+                  timed_out=timed_out)
     rest, after = [], []
     for r in ranks:
         for f in own[r.rank]:
@@ -158,7 +162,8 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
                 continue  # said once below as a consequence (or explained by unused_parameters)
             rest.append(f)
         received = nan and r.rank in nan[0].evidence.get("spread_to", [])
-        if is_consequence(r) or received:
+        culprit = any(f.rank == r.rank for f in roots)  # (stopped after a peer failed, yet the cause)
+        if (is_consequence(r) and not culprit) or received:
             after.append(_consequence(r, roots[0] if roots else None, own[r.rank]))
     return roots + rest + after
 

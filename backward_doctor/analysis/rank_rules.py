@@ -146,6 +146,9 @@ def position(r: RankRecord) -> tuple[str, int | None, str | None]:
         c = r.waiting_in
         seq = f" (collective #{c.seq + 1})" if c.seq is not None else ""
         return f"waiting in {c.label()}{seq}", c.line, c.file
+    failed = next((c for c in reversed(r.collectives) if c.error), None)
+    if failed is not None:
+        return f"failed in {failed.label()}", failed.line, failed.file
     frame = _user_frame(r)
     if r.stopped and frame is not None:
         file = None if frame.in_cell else frame.file
@@ -154,9 +157,10 @@ def position(r: RankRecord) -> tuple[str, int | None, str | None]:
 
 
 def hang(ranks: list[RankRecord], culprit: int | None = None, explained: bool = False,
-         timeout: float | None = None) -> list[Finding]:
-    """The launcher's timeout ended ranks still running: where each one was, and which is not where
-    the others are (the culprit of a desync; else the minority; else the one that issued fewest).
+         timeout: float | None = None, timed_out: tuple[int, ...] = ()) -> list[Finding]:
+    """The launcher's timeout ended ranks still running, or the process group's own timeout made ranks
+    fail (``timed_out``): where each one was, and which is not where the others are (the culprit of a
+    desync; else the minority; else the one that issued fewest).
 
     >>> from backward_doctor.trace.distributed import Collective
     >>> ranks = [RankRecord(0, 2, stopped="timeout", collectives=[Collective(0, "barrier", seq=4, line=17)]),
@@ -164,7 +168,7 @@ def hang(ranks: list[RankRecord], culprit: int | None = None, explained: bool = 
     >>> [(f.kind, f.rank, f.line) for f in hang(ranks, timeout=5)]
     [('hang', 0, 17)]
     """
-    stuck = [r for r in ranks if r.stopped == "timeout"]
+    stuck = [r for r in ranks if r.stopped == "timeout" or r.rank in timed_out]
     if not stuck:
         return []
     where = {r.rank: position(r) for r in ranks}
@@ -177,7 +181,9 @@ def hang(ranks: list[RankRecord], culprit: int | None = None, explained: bool = 
             min(ranks, key=lambda r: (sum(c.count or 1 for c in r.collectives), r.rank)).rank
     words, line, file = where[culprit]
     each = "; ".join(f"rank {k}: {w[0]}" for k, w in sorted(where.items()))
-    msg = (f"The ranks did not finish{f' within {timeout:g} s' if timeout else ' before the timeout'}: {each}. "
+    limit = f" within {timeout:g} s" if timeout and any(r.stopped == "timeout" for r in stuck) else \
+        " before the process group's timeout"
+    msg = (f"The ranks did not finish{limit}: {each}. "
            f"Rank {culprit} is not where the others are." +
            (" The finding above is why." if explained else
             " A collective only completes when every rank of the group issues it; a rank that took another "
