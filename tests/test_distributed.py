@@ -391,3 +391,17 @@ def test_process_group_timeout_is_a_hang_at_the_busy_rank_and_the_timeout_a_cons
     findings = analyze_ranks([waiting, busy])
     assert [(f.kind, f.rank, f.line) for f in findings] == [("hang", 1, 7), ("consequence", 0, 8)]
     assert "rank 0: failed in all_reduce [3] at line 8" in findings[0].message
+
+
+def test_an_ordinary_error_on_one_rank_is_the_root_and_the_peers_lost_connection_a_consequence(tmp_path):
+    path = _script(tmp_path, "shape", """\
+        w = torch.randn(4, 4, requires_grad=True)
+        x = torch.randn(3, 4 if rank == 0 else 5)
+        loss = (x @ w).sum()
+        loss.backward()
+        t = torch.ones(2); dist.all_reduce(t)
+    """)
+    proc, data = _doctor(path, "--timeout", "40")
+    assert [(f["kind"], f["rank"], f["line"]) for f in data["findings"]] == [
+        ("shape_mismatch", 1, _line(path, "(x @ w)")), ("consequence", 0, _line(path, "dist.all_reduce(t)"))]
+    assert "mat1 and mat2 shapes cannot be multiplied" in data["ranks"][1]["trace"]["exception"]["message"]

@@ -153,18 +153,22 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
     timed_out = tuple(r.rank for r in ranks if _TIMED_OUT.search(rank_error(r)))
     roots += hang(ranks, culprit=roots[0].rank if roots else None, explained=bool(roots), timeout=timeout,
                   timed_out=timed_out)
-    rest, after = [], []
-    for r in ranks:
+    rest: list[Finding] = []
+    for r in ranks:  # each rank's own findings, less what the findings across ranks already say
         for f in own[r.rank]:
             if f.kind == "hang" or (nan and f.kind == "nonfinite"):
                 continue  # the combined hang says where every rank was; the first NaN rank is above
-            if f.kind == "exception" and (is_consequence(r) or _UNUSED_ERROR in rank_error(r)):
+            unused_explains = _UNUSED_ERROR in rank_error(r) and any(g.kind == "unused_parameters" for g in roots)
+            if f.kind == "exception" and (is_consequence(r) or unused_explains):
                 continue  # said once below as a consequence (or explained by unused_parameters)
             rest.append(f)
+    first = (roots + rest)[0] if roots or rest else None
+    after = []
+    for r in ranks:
         received = nan and r.rank in nan[0].evidence.get("spread_to", [])
-        culprit = any(f.rank == r.rank for f in roots)  # (stopped after a peer failed, yet the cause)
+        culprit = any(f.rank == r.rank for f in roots + rest)  # (stopped after a peer failed, yet the cause)
         if (is_consequence(r) and not culprit) or received:
-            after.append(_consequence(r, roots[0] if roots else None, own[r.rank]))
+            after.append(_consequence(r, first, own[r.rank]))
     return roots + rest + after
 
 
