@@ -171,7 +171,7 @@ def test_step_skipped_on_one_rank_is_a_desync_then_a_bounded_hang(tmp_path):
         dist.barrier()
     """)
     proc, data = _doctor(path, "--timeout", "6")
-    assert data["duration_s"] < 20  # the launcher's timeout, not gloo's 40 s (or 30 minutes)
+    assert data["duration_s"] < 35  # the launcher's 6 s timeout (plus start-up), not gloo's 40 s (or 30 minutes)
     f = _first(data)
     assert (f["kind"], f["rank"], f["line"]) == ("desync", 1, _line(path, "loss.backward()"))
     ranks = f["evidence"]["ranks"]
@@ -193,9 +193,10 @@ def test_all_gather_size_mismatch(tmp_path):
     assert (f["kind"], f["rank"], f["line"]) == ("desync", 1, _line(path, "dist.all_gather"))
     assert f["evidence"]["ranks"]["0"]["sizes"][0] == [17, 4] and f["evidence"]["ranks"]["1"]["sizes"][0] == [16, 4]
     assert "[17, 4]" in f["message"] and "[16, 4]" in f["message"]
-    # A rank that gloo aborted (no Python exception) is evidence too, never the only story.
-    died = [r for r in data["ranks"] if r["signal"]]
-    assert all(r["signal"] == "SIGABRT" and not r["wrote_report"] for r in died)
+    # The rank gloo aborted mid-collective (no Python exception) is evidence too, never the only story.
+    # (The other rank may also get SIGABRT at interpreter exit, after its report: gloo's teardown.)
+    died = [r["rank"] for r in data["ranks"] if r["signal"] == "SIGABRT" and not r["wrote_report"]]
+    assert died and [(g["kind"], g["rank"]) for g in data["findings"] if g["kind"] == "crash"] == [("crash", died[0])]
 
 
 @pytest.mark.parametrize("engine", ["auto", "python"])  # the native recorder and the Python tier
@@ -377,7 +378,7 @@ def test_a_rank_stuck_in_its_own_code_is_named_by_its_stack(tmp_path):
     f = _first(data)
     assert (f["kind"], f["rank"], f["line"]) == ("hang", 1, _line(path, "time.sleep(0.01)"))
     assert "rank 0: waiting in all_reduce [3]" in f["message"]
-    assert data["duration_s"] < 15
+    assert data["duration_s"] < 35  # the launcher's 5 s timeout (plus start-up), not gloo's 40 s
 
 
 def test_process_group_timeout_is_a_hang_at_the_busy_rank_and_the_timeout_a_consequence():
