@@ -44,18 +44,26 @@ class Finding:
     place: str = ""
     #: the class of ``module`` (``BatchNorm2d``), when the namespace could tell
     module_type: str = ""
+    #: the rank (process) of a distributed run the finding is about; None: one process, or all ranks
+    rank: int | None = None
 
     def location(self) -> str:
         """Where, as the user knows the place: ``Cell In[2], line 12, in Block.forward`` (a frontend named
         the cell) or ``cell line 4`` / ``models.py:12``; then the module with its type and the loop's
-        iteration.
+        iteration; ``rank 1, ...`` first for a rank of a distributed run.
 
         >>> Finding("nonfinite", "", line=3, iteration=20, evidence={"loop_line": 1}).location()
         'cell line 3, in iteration 20 of the loop at line 1'
         >>> Finding("oom", "", line=12, file="/tmp/ipykernel_1/167147110.py", function="Block.forward",
         ...         place="Cell In[2]", module="net.blocks.1.bn2", module_type="BatchNorm2d").location()
         'Cell In[2], line 12, in Block.forward, module net.blocks.1.bn2 (BatchNorm2d)'
+        >>> Finding("desync", "", line=9, rank=1).location()
+        'rank 1, cell line 9'
         """
+        loc = self._place()
+        return loc if self.rank is None else f"rank {self.rank}, {loc}"
+
+    def _place(self) -> str:
         if self.line is None:
             loc = "unknown line"
         elif self.place:

@@ -36,6 +36,9 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad = torch._C._set_grad_enabled
 _now = time.perf_counter
 _MAX_EVENTS = 200
+#: Ops that allocate without writing: their output's bits are not values, NaN patterns included.
+_UNINITIALISED = frozenset({"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+                            "aten::new_empty_strided", "aten::empty_permuted"})
 _MAX_SCALARS = 64  # non-finite scalar outputs the first tier remembers
 _CLEARING = ("aten::zero_", "aten::_foreach_zero_")  # what zero_grad(set_to_none=False) does
 
@@ -319,6 +322,8 @@ class OpRecorder(CaptureState):
             self._nf_scalars[index] = NonFiniteScalar(index=index, line=where.line, file=where.file)
 
     def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated) -> None:
+        if name in _UNINITIALISED:  # fresh memory holds whatever bits were there: not values (DDP's buckets)
+            return
         for o, k in zip(outs, out_keys):
             if not screen_nonfinite(o):
                 continue

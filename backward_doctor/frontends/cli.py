@@ -1,7 +1,9 @@
 """Command line: ``python -m backward_doctor FILE.py`` diagnoses a file as one cell;
 ``python -m backward_doctor render REPORT.json [--as NAME] [-o OUT]`` renders a saved report again
 (``--json`` writes one) with any registered renderer (``text``, ``html``, ``page``, ``json``), as
-pyinstrument's ``--load`` does.
+pyinstrument's ``--load`` does. ``--nproc N`` runs the file on N local ranks (``launch.py``: one report for
+all ranks); ``python -m backward_doctor combine FOLDER`` combines ranks run under ``torchrun -m
+backward_doctor.run.rank FILE.py FOLDER``.
 
 Exit status: 0 when the step ran and nothing was found, 1 when a problem was
 found, 2 for bad arguments (nothing is run then). With ``--fix NAME`` the report
@@ -21,7 +23,7 @@ import tokenize
 from typing import Any, Callable
 
 from ..api import check_fix, check_timeout, diagnose
-from ..report import Report
+from ..report.combined import load_report
 from ..report.places import name_places
 from ..report.renderers import names, renderer
 from ..run.engine import choose_engine
@@ -41,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="what records the ops (default auto: the native recorder where it can be used)")
     p.add_argument("--every-iteration", action="store_true",
                    help="record every iteration of a training loop (default: 0, 1, 2 and powers of two)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="run FILE on N local ranks as torchrun would (the script calls init_process_group); "
+                        "one combined report (default --timeout there: 300 s)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
     p.add_argument("--html", default=None, metavar="OUT",
                    help="also write the report as one self-contained HTML page to OUT")
@@ -87,12 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["render"]:
         return render_main(argv[1:])
+    if argv[:1] == ["combine"]:
+        return combine_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
         check_timeout(args.timeout)
         limit = parse_size(args.memory_limit)
         check_fix(args.fix)
+        if args.nproc is not None:
+            from .launch import check_nproc
+
+            check_nproc(args.nproc)
         if args.engine == "native":
             choose_engine("native", memory_limit=limit)
     except ValueError as exc:
@@ -100,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     _check_output(parser, "--json", args.json)
     _check_output(parser, "--html", args.html)
     source = _read(parser, args.file)
+    if args.nproc is not None:
+        return _distributed(parser, args)
     path = os.path.abspath(args.file)
     namespace = {"__name__": "__main__", "__file__": path}
     sys.path.insert(0, os.path.dirname(path))  # imports next to the script work, as with `python FILE`
@@ -113,6 +126,22 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.remove(os.path.dirname(path))
     # The script is the "cell": its lines are named as Python's tracebacks name them ("step.py, line 4").
     name_places(report, namespace, lambda file: os.path.basename(path) if file is None else None)
+    _emit(report, args)
+    return 0 if report.ok else 1
+
+
+def _distributed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--nproc N``: the script on N local ranks, one combined report (``launch.py``)."""
+    from .launch import check_nproc, launch
+
+    try:
+        check_nproc(args.nproc)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.fix or args.memory_limit:
+        parser.error("--nproc runs the script as it is: --fix and --memory-limit apply to one process")
+    report = launch(args.file, args.nproc, timeout=args.timeout, engine=args.engine,
+                    every_iteration=args.every_iteration)
     _emit(report, args)
     return 0 if report.ok else 1
 
@@ -144,6 +173,27 @@ def _exit_with_report(real_exit: Callable[[int], Any], args: argparse.Namespace)
     return _exit
 
 
+def combine_main(argv: list[str]) -> int:
+    """``combine FOLDER``: one report from the files ranks wrote under ``torchrun -m
+    backward_doctor.run.rank FILE.py FOLDER`` (several machines: gather their folders into one first)."""
+    from .launch import combine_folder
+
+    p = argparse.ArgumentParser(prog="python -m backward_doctor combine",
+                                description="Combine the ranks' files of a torchrun run into one report.")
+    p.add_argument("folder", help="the folder given to backward_doctor.run.rank on every rank")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
+    p.add_argument("--html", default=None, metavar="OUT", help="also write the report as an HTML page to OUT")
+    args = p.parse_args(argv)
+    _check_output(p, "--json", args.json)
+    _check_output(p, "--html", args.html)
+    try:
+        report = combine_folder(args.folder)
+    except ValueError as exc:
+        p.error(str(exc))
+    _emit(report, args)
+    return 0 if report.ok else 1
+
+
 def render_main(argv: list[str]) -> int:
     """``render REPORT.json``: a saved report (``--json``, or ``report.to_dict()``) rendered again; no
     step runs. Exit status as for a diagnosis: 0 nothing found, 1 a problem, 2 bad arguments."""
@@ -160,7 +210,7 @@ def render_main(argv: list[str]) -> int:
     try:
         with open(args.report, encoding="utf-8") as fh:
             data = json.load(fh)
-        report = Report.from_dict(data)
+        report = load_report(data)
     except OSError as exc:
         p.error(f"cannot read {args.report}: {exc.strerror or exc}")
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # not JSON, or not a report's JSON

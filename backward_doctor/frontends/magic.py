@@ -24,7 +24,7 @@ from ..capture.process import one_run_at_a_time
 from ..capture.runner import running_progress
 from ..run.engine import ENGINES, choose_engine, python_tier_reason
 from ..report.places import name_places
-from ..run.step import run_step
+from ..run.step import remember, run_step
 from ..util.units import parse_size
 from .running import RunningNotice, doctor_frames_hidden
 
@@ -47,6 +47,9 @@ class BackwardDoctorMagics(Magics):
     @magic_arguments.argument("--quiet", action="store_true", help="do not display the report when all is well")
     @magic_arguments.argument("--every-iteration", action="store_true",
                               help="record every iteration of a training loop (default: 0, 1, 2 and powers of two)")
+    @magic_arguments.argument("--nproc", type=int, default=None, metavar="N",
+                              help="run the cell on N local ranks forked from the kernel (torch.distributed: "
+                                   "the cell calls init_process_group); one report for all ranks")
     @magic_arguments.argument("--engine", default="auto", metavar="NAME",
                               help=f"what records the ops: {', '.join(ENGINES)} (default auto: the native "
                                    "recorder when it is built, else the Python dispatch mode)")
@@ -69,10 +72,32 @@ class BackwardDoctorMagics(Magics):
             limit = parse_size(args.memory_limit)
             check_fix(args.fix)
             engine = choose_engine(check_engine(args.engine), memory_limit=limit, build=False)
+            if args.nproc is not None:
+                from .launch import check_nproc
+
+                check_nproc(args.nproc)
+                if args.fix or limit:
+                    raise ValueError("--nproc runs the cell as it is: --fix and --memory-limit apply to one process")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         with _exclusive():
-            self._run(args, cell, timeout, limit, engine)
+            if args.nproc is not None:
+                self._run_ranks(args, cell, timeout, engine)
+            else:
+                self._run(args, cell, timeout, limit, engine)
+
+    def _run_ranks(self, args: Any, cell: str, timeout: float | None, engine: str) -> None:
+        """``--nproc N``: the cell on N ranks forked from the kernel (``fork_ranks.py``); the combined report."""
+        from .fork_ranks import launch_cell
+
+        try:
+            report = launch_cell(cell, self.shell.user_ns, args.nproc, timeout=timeout, engine=engine,
+                                 every_iteration=args.every_iteration)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        remember(report)  # type: ignore[arg-type]  (bd.last_report(): the combined report)
+        if not (args.quiet and report.ok):
+            display(report)
 
     def _run(self, args: Any, cell: str, timeout: float | None, limit: int | None, engine: str) -> None:
         shell = self.shell

@@ -131,7 +131,12 @@ def fix_after_html(result: "FixResult", with_code: bool = True) -> str:
 
 
 def render_html(report: "Report") -> str:
-    """The report as one HTML fragment (``<style>`` scoped to ``.bd``)."""
+    """The report as one HTML fragment (``<style>`` scoped to ``.bd``); a distributed run's combined
+    report as its ranks' table and findings (``ranks.py``)."""
+    if hasattr(report, "ranks"):
+        from .ranks import ranks_html
+
+        return ranks_html(report)
     tr = report.trace
     parts = [f"<style>{style.CSS}</style>", '<div class="bd">',
              '<div class="muted" style="font-size:11px">backward_doctor report</div>', S.summary_html(report)]

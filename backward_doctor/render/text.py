@@ -148,6 +148,10 @@ class TextRenderer(Renderer):
     name, suffix = "text", ".txt"
 
     def render(self, report: "Report") -> str:
+        if hasattr(report, "ranks"):  # the combined report of a distributed run
+            from .ranks import ranks_text
+
+            return ranks_text(report)
         return render_text(report)
 
 
