@@ -125,7 +125,7 @@ def test_the_leak_comes_before_the_oom_it_causes_and_predicts_it():
     predicted = finished.evidence["growth"]["full_at"]
     report = bd.diagnose(KEEPS_OUTPUTS.format(n=400), _ns(), memory_limit=limit)
     kinds = [f.kind for f in report.findings]
-    assert kinds[:2] == ["graph_leak", "oom"], kinds
+    assert kinds[:2] == ["graph_leak", "oom"], (kinds, report.trace.iterations.live_bytes)
     leak, oom = report.findings[:2]
     assert leak.line == 8 and leak.severity == "error" and "consequence" in leak.message
     assert oom.fixes == [] and oom.message.startswith("A consequence of the graphs `outputs` keeps")

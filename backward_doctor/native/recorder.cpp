@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -167,7 +168,11 @@ struct State {
   at::CallbackHandle handle = 0;
   // Net CPU bytes the allocator handed out since start (all threads; sleeping or not): a training
   // loop's live memory at each iteration's end, where the per-op ledger is off.
+  // Only blocks allocated since start count when freed: the allocator also reports frees of blocks an
+  // earlier recording saw allocated (garbage of an earlier cell collected now), not this run's memory.
   std::atomic<int64_t> raw_cpu{0};
+  std::unordered_map<void*, int64_t> raw_blocks;
+  std::mutex raw_mutex;
 };
 State* S = nullptr;
 
@@ -769,11 +774,24 @@ std::string human(int64_t n) {
   return buf;
 }
 
+void count_raw(void* ptr, int64_t size) {
+  std::lock_guard<std::mutex> guard(S->raw_mutex);
+  if (size > 0) {
+    S->raw_blocks[ptr] = size;
+    S->raw_cpu.fetch_add(size, std::memory_order_relaxed);
+    return;
+  }
+  auto it = S->raw_blocks.find(ptr);
+  if (it == S->raw_blocks.end()) return;
+  S->raw_cpu.fetch_sub(it->second, std::memory_order_relaxed);
+  S->raw_blocks.erase(it);
+}
+
 struct Reporter : public torch::profiler::impl::ProfilerStateBase {
   Reporter() : ProfilerStateBase(torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::Disabled)) {}
   void reportMemoryUsage(void* ptr, int64_t size, size_t, size_t, c10::Device device) override {
     if (!S || size == 0) return;
-    if (device.is_cpu()) S->raw_cpu.fetch_add(size, std::memory_order_relaxed);
+    if (device.is_cpu()) count_raw(ptr, size);
     if (std::this_thread::get_id() != S->owner) return;
     if (size < 0) {
       auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
