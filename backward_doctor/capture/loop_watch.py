@@ -82,6 +82,7 @@ class LoopWatch:
     """The per-iteration series of one run, written into ``its`` (an :class:`Iterations`).
 
     ``live``: live bytes now; ``sumsq``: sum of squares of a list of gradients (None: not readable);
+    ``scalar``: a one-element tensor's value read in place (None: not readable);
     ``on_nonfinite(iteration, what)``: called once, when the first NaN/Inf loss reaches ``backward()`` or,
     for NaN/Inf gradients from a finite loss, before the optimizer step that would write them into the
     weights.
@@ -89,8 +90,10 @@ class LoopWatch:
 
     def __init__(self, its: Iterations, *, live: Callable[[], int | None],
                  sumsq: Callable[[Sequence[torch.Tensor]], float | None] | None = None,
+                 scalar: Callable[[Any], float | None] = read_scalar,
                  on_nonfinite: Callable[[int, str], None] | None = None) -> None:
         self.its = its
+        self._scalar = scalar
         self._live = live
         self._sumsq = sumsq
         self.on_nonfinite = on_nonfinite
@@ -103,7 +106,7 @@ class LoopWatch:
     def saw_backward(self, tensors: Any) -> None:
         """``backward()`` was called on ``tensors``: the latest one-element one is the loss."""
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
-        value = read_scalar(t)
+        value = self._scalar(t) if isinstance(t, torch.Tensor) else None
         if value is None:
             return
         self._loss = value

@@ -223,7 +223,7 @@ class NativeCapture(NativeRecords, Capture):
         self.trace.iterations.live_kind = "allocator"
         mem, ext = self.trace.memory, self._ext
         return LoopWatch(self.trace.iterations, live=lambda: mem.baseline_bytes + ext.allocated(),
-                         sumsq=ext.grad_sumsq,
+                         sumsq=ext.grad_sumsq, scalar=ext.scalar_value,
                          on_nonfinite=self._went_nonfinite)
 
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -34,14 +34,17 @@ from .snapshot import Snapshot, take_if_it_fits
 _CONTAINERS = (list, dict, set)
 
 
-def _rng(source: str) -> dict[str, Any]:
-    """The RNG states a loop body draws from: torch's (dropout, ``randn``: 2 us), and Python's or NumPy's
-    only when the cell names them (10-35 us each, every iteration). (The batch itself is not drawn again:
-    the replay reuses the iteration's loop variables.)"""
-    # torch's as bytes, read in place (``.numpy()`` would dispatch a ``detach`` the recorder sees) and
-    # the state tensor freed at once (a loop's live memory is counted per iteration)
-    t = torch.get_rng_state()
-    state: dict[str, Any] = {"torch": ctypes.string_at(t.data_ptr(), t.numel())}
+def _rng(source: str, native: Any = None) -> dict[str, Any]:
+    """The RNG states a loop body draws from: torch's (dropout, ``randn``), and Python's or NumPy's only
+    when the cell names them (10-35 us each, every iteration). (The batch itself is not drawn again: the
+    replay reuses the iteration's loop variables.) With the native recorder torch's state is copied in
+    C++ (``native`` keeps it: no tensor allocated, a fraction of a microsecond)."""
+    state: dict[str, Any] = {}
+    if native is not None:
+        native.mark_rng()
+    else:  # read in place (``.numpy()`` would dispatch a ``detach``), the state tensor freed at once
+        t = torch.get_rng_state()
+        state["torch"] = ctypes.string_at(t.data_ptr(), t.numel())
     if "random" in source:
         state["python"] = random.getstate()
         if "numpy" in sys.modules and ("np." in source or "numpy" in source):
@@ -53,19 +56,21 @@ class IterationRollback:
     """What one unrecorded iteration is replayed from (see the module docstring); the capture calls
     :meth:`iteration_began` and :meth:`went_nonfinite` (``capture.rollback``)."""
 
-    def __init__(self, source: str, namespace: dict[str, Any]) -> None:
+    def __init__(self, source: str, namespace: dict[str, Any], native: Any = None) -> None:
         self.source = source
         self.namespace = namespace
-        self._rng = _rng(source)  # iteration 0 starts with the run
+        self._native = native  # the native recorder's module: it keeps torch's RNG state in C++
+        self._rng = _rng(source, native)  # iteration 0 starts with the run
         self.state: Snapshot | None = None
         self.iteration: int | None = None
         self.values: dict[str, Any] = {}
         self.why_not = ""
         self.failed = False  # kept for an exception, not for NaN/Inf
+        self.torch_rng: bytes | None = None  # torch's state at the iteration's start (native: kept in C++)
 
     def iteration_began(self, iteration: int) -> None:
         if self.iteration is None:
-            self._rng = _rng(self.source)
+            self._rng = _rng(self.source, self._native)
 
     def went_nonfinite(self, iteration: int, what: str) -> None:
         """The first NaN/Inf, in an iteration the recorder did not record: keep its state (once)."""
@@ -76,8 +81,11 @@ class IterationRollback:
         if state is None:
             return
         # the draws of the iteration's own start, not of now
-        state.rng = {**state.rng, **self._rng,
-                     "torch": torch.frombuffer(bytearray(self._rng["torch"]), dtype=torch.uint8)}
+        state.rng = {**state.rng, **self._rng}
+        if self._native is not None:
+            self.torch_rng = self._native.marked_rng()
+        else:
+            state.rng["torch"] = torch.frombuffer(bytearray(self._rng["torch"]), dtype=torch.uint8)
         self.state = state
         self.values = {n: self.namespace[n] for n in loop_names(self.source) if n in self.namespace}
 
@@ -141,6 +149,8 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
 def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: dict[str, Any],
               timeout: float | None, engine: str, make_capture: Any, run_under_capture: Any) -> Trace:
     rollback.state.restore(namespace)
+    if rollback.torch_rng is not None:
+        rollback._native.restore_rng(rollback.torch_rng)
     if "zero_grad(" in rollback.source:  # the iteration began with zeroed gradients, not with its own
         for t, *_ in rollback.state.tensors:
             t.grad = None

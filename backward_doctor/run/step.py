@@ -22,6 +22,7 @@ from ..capture.runner import cell_filename, make_capture, run_source, run_under_
 from ..report import Report
 from ..report.places import Namer, name_places
 from ..trace import Trace
+from .. import native
 from .iteration_replay import IterationRollback, replay_iteration
 from .engine import choose_engine, python_tier_reason, replay_in_detail, screens_every_op, snapshot_for, wants_replay
 
@@ -108,7 +109,7 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     past = history_for(source, namespace) if history else None
     # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone.
     sampled = rollback and detail and chosen == "native" and not every_iteration and memory_limit is None
-    iteration_rollback = IterationRollback(source, namespace) if sampled else None
+    iteration_rollback = IterationRollback(source, namespace, native.load(build=False)) if sampled else None
     if execute is None:
         trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
                            history=past, detail=detail, engine=chosen, every_iteration=every_iteration,
