@@ -16,7 +16,7 @@ is the outermost one holding that line.
 from __future__ import annotations
 
 from ..trace.records import Trace
-from ..util.cell import loop_at
+from ..util.loops import loop_at
 from .findings import Finding
 
 

@@ -312,7 +312,7 @@ def _loop_names(source: str) -> list[str]:
     if not source:
         return []
     try:
-        from ..util.cell import outer_loops
+        from ..util.loops import outer_loops
 
         return sorted({n for _, _, names in outer_loops(source) for n in names})
     except SyntaxError:

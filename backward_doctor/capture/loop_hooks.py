@@ -81,7 +81,7 @@ class LoopHooks:
         if len(self.trace.iterations.values) >= 4096 and iteration & (iteration - 1):
             return
         if self._loop_names is None:
-            from ..util.cell import outer_loops
+            from ..util.loops import outer_loops
 
             self._loop_names = sorted({n for _, _, names in outer_loops(self.trace.source) for n in names})
         if self._loop_names:

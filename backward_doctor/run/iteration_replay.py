@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..trace.records import Trace
-from ..util.cell import loop_names, one_iteration
+from ..util.loops import loop_names, one_iteration
 from .snapshot import Snapshot, take_if_it_fits
 
 _CONTAINERS = (list, dict, set)

@@ -14,8 +14,7 @@ chunks) and finds the parts of a training step: the ``backward()`` call, the
 from __future__ import annotations
 
 import ast
-import functools
-from typing import Any, Iterable
+from typing import Iterable
 
 
 class NotApplicable(Exception):
@@ -307,101 +306,3 @@ def check_compiles(code: str) -> None:
     except SyntaxError as exc:  # a bug of ours: say so rather than run broken code
         raise NotApplicable(f"internal error: the rewritten cell does not compile ({exc.msg} at line {exc.lineno}); "
                             "please report this cell to backward_doctor") from None
-
-
-@functools.lru_cache(maxsize=64)
-def outer_loops(source: str) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
-    """(first line, last line, target names) of each top-level loop of the cell (outermost only)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return ()
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
-            names = tuple(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)) \
-                if not isinstance(node, ast.While) else ()
-            out.append((node.lineno, node.end_lineno or node.lineno, names))
-    # Outermost: a loop inside another is dropped.
-    return tuple(lp for lp in out if not any(o[0] < lp[0] and lp[1] <= o[1] for o in out if o != lp))
-
-
-def loop_at(source: str, line: int) -> tuple[int, list[str]] | None:
-    """(line of the outermost loop holding ``line``, its target names), or None.
-
-    >>> loop_at("x = 1\\nfor i in range(3):\\n    y = i\\n", 3)
-    (2, ['i'])
-    >>> loop_at("x = 1\\n", 1) is None
-    True
-    """
-    for first, last, names in outer_loops(source):
-        if first <= line <= last:
-            return first, list(names)
-    return None
-
-
-def loop_names(source: str) -> list[str]:
-    """The target names of every ``for`` loop in the cell, nested ones too.
-
-    >>> loop_names("for e in range(2):\\n    for i, (x, y) in enumerate(d):\\n        pass\\n")
-    ['e', 'i', 'x', 'y']
-    """
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    names: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.For, ast.AsyncFor)):
-            names += [n.id for n in ast.walk(node.target) if isinstance(n, ast.Name) and n.id not in names]
-    return names
-
-
-def _steps(node: ast.AST) -> bool:
-    """Whether ``node`` holds an ``x.step(...)`` or ``x.backward(...)`` call."""
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("step", "backward")
-               for n in ast.walk(node))
-
-
-def training_loop(source: str) -> ast.For | ast.While | None:
-    """The innermost loop of the cell whose body steps an optimizer or calls ``backward()`` (None: none).
-
-    >>> training_loop("for e in range(2):\\n    for x in d:\\n        opt.step()\\n").lineno
-    2
-    """
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    best = None
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.For, ast.While)) and _steps(node):
-            if best is None or (node.lineno >= best.lineno and (node.end_lineno or 0) <= (best.end_lineno or 0)):
-                best = node
-    return best
-
-
-def one_iteration(source: str, filename: str) -> tuple[Any, list[str]] | None:
-    """Code that runs the body of the cell's training loop once, on the cell's own line numbers (``break``
-    and ``continue`` still work: it is a loop of one), and the loop's target names; None when there is no
-    such loop or its body fetches its own batch (``next(...)``: a replay would consume the user's iterator).
-
-    >>> code, names = one_iteration("for i in range(9):\\n    opt.step()\\n", "<cell>")
-    >>> names
-    ['i']
-    """
-    loop = training_loop(source)
-    if loop is None or any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "next"
-                           for n in ast.walk(loop)):
-        return None
-    once = ast.For(target=ast.Name(id="__backward_doctor_once", ctx=ast.Store()),
-                   iter=ast.Tuple(elts=[ast.Constant(0)], ctx=ast.Load()), body=loop.body, orelse=[])
-    ast.copy_location(once, loop)
-    once.end_lineno, once.end_col_offset = loop.end_lineno, loop.end_col_offset
-    for node in ast.walk(once):  # (the new nodes take the loop's position)
-        if not hasattr(node, "lineno"):
-            ast.copy_location(node, loop)
-    tree = ast.fix_missing_locations(ast.Module(body=[once], type_ignores=[]))
-    names = [] if isinstance(loop, ast.While) else \
-        [n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)]
-    return compile(tree, filename, "exec"), names
