@@ -93,6 +93,19 @@ def _with_history(trace: Trace, found: list[Finding]) -> list[Finding]:
         return found
     f.evidence["pattern"] = pattern["pattern"]
     series = "gradient norm" if pattern["series"] == "grad_norm" else "loss"
+    step_op = f.evidence.get("phase") == "optimizer" and trace.op(f.evidence.get("op_index")) is not None
+    if step_op and pattern["pattern"] == "jump":  # the optimizer step itself wrote the first NaN/Inf
+        it = trace.iterations.iteration_of(f.evidence["op_index"])
+        change = lr_change(its, it, trace.source) if it is not None else None
+        if change is not None and change["iteration"] == it and change["line"]:
+            f.message = (f"The learning rate set to {change['to']:.3g} (from {change['from']:.3g}) at line "
+                         f"{change['line']} in iteration {it} made that iteration's optimizer step write NaN/Inf "
+                         f"into the weights, from finite gradients (norm {pattern['to']:.3g}). " + f.message)
+            f.line = f.cell_line = change["line"]
+            f.file = f.module = None
+            f.title = f"The optimizer step of iteration {it} made the weights NaN/Inf"
+            f.evidence["lr_change"] = change
+        return found
     if pattern["pattern"] == "jump":
         f.message += (f" Before iteration {k} the {series} was steady (about {pattern['from']:.3g}; "
                       f"{pattern['to']:.3g} in the iteration before): NaN/Inf came at once, from this "
