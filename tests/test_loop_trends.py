@@ -210,3 +210,33 @@ def test_an_optimizer_step_that_writes_inf_is_named_with_its_iteration():
     assert report.trace.iterations.first_nonfinite == 201
     assert (f.kind, f.line, f.iteration) == ("nonfinite", 3, 200), f
     assert f.title == "The optimizer step of iteration 200 made the weights NaN/Inf"
+
+
+class _Cached(nn.Module):
+    """A module that keeps every activation it made, for 'analysis later'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.cache = []
+
+    def forward(self, x):
+        h = self.lin(x).relu()
+        self.cache.append(h)
+        return h.sum(1, keepdim=True)
+
+
+def test_a_cache_on_a_module_is_the_line_in_its_class():
+    cell = ("for i in range(60):\n    loss = ((model(X) - Y) ** 2).mean()\n"
+            "    opt.zero_grad(); loss.backward(); opt.step()\n")
+    torch.manual_seed(0)
+    model = _Cached()
+    ns = _ns(X=torch.randn(32, 64), Y=torch.randn(32, 1), model=model,
+             opt=torch.optim.SGD(model.parameters(), lr=0.01))
+    f = bd.diagnose(cell, ns).findings[0]
+    assert f.kind == "graph_leak" and f.file is not None and f.file.endswith("test_loop_trends.py"), f
+    import inspect
+
+    src, first = inspect.getsourcelines(_Cached.forward)
+    assert f.line == first + next(i for i, s in enumerate(src) if "self.cache.append" in s)
+    assert f.evidence["variable"] == "model" and f.evidence["growth"]["per_iteration"] >= 32 * 64 * 4
