@@ -165,85 +165,95 @@ def _cell_texts(page, app: str) -> list[str]:
     return page.locator(".jp-Notebook .jp-Cell .cm-content").all_inner_texts()
 
 
+@contextlib.contextmanager
+def notebook_page(tmp_path, nb: str, cells: list[str], app: str = "lab", theme: str | None = None,
+                  height: int = 2000):
+    """A notebook of ``cells`` written as ``nb``, its server and a headless Chromium page on it: yields
+    (page, the notebook's url, the folder for screenshots). The browser is closed whatever happens;
+    the screenshots replace the tracked ones only on request (``BD_UPDATE_SCREENSHOTS=1``: a normal run
+    must not dirty the tracked pictures) and only by a run that got to the end."""
+    root = str(tmp_path)
+    write_notebook(os.path.join(root, nb), cells)
+    shots = str(tmp_path / "shots")
+    os.makedirs(shots)
+    with jupyter_server(root, app, theme=theme) as (base, token), sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": height}, device_scale_factor=1)
+        page.set_default_timeout(60_000)  # a loaded 2-core machine (the whole suite at once) is slow
+        try:
+            yield page, base + APPS[app][1].format(nb=nb) + f"?token={token}&reset", shots
+        finally:
+            browser.close()
+    if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":
+        os.makedirs(SHOTS, exist_ok=True)
+        for name in os.listdir(shots):
+            shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))
+
+
 @pytest.mark.parametrize("app", list(APPS))
 def test_panel_in_the_browser(tmp_path, app):
     pytest.importorskip(APPS[app][0])
-    root = str(tmp_path)
-    write_notebook(os.path.join(root, "oom.ipynb"), [SETUP_CELL, OOM_CELL, "print('next cell')"])
-    shots = str(tmp_path / "shots")
-    os.makedirs(shots)
-    with jupyter_server(root, app) as (base, token), sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 2000}, device_scale_factor=1)
-        page.set_default_timeout(60_000)  # a loaded 2-core machine (the whole suite at once) is slow
+    cells = [SETUP_CELL, OOM_CELL, "print('next cell')"]
+    with notebook_page(tmp_path, "oom.ipynb", cells, app=app) as (page, url, shots):
         errors: list[str] = []
         page.on("dialog", lambda d: (errors.append("dialog: " + d.message), d.dismiss()))
 
         def fail(what: str) -> None:
-            page.screenshot(path=os.path.join(root, "failed.png"))
-            raise AssertionError(f"{app}: {what} (screenshot: {root}/failed.png)")
+            page.screenshot(path=str(tmp_path / "failed.png"))
+            raise AssertionError(f"{app}: {what} (screenshot: {tmp_path}/failed.png)")
 
+        page.goto(url)
+        _run_cells(page, app)
+        # The panel renders, with the memory timeline as a visible, loaded image.
+        panel = page.locator(".backward-doctor-panel")
         try:
-            page.goto(base + APPS[app][1].format(nb="oom.ipynb") + f"?token={token}&reset")
-            _run_cells(page, app)
-            # The panel renders, with the memory timeline as a visible, loaded image.
-            panel = page.locator(".backward-doctor-panel")
-            try:
-                panel.wait_for(timeout=90_000)
-            except sync_api.TimeoutError:
-                fail("no panel; the page shows:\n" + page.locator("body").inner_text()[-3000:])
-            plot = panel.locator(".bd-memory-plot svg.bd-plot")  # the memory timeline, inline SVG
-            plot.wait_for(state="visible", timeout=30_000)
-            box = plot.bounding_box()
-            assert box and box["width"] > 400 and box["height"] > 100, box
-            assert plot.locator("polygon").count() >= 1 and "peak" in (plot.text_content() or "")
-            assert "Out of memory at Cell In[2], line 4" in panel.inner_text()  # named as IPython names it
-            if app == "lab":  # the README's pictures
-                panel.scroll_into_view_if_needed()
-                panel.screenshot(path=os.path.join(shots, "panel-oom.png"))
-                panel.locator(".lm-TabBar-tab", has_text="Root cause").click()
-                panel.get_by_text("root cause: Cell In[2], line").first.wait_for(timeout=20_000)
-                panel.screenshot(path=os.path.join(shots, "panel-root-cause.png"))
-                panel.locator(".lm-TabBar-tab", has_text="Autograd graph").click()
-                panel.locator("svg .bd-node").first.wait_for(timeout=20_000)
-                panel.screenshot(path=os.path.join(shots, "panel-graph.png"))
-                panel.locator(".lm-TabBar-tab", has_text="Memory").click()
-            # A fix button re-runs the cell with the fix; the after-view appears.
-            panel.locator("button", has_text="Try accumulate").click()
-            try:
-                page.wait_for_function(
-                    "() => /Code to keep|fix run failed|not available|no result/.test("
-                    "document.querySelector('.backward-doctor-panel').innerText)", timeout=90_000)
-            except sync_api.TimeoutError:
-                fail("no after-view")
-            text = panel.inner_text()
-            keep = panel.locator(".bd-keep")
-            if not keep.count():
-                fail("no code to keep:\n" + text[:4000])
-            assert "before" in text and "after" in text and "peak memory" in text
-            assert panel.locator(".bd-after-plot svg.bd-plot").is_visible()
-            if app == "lab":
-                fix_box = panel.locator(".bd-fix-box")
-                fix_box.scroll_into_view_if_needed()
-                fix_box.screenshot(path=os.path.join(shots, "panel-fix.png"))
-            # "Insert as a new cell below" puts the code to keep under the panel's cell.
-            before = _cell_texts(page, app)
-            code = keep.locator("textarea").input_value()
-            keep.get_by_role("button", name="Insert as a new cell below").click()
-            keep.get_by_text("Inserted as a new cell below.").wait_for(timeout=10_000)
-            after = _cell_texts(page, app)
-            assert len(after) == len(before) + 1, (before, after)
-            assert code.splitlines()[0].strip() in after[2] and "accumulat" in after[2].lower(), after[2]
-            assert "next cell" in after[3] and "%%backward_doctor" in after[1]
-            assert not errors, errors
-        finally:
-            browser.close()
-    if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":
-        # Only on request (a normal run must not dirty the tracked pictures), and only by a run that got
-        # this far.
-        os.makedirs(SHOTS, exist_ok=True)
-        for name in os.listdir(shots):
-            shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))
+            panel.wait_for(timeout=90_000)
+        except sync_api.TimeoutError:
+            fail("no panel; the page shows:\n" + page.locator("body").inner_text()[-3000:])
+        plot = panel.locator(".bd-memory-plot svg.bd-plot")  # the memory timeline, inline SVG
+        plot.wait_for(state="visible", timeout=30_000)
+        box = plot.bounding_box()
+        assert box and box["width"] > 400 and box["height"] > 100, box
+        assert plot.locator("polygon").count() >= 1 and "peak" in (plot.text_content() or "")
+        assert "Out of memory at Cell In[2], line 4" in panel.inner_text()  # named as IPython names it
+        if app == "lab":  # the README's pictures
+            panel.scroll_into_view_if_needed()
+            panel.screenshot(path=os.path.join(shots, "panel-oom.png"))
+            panel.locator(".lm-TabBar-tab", has_text="Root cause").click()
+            panel.get_by_text("root cause: Cell In[2], line").first.wait_for(timeout=20_000)
+            panel.screenshot(path=os.path.join(shots, "panel-root-cause.png"))
+            panel.locator(".lm-TabBar-tab", has_text="Autograd graph").click()
+            panel.locator("svg .bd-node").first.wait_for(timeout=20_000)
+            panel.screenshot(path=os.path.join(shots, "panel-graph.png"))
+            panel.locator(".lm-TabBar-tab", has_text="Memory").click()
+        # A fix button re-runs the cell with the fix; the after-view appears.
+        panel.locator("button", has_text="Try accumulate").click()
+        try:
+            page.wait_for_function(
+                "() => /Code to keep|fix run failed|not available|no result/.test("
+                "document.querySelector('.backward-doctor-panel').innerText)", timeout=90_000)
+        except sync_api.TimeoutError:
+            fail("no after-view")
+        text = panel.inner_text()
+        keep = panel.locator(".bd-keep")
+        if not keep.count():
+            fail("no code to keep:\n" + text[:4000])
+        assert "before" in text and "after" in text and "peak memory" in text
+        assert panel.locator(".bd-after-plot svg.bd-plot").is_visible()
+        if app == "lab":
+            fix_box = panel.locator(".bd-fix-box")
+            fix_box.scroll_into_view_if_needed()
+            fix_box.screenshot(path=os.path.join(shots, "panel-fix.png"))
+        # "Insert as a new cell below" puts the code to keep under the panel's cell.
+        before = _cell_texts(page, app)
+        code = keep.locator("textarea").input_value()
+        keep.get_by_role("button", name="Insert as a new cell below").click()
+        keep.get_by_text("Inserted as a new cell below.").wait_for(timeout=10_000)
+        after = _cell_texts(page, app)
+        assert len(after) == len(before) + 1, (before, after)
+        assert code.splitlines()[0].strip() in after[2] and "accumulat" in after[2].lower(), after[2]
+        assert "next cell" in after[3] and "%%backward_doctor" in after[1]
+        assert not errors, errors
 
 
 # --------------------------------------------------------------------------- issue 16: verdict first, dark theme
@@ -273,99 +283,73 @@ def test_verdict_above_the_traceback_in_the_dark_theme(tmp_path):
     panel takes its place, above the traceback; the traceback has no frame of the doctor's; the cards
     take the theme's colours."""
     pytest.importorskip("jupyterlab")
-    root = str(tmp_path)
-    write_notebook(os.path.join(root, "dark.ipynb"), [SETUP_CELL, SLOW_OOM_CELL])
-    shots = str(tmp_path / "shots")
-    os.makedirs(shots)
-    with jupyter_server(root, "lab", theme="JupyterLab Dark") as (base, token), sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 1600}, device_scale_factor=1)
-        page.set_default_timeout(60_000)
-        try:
-            page.goto(base + APPS["lab"][1].format(nb="dark.ipynb") + f"?token={token}&reset")
-            _run_cells(page, "lab")
-            cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
-            # While the cell runs: the placeholder, updated from the kernel's polling thread.
-            running = cell.locator(".bd-running")
-            running.filter(has_text="iterations").wait_for(timeout=90_000)
-            # iterations done and live memory, from the kernel's polling thread
-            assert "backward_doctor: running…" in running.inner_text() and " live" in running.inner_text()
-            cell.screenshot(path=os.path.join(shots, "panel-running.png"))
-            panel = cell.locator(".backward-doctor-panel")
-            panel.wait_for(timeout=120_000)
-            error = cell.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
-            error.first.wait_for(timeout=30_000)
-            # The verdict is the first thing in the cell's output, above the traceback.
-            assert panel.bounding_box()["y"] < error.first.bounding_box()["y"]
-            assert cell.locator(".bd-running").count() == 0
-            shown = error.first.inner_text()
-            assert "OutOfMemoryError" in shown and "Cell In[2], line 9" in shown, shown
-            assert "backward_doctor/" not in shown and "_raise_simulated_oom" not in shown
-            assert "Out of memory at Cell In[2], line 9" in panel.inner_text()
-            # Dark theme: the cards are dark with light text, not white islands.
-            fact = panel.locator(".bd .fact").first
-            bg = fact.evaluate("e => getComputedStyle(e).backgroundColor")
-            ink = fact.evaluate("e => getComputedStyle(e).color")
-            assert _luminance(bg) < 0.35 and _luminance(ink) > 0.6, (bg, ink)
-            page.evaluate("() => document.querySelector('.jp-Notebook').scrollTo(0, 0)")
-            cell.screenshot(path=os.path.join(shots, "panel-dark-verdict-first.png"))
-            # The autograd graph too: a dark box, dark nodes with light ink.
-            panel.locator(".lm-TabBar-tab", has_text="Autograd graph").click()
-            node = panel.locator("svg .bd-node").nth(0)
-            node.wait_for(timeout=20_000)
-            graph_bg = panel.locator(".bd .graph").first.evaluate("e => getComputedStyle(e).backgroundColor")
-            fills = panel.locator("svg .bd-node").evaluate_all(
-                "els => els.map(g => getComputedStyle(g.querySelectorAll('rect')[g.querySelectorAll('rect').length - 1]).fill)")
-            # every node but the finding's (light yellow in both themes) is dark
-            assert _luminance(graph_bg) < 0.35 and sum(_luminance(f) < 0.35 for f in fills) >= len(fills) - 1, \
-                (graph_bg, fills)
-            panel.screenshot(path=os.path.join(shots, "panel-dark-graph.png"))
-        finally:
-            browser.close()
-    if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":
-        os.makedirs(SHOTS, exist_ok=True)
-        for name in os.listdir(shots):
-            shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))
+    cells = [SETUP_CELL, SLOW_OOM_CELL]
+    with notebook_page(tmp_path, "dark.ipynb", cells, theme="JupyterLab Dark", height=1600) as (page, url, shots):
+        page.goto(url)
+        _run_cells(page, "lab")
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+        # While the cell runs: the placeholder, updated from the kernel's polling thread.
+        running = cell.locator(".bd-running")
+        running.filter(has_text="iterations").wait_for(timeout=90_000)
+        # iterations done and live memory, from the kernel's polling thread
+        assert "backward_doctor: running…" in running.inner_text() and " live" in running.inner_text()
+        cell.screenshot(path=os.path.join(shots, "panel-running.png"))
+        panel = cell.locator(".backward-doctor-panel")
+        panel.wait_for(timeout=120_000)
+        error = cell.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+        error.first.wait_for(timeout=30_000)
+        # The verdict is the first thing in the cell's output, above the traceback.
+        assert panel.bounding_box()["y"] < error.first.bounding_box()["y"]
+        assert cell.locator(".bd-running").count() == 0
+        shown = error.first.inner_text()
+        assert "OutOfMemoryError" in shown and "Cell In[2], line 9" in shown, shown
+        assert "backward_doctor/" not in shown and "_raise_simulated_oom" not in shown
+        assert "Out of memory at Cell In[2], line 9" in panel.inner_text()
+        # Dark theme: the cards are dark with light text, not white islands.
+        fact = panel.locator(".bd .fact").first
+        bg = fact.evaluate("e => getComputedStyle(e).backgroundColor")
+        ink = fact.evaluate("e => getComputedStyle(e).color")
+        assert _luminance(bg) < 0.35 and _luminance(ink) > 0.6, (bg, ink)
+        page.evaluate("() => document.querySelector('.jp-Notebook').scrollTo(0, 0)")
+        cell.screenshot(path=os.path.join(shots, "panel-dark-verdict-first.png"))
+        # The autograd graph too: a dark box, dark nodes with light ink.
+        panel.locator(".lm-TabBar-tab", has_text="Autograd graph").click()
+        node = panel.locator("svg .bd-node").nth(0)
+        node.wait_for(timeout=20_000)
+        graph_bg = panel.locator(".bd .graph").first.evaluate("e => getComputedStyle(e).backgroundColor")
+        fills = panel.locator("svg .bd-node").evaluate_all(
+            "els => els.map(g => getComputedStyle(g.querySelectorAll('rect')[g.querySelectorAll('rect').length - 1]).fill)")
+        # every node but the finding's (light yellow in both themes) is dark
+        assert _luminance(graph_bg) < 0.35 and sum(_luminance(f) < 0.35 for f in fills) >= len(fills) - 1, \
+            (graph_bg, fills)
+        panel.screenshot(path=os.path.join(shots, "panel-dark-graph.png"))
 
 
 def test_a_fix_that_did_not_work_says_so_and_offers_the_next(tmp_path):
     """On a 12 MB device two micro-batches are not enough: the after-view is red, offers no code to insert,
     and a "Try accumulate:4" button appears; that one works and offers its code."""
     pytest.importorskip("jupyterlab")
-    root = str(tmp_path)
-    write_notebook(os.path.join(root, "failed.ipynb"), [SETUP_CELL, OOM_CELL.replace("20MB", "12MB")])
-    shots = str(tmp_path / "shots")
-    os.makedirs(shots)
-    with jupyter_server(root, "lab") as (base, token), sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 2000}, device_scale_factor=1)
-        page.set_default_timeout(60_000)
-        try:
-            page.goto(base + APPS["lab"][1].format(nb="failed.ipynb") + f"?token={token}&reset")
-            _run_cells(page, "lab")
-            panel = page.locator(".backward-doctor-panel")
-            panel.wait_for(timeout=90_000)
-            panel.locator("button", has_text="Try accumulate:2").click()
-            failed = panel.locator(".bd-fix-failed")
-            failed.wait_for(timeout=90_000)
-            text = failed.inner_text()
-            assert "did not work" in text and "accumulate:2 did not fix the step" in text and "Next:" in text
-            color = failed.locator(".headline").evaluate("e => getComputedStyle(e).color")
-            r, g, b = (int(v) for v in color[color.index("(") + 1:].rstrip(")").split(",")[:3])
-            assert r > 150 and g < 90 and b < 90, color                      # red (the theme's error colour)
-            assert panel.locator(".bd-keep").count() == 0                   # nothing to insert
-            assert "AFTER THE FIX" not in panel.inner_text().upper()
-            nxt = panel.locator("button", has_text="Try accumulate:4")
-            nxt.wait_for(timeout=10_000)
-            fix_box = panel.locator(".bd-fix-box")
-            fix_box.scroll_into_view_if_needed()
-            fix_box.screenshot(path=os.path.join(shots, "panel-fix-failed.png"))
-            nxt.click()
-            panel.locator(".bd-keep").wait_for(timeout=90_000)           # the next step works: code to keep
-            assert panel.locator(".bd-fix-failed").count() == 0
-        finally:
-            browser.close()
-    if os.environ.get("BD_UPDATE_SCREENSHOTS") == "1":
-        os.makedirs(SHOTS, exist_ok=True)
-        for name in os.listdir(shots):
-            shutil.copy(os.path.join(shots, name), os.path.join(SHOTS, name))
+    cells = [SETUP_CELL, OOM_CELL.replace("20MB", "12MB")]
+    with notebook_page(tmp_path, "failed.ipynb", cells) as (page, url, shots):
+        page.goto(url)
+        _run_cells(page, "lab")
+        panel = page.locator(".backward-doctor-panel")
+        panel.wait_for(timeout=90_000)
+        panel.locator("button", has_text="Try accumulate:2").click()
+        failed = panel.locator(".bd-fix-failed")
+        failed.wait_for(timeout=90_000)
+        text = failed.inner_text()
+        assert "did not work" in text and "accumulate:2 did not fix the step" in text and "Next:" in text
+        color = failed.locator(".headline").evaluate("e => getComputedStyle(e).color")
+        r, g, b = (int(v) for v in color[color.index("(") + 1:].rstrip(")").split(",")[:3])
+        assert r > 150 and g < 90 and b < 90, color                      # red (the theme's error colour)
+        assert panel.locator(".bd-keep").count() == 0                   # nothing to insert
+        assert "AFTER THE FIX" not in panel.inner_text().upper()
+        nxt = panel.locator("button", has_text="Try accumulate:4")
+        nxt.wait_for(timeout=10_000)
+        fix_box = panel.locator(".bd-fix-box")
+        fix_box.scroll_into_view_if_needed()
+        fix_box.screenshot(path=os.path.join(shots, "panel-fix-failed.png"))
+        nxt.click()
+        panel.locator(".bd-keep").wait_for(timeout=90_000)           # the next step works: code to keep
+        assert panel.locator(".bd-fix-failed").count() == 0
