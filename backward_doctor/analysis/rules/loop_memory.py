@@ -14,18 +14,12 @@ will be full at that rate. When the cell did run out of memory, this finding com
 """
 from __future__ import annotations
 
-from ..findings import Finding, at, source_line
+from ..findings import Finding, at
 from ..trends import memory_growth
+from .silent import holder_place, keeping_fix
 from ...trace.parts import GraphHolder
-from ...trace.records import Trace, Where
-from ...util.stores import store_line
+from ...trace.records import Trace
 from ...util.units import format_bytes
-
-
-def _root(path: str) -> str:
-    for sep in ("[", "."):
-        path = path.split(sep, 1)[0]
-    return path
 
 
 def _kept(trace: Trace) -> list[GraphHolder]:
@@ -46,22 +40,11 @@ def loop_leak(trace: Trace) -> list[Finding]:
     if not kept:
         return []
     first = kept[0]
-    var = _root(first.path)
-    if first.store in ("module", "closure"):
-        where = Where(line=first.store_line, file=first.store_file, module=first.module)
-    else:
-        line = store_line(trace.source, first.target or [var])
-        where = Where(line=line, cell_line=line)
+    var, where = holder_place(trace, first)
     limit = trace.memory.limit_bytes or trace.memory.device_total_bytes
     growth = memory_growth(trace.iterations, limit)
     iterations = sorted({i for h in kept for i in range(h.from_iteration, (h.iteration or h.from_iteration) + 1)})
-    code = source_line(trace, where.line, where.file).split("#")[0].strip()
-    if "+=" in code or (var in code.split("=", 1)[-1] and "=" in code):
-        fix = f"accumulate a number: `{var} += loss.item()`"
-    elif ".append(" in code or ".extend(" in code:
-        fix = "append a number (`.item()`) or a tensor without its graph (`.detach()`)"
-    else:
-        fix = "store `.detach()` (or `.item()` for a number) instead of the tensor itself"
+    fix = keeping_fix(trace, where, var, first.store)
     paths = ", ".join(f"`{h.path}`" for h in kept[:3]) + (" ..." if len(kept) > 3 else "")
     nbytes = sum(h.bytes + h.graph_bytes for h in kept)
     span = f"{iterations[0]}-{iterations[-1]}" if len(iterations) > 1 else str(iterations[0])

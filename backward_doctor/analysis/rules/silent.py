@@ -17,6 +17,7 @@ import os
 from ..findings import Finding, at, source_line
 from ...util.stores import store_line
 from ...trace.queries import skipped_amp_steps
+from ...trace.parts import GraphHolder
 from ...trace.records import OpRecord, Trace, Where
 from ...util.units import format_bytes
 from .autograd import _data_site, _user_detach
@@ -39,6 +40,34 @@ def _code(trace: Trace, line: int | None, file: str | None) -> str:
     return source_line(trace, line, file).split("  #")[0].split(" # ")[0].strip()
 
 
+def holder_place(trace: Trace, holder: GraphHolder) -> tuple[str, Where]:
+    """The variable a graph holder hangs from, and the line that stores it there: in a module's class or
+    a closure's function, else the cell's line assigning or appending to the variable (else the op
+    that made it, when this run did). Shared by the leaks across runs and across a loop's iterations."""
+    var = _root(holder.path)
+    if holder.store in ("module", "closure"):
+        return var, Where(line=holder.store_line, file=holder.store_file, module=holder.module)
+    line = store_line(trace.source, holder.target or [var])
+    if line is not None:
+        return var, Where(line=line, cell_line=line)
+    if holder.own_run == trace.run_id and holder.own_index is not None:
+        rec = trace.op(holder.own_index)
+        if rec is not None:
+            return var, rec.where
+    return var, Where()
+
+
+def keeping_fix(trace: Trace, where: Where, var: str, store: str) -> str:
+    """What to store instead, from the storing line: a number for an accumulation, ``.item()`` or
+    ``.detach()`` for an append."""
+    code = _code(trace, where.line, where.file)
+    if "+=" in code or ("=" in code and var in code.split("=", 1)[-1] and store == "cell"):
+        return f"accumulate a number: `{var} += loss.item()`"
+    if ".append(" in code or ".extend(" in code:
+        return "append a number: `.append(loss.item())`, or `.detach()` if you need the tensor"
+    return "store `.detach()` (or `.item()` for a number) instead of the tensor itself"
+
+
 def graph_leak(trace: Trace) -> list[Finding]:
     """Tensors from earlier runs, graph and all, still reachable from the namespace."""
     if trace.exception is not None:
@@ -47,17 +76,7 @@ def graph_leak(trace: Trace) -> list[Finding]:
     if not leaks:
         return []
     first = leaks[0]
-    var = _root(first.path)
-    where = Where()
-    if first.store in ("module", "closure"):
-        where = Where(line=first.store_line, file=first.store_file, module=first.module)
-    else:
-        line = store_line(trace.source, first.target or [var])
-        if line is not None:
-            where = Where(line=line, cell_line=line)
-        elif first.own_run == trace.run_id and first.own_index is not None:
-            rec = trace.op(first.own_index)
-            where = rec.where if rec is not None else where
+    var, where = holder_place(trace, first)
     nbytes = sum(h.bytes + h.graph_bytes for h in leaks)
     runs = sorted({r for h in leaks for r in h.earlier_runs})
     series = trace.history.live_bytes_end
@@ -65,13 +84,7 @@ def graph_leak(trace: Trace) -> list[Finding]:
     if len(series) >= 2 and series[-1] > series[0]:
         growth = (" Live memory at the end of the step grew run after run: "
                   + " -> ".join(format_bytes(b) for b in series[-4:]) + ".")
-    code = _code(trace, where.line, where.file)
-    if "+=" in code or ("=" in code and var in code.split("=", 1)[-1] and first.store == "cell"):
-        fix = f"accumulate a number: `{var} += loss.item()`"
-    elif ".append(" in code or ".extend(" in code:
-        fix = "append a number: `.append(loss.item())`, or `.detach()` if you need the tensor"
-    else:
-        fix = "store `.detach()` (or `.item()` for a number) instead of the tensor itself"
+    fix = keeping_fix(trace, where, var, first.store)
     paths = ", ".join(f"`{h.path}`" for h in leaks[:4]) + (" ..." if len(leaks) > 4 else "")
     msg = (f"`{var}` keeps tensors that still carry the autograd graph of {len(runs)} earlier run(s) of this "
            f"step ({paths}): {format_bytes(nbytes)} kept alive, tensors and the activations their graphs saved. "
