@@ -94,6 +94,17 @@ class IterationRollback:
         self.failed = True
         self.went_nonfinite(iteration, "exception")
 
+    def restore(self, namespace: dict[str, Any]) -> None:
+        """Put the kept state back: weights and optimizer state, the RNG of the iteration's start (torch's
+        from the native recorder when it kept it), and the gradients that iteration began with (zeroed,
+        when the cell zeroes them)."""
+        self.state.restore(namespace)
+        if self.torch_rng is not None:
+            self._native.restore_rng(self.torch_rng)
+        if "zero_grad(" in self.source:  # the iteration began with zeroed gradients, not with its own
+            for t, *_ in self.state.tensors:
+                t.grad = None
+
     def release(self) -> None:
         """Drop the copy and the batch (after the replay, or when none is run)."""
         self.state, self.values = None, {}
@@ -148,12 +159,7 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
 
 def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: dict[str, Any],
               timeout: float | None, engine: str, make_capture: Any, run_under_capture: Any) -> Trace:
-    rollback.state.restore(namespace)
-    if rollback.torch_rng is not None:
-        rollback._native.restore_rng(rollback.torch_rng)
-    if "zero_grad(" in rollback.source:  # the iteration began with zeroed gradients, not with its own
-        for t, *_ in rollback.state.tensors:
-            t.grad = None
+    rollback.restore(namespace)
     ns = {name: (copy.copy(v) if type(v) in _CONTAINERS else v) for name, v in namespace.items()}
     ns.update(rollback.values)
     capture = make_capture(engine, ns, cell_file=first.cell_file, source=rollback.source, detail=True,

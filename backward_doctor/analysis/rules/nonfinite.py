@@ -79,6 +79,13 @@ def _unrecorded_first(trace: Trace) -> list[Finding]:
                iteration=k, evidence={"located": False, "first_in": its.first_nonfinite_in})]
 
 
+def _lr_set_in(trace: Trace, iteration: int | None) -> dict | None:
+    """The learning-rate change the cell made in ``iteration`` itself (``trends.lr_change``), if any: what an
+    optimizer step that wrote NaN/Inf from finite gradients is blamed on."""
+    change = lr_change(trace.iterations, iteration, trace.source) if iteration is not None else None
+    return change if change is not None and change["iteration"] == iteration else None
+
+
 def _with_history(trace: Trace, found: list[Finding]) -> list[Finding]:
     """Add the loss/gradient-norm history before the first NaN/Inf; a divergence that began when the cell
     raised the learning rate makes that line the root cause."""
@@ -96,8 +103,8 @@ def _with_history(trace: Trace, found: list[Finding]) -> list[Finding]:
     step_op = f.evidence.get("phase") == "optimizer" and trace.op(f.evidence.get("op_index")) is not None
     if step_op and pattern["pattern"] == "jump":  # the optimizer step itself wrote the first NaN/Inf
         it = trace.iterations.iteration_of(f.evidence["op_index"])
-        change = lr_change(its, it, trace.source) if it is not None else None
-        if change is not None and change["iteration"] == it and change["line"]:
+        change = _lr_set_in(trace, it)
+        if change is not None and change["line"]:
             f.message = (f"The learning rate set to {change['to']:.3g} (from {change['from']:.3g}) at line "
                          f"{change['line']} in iteration {it} made that iteration's optimizer step write NaN/Inf "
                          f"into the weights, from finite gradients (norm {pattern['to']:.3g}). " + f.message)
@@ -185,8 +192,8 @@ def _nonfinite(trace: Trace) -> list[Finding]:
                f"iteration {k - 1} wrote them. An update that overflows comes from a learning rate far too high "
                "for these gradients, or from optimizer state that overflowed (Adam's second moment in float16): "
                "lower the learning rate, clip the gradients, keep optimizer state in float32.")
-        change = lr_change(trace.iterations, k - 1, trace.source)
-        if change is not None and change["iteration"] == k - 1:
+        change = _lr_set_in(trace, k - 1)
+        if change is not None:
             if change["line"]:
                 where = Where(line=change["line"], cell_line=change["line"])
             msg += (f" Here the learning rate had just been set to {change['to']:.3g} (from {change['from']:.3g})"
