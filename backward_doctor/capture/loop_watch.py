@@ -78,6 +78,10 @@ def python_sumsq(grads: Sequence[torch.Tensor]) -> float | None:
         return float(sum(float(n) ** 2 for n in norms))
 
 
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None  # (JSON has no NaN; first_nonfinite says it)
+
+
 class LoopWatch:
     """The per-iteration series of one run, written into ``its`` (an :class:`Iterations`).
 
@@ -144,9 +148,8 @@ class LoopWatch:
         """Iteration ``its.steps`` ended (called before it is counted): its numbers join the series."""
         its = self.its
         if its.steps % its.stride == 0:
-            finite = lambda v: v if v is not None and math.isfinite(v) else None  # noqa: E731
-            its.loss.append(finite(self._loss))
-            its.grad_norm.append(finite(self._norm))
+            its.loss.append(_finite(self._loss))
+            its.grad_norm.append(_finite(self._norm))
             its.lr.append(self._lr)
             live = self._live()
             its.live_bytes.append(-1 if live is None else int(live))
