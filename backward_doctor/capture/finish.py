@@ -144,10 +144,10 @@ def _build_ops(cap: "OpRecorder") -> None:
                             [metas[m] for m in mids[n_in:]], wheres[where_id], None if fwd < 0 else fwd,
                             us[r], bool(grad), keys[:n_in].tolist(), keys[n_in:].tolist(), live, t0s[r]))
     for (index, name, phase, fwd, grad, where, ins, outs, live, t), start in zip(cap.tail_records(), cap._tail_t0):
-        ops.append(OpRecord(start_us=start, index=index, op=name, phase=phase, inputs=[_meta(m, shared) for m, _ in ins],
+        ops.append(OpRecord(index=index, op=name, phase=phase, inputs=[_meta(m, shared) for m, _ in ins],
                             outputs=[_meta(m, shared) for m, _ in outs], where=where, fwd_index=fwd,
                             duration_us=t, grad_enabled=grad, in_keys=[k for _, k in ins],
-                            out_keys=[k for _, k in outs], live_bytes=live))
+                            out_keys=[k for _, k in outs], live_bytes=live, start_us=start))
     cap._rec_ints, cap._rec_io, cap._rec_us, cap._tail, cap._rec_t0 = None, None, None, None, None
     cap._n_kept = 0
     cap._metas, cap._meta_ids = [], {}
