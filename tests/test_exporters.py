@@ -324,6 +324,32 @@ def test_panel_export_buttons_write_the_files(tmp_path):
     assert panel.export.save("perfetto") is None and "Could not write" in panel.export.status.value
 
 
+def test_tensorboard_export_has_the_loops_series_and_the_verdict(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    report = _diagnose(STEP, "python")
+    saved = _save_json(report, tmp_path / "r.json")
+    logdir = tmp_path / "runs" / "step"
+    logdir.mkdir(parents=True)
+    proc = _cli("render", saved, "--as", "tensorboard", "-o", str(logdir / "events.out.tfevents.bd"))
+    assert proc.returncode == 0, proc.stderr
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    its = report.trace.iterations
+    assert [e.value for e in acc.Scalars("iterations/loss")] == pytest.approx(its.loss)
+    assert [e.step for e in acc.Scalars("iterations/learning_rate")] == list(range(len(its.lr)))
+    assert acc.Scalars("memory/peak_bytes")[0].value == report.trace.memory.peak_bytes
+    verdict = acc.Tensors("backward_doctor/verdict/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "backward_doctor: OK" in verdict
+
+
+def test_tensorboard_missing_is_said_plainly(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(RuntimeError, match="pip install tensorboard"):
+        renderer("tensorboard").render(bd.Report())
+
+
 def test_labels_follow_the_ledgers_categories():
     from backward_doctor.trace.records import CATEGORIES
 

@@ -235,8 +235,11 @@ def render_main(argv: list[str]) -> int:
         p.error(f"cannot read {args.report}: {exc.strerror or exc}")
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # not JSON, or not a report's JSON
         p.error(f"{args.report} is not a saved backward_doctor report ({type(exc).__name__}: {exc})")
-    if args.output:
-        write(report, args.kind, args.output)
-    else:
-        print(renderer(args.kind).render(report))
+    try:
+        if args.output:
+            write(report, args.kind, args.output)
+        else:
+            print(renderer(args.kind).render(report))
+    except RuntimeError as exc:  # a renderer that needs a package not installed here (tensorboard)
+        p.error(str(exc))
     return 0 if report.ok else 1
