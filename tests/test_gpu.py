@@ -67,3 +67,21 @@ def test_benchmark_script_runs_on_cuda_and_compares_peaks():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("cuda max_memory_allocated") == 3, out.stdout
     assert "doctor_no_history" in out.stdout
+
+
+def test_memory_snapshot_is_the_allocators_own_history(tmp_path):
+    """On CUDA the export is the allocator's own snapshot and history (recorded during the step), kept in the
+    report's JSON too; not the ledger's reconstruction (whose frames end in a ``category`` frame)."""
+    import pickle
+
+    report = bd.diagnose(STEP, _ns())
+    assert "allocator_snapshot" in report.trace.memory.cuda
+    path = report.save_memory_snapshot(str(tmp_path / "cuda.pickle"))
+    with open(path, "rb") as fh:
+        snap = pickle.load(fh)
+    entries = snap["device_traces"][torch.cuda.current_device()]
+    assert snap["segments"] and any(e["action"] == "alloc" for e in entries)
+    assert not any(f.get("filename") == "category" for e in entries for f in e.get("frames", []))
+    again = bd.Report.from_dict(report.to_dict())
+    assert again.save_memory_snapshot(str(tmp_path / "again.pickle")) and \
+        (tmp_path / "again.pickle").read_bytes() == (tmp_path / "cuda.pickle").read_bytes()

@@ -26,6 +26,7 @@ import os
 import sys
 import sysconfig
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -154,13 +155,15 @@ class CollectiveRecorder:
         group = _group(kwargs, args)
         c = Collective(index=len(self.collectives), op=op, seq=_seq(group), sizes=sizes,
                        dtype=dtypes[0] if dtypes else "", line=line, file=file, loop=loop,
-                       group="" if group is None or group is dist.group.WORLD else str(getattr(group, "group_name", "")))
+                       group="" if group is None or group is dist.group.WORLD else str(getattr(group, "group_name", "")),
+                       start_s=time.time())
         self.collectives.append(c)
         self._write({"start": c.__dict__})
         return c, group
 
     def _end(self, c: Collective, group: Any, error: BaseException | None, keep_empty: bool = True) -> None:
         after = _seq(group if group is not None else _group({}, ()))
+        c.end_s = time.time()
         c.count = (after - c.seq) if (after is not None and c.seq is not None) else 1
         if error is not None:
             c.error = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
@@ -170,7 +173,7 @@ class CollectiveRecorder:
                 self.collectives.pop()
             self._write({"drop": c.index})
             return
-        self._write({"end": c.index, "count": c.count, "error": c.error})
+        self._write({"end": c.index, "count": c.count, "error": c.error, "end_s": c.end_s})
 
     def _write(self, entry: dict[str, Any]) -> None:
         if self._log is not None:

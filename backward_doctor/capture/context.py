@@ -108,6 +108,7 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
             _cuda.start(self)
             self._undo.push("CUDA memory history", lambda: _cuda.stop(self))
         self._t0 = time.perf_counter()
+        self.trace.started_at = time.time()
         mode = _DoctorMode(self)
         mode.__enter__()
         self._undo.push("dispatch mode", lambda: mode.__exit__(None, None, None))

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _HISTORY_ENTRIES = 100_000  # bounded: the allocator keeps at most this many events
+#: the allocator's history is kept in the trace (for the memory_viz export) up to this many pickled bytes
+_SNAPSHOT_BYTES = 16 << 20
 
 
 def _nvml() -> dict[str, Any] | None:
@@ -47,7 +49,22 @@ def start(cap: "OpRecorder") -> None:
     cap.trace.memory.device_total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
+def _allocator_snapshot() -> str | None:
+    """The allocator's own snapshot and history of the step (``torch.cuda.memory._snapshot()``), pickled as
+    PyTorch's ``_dump_snapshot`` writes it, base64 for the JSON report; None when larger than the bound."""
+    import base64
+    import pickle
+
+    try:
+        data = pickle.dumps(torch.cuda.memory._snapshot(), protocol=4)
+    except Exception:  # an allocator without history (another backend): the ledger's snapshot is exported
+        log.info("CUDA allocator snapshot unavailable", exc_info=True)
+        return None
+    return base64.b64encode(data).decode("ascii") if len(data) <= _SNAPSHOT_BYTES else None
+
+
 def stop(cap: "OpRecorder") -> None:
+    snapshot = _allocator_snapshot() if getattr(cap, "_cuda_history", False) else None
     if getattr(cap, "_cuda_history", False):
         try:
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -59,3 +76,5 @@ def stop(cap: "OpRecorder") -> None:
         "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
         "allocated_per_op": cap._cuda_alloc.tolist()[-20_000:], "nvml": _nvml(),
     }
+    if snapshot is not None:
+        cap.trace.memory.cuda["allocator_snapshot"] = snapshot

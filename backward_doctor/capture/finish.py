@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import inspect
 import os
+from array import array
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .memory import shape_of, storage_key
+from .memory import shape_of, storage_events, storage_key
 from .namespace import module_paths
 from .state import PHASES, REC_WIDTH
 from .namespace import tensors as ns_tensors
 from .stats import screen_nonfinite
 from .stats import dtype_name
 from ..trace.queries import skipped_amp_steps
-from ..trace.parts import LossInfo, NonFiniteScalar, ParameterTotals, RunHistory
+from ..trace.parts import STORAGE_EVENTS_CAP, LossInfo, NonFiniteScalar, ParameterTotals, RunHistory
 from ..trace.records import CATEGORIES, ExceptionInfo, OpRecord, TensorMeta, Trace
 
 if TYPE_CHECKING:
@@ -100,6 +101,11 @@ def _timeline(cap: "OpRecorder") -> None:
     mem.op_index = index
     mem.by_category = {c: [t[i] for t in totals] for i, c in enumerate(CATEGORIES)}
     mem.peak_bytes, mem.peak_index, mem.peak_by_category = cap._peak, cap._peak_index, cap._peak_by_category
+    log, dropped = cap._storage_log or (cap._ledger.log, cap._ledger.dropped)
+    mem.storages = storage_events(log if log is not None else array("q"), dropped)
+    if dropped:
+        cap.trace.notes.append(f"memory history: the first {STORAGE_EVENTS_CAP} storage events are kept for "
+                               f"exports (memory_viz), {dropped} later ones are not")
     if cap._timeline.stride > 1:
         cap.trace.notes.append(f"memory timeline: one point per {cap._timeline.stride} ops "
                                f"({len(index)} points for {cap._count} ops; peaks kept)")
@@ -128,7 +134,7 @@ def _build_ops(cap: "OpRecorder") -> None:
     shared: dict[tuple, TensorMeta] = {}
     metas = [_meta(m, shared) for m in cap._metas]  # by meta id
     names, wheres = cap._names, cap._wheres
-    ints, io, us = cap._rec_ints, cap._rec_io, cap._rec_us
+    ints, io, us, t0s = cap._rec_ints, cap._rec_io, cap._rec_us, cap._rec_t0
     for r in range(cap._n_kept):  # the flat arrays read directly (kept_records() makes tuples per op)
         (index, name_id, phase, fwd, grad, where_id, n_in, n_out, off,
          live) = ints[r * REC_WIDTH:(r + 1) * REC_WIDTH]
@@ -136,13 +142,13 @@ def _build_ops(cap: "OpRecorder") -> None:
         mids, keys = pairs[0::2], pairs[1::2]
         ops.append(OpRecord(index, names[name_id], PHASES[phase], [metas[m] for m in mids[:n_in]],
                             [metas[m] for m in mids[n_in:]], wheres[where_id], None if fwd < 0 else fwd,
-                            us[r], bool(grad), keys[:n_in].tolist(), keys[n_in:].tolist(), live))
-    for (index, name, phase, fwd, grad, where, ins, outs, live, t) in cap.tail_records():
+                            us[r], bool(grad), keys[:n_in].tolist(), keys[n_in:].tolist(), live, t0s[r]))
+    for (index, name, phase, fwd, grad, where, ins, outs, live, t), start in zip(cap.tail_records(), cap._tail_t0):
         ops.append(OpRecord(index=index, op=name, phase=phase, inputs=[_meta(m, shared) for m, _ in ins],
                             outputs=[_meta(m, shared) for m, _ in outs], where=where, fwd_index=fwd,
                             duration_us=t, grad_enabled=grad, in_keys=[k for _, k in ins],
-                            out_keys=[k for _, k in outs], live_bytes=live))
-    cap._rec_ints, cap._rec_io, cap._rec_us, cap._tail = None, None, None, None
+                            out_keys=[k for _, k in outs], live_bytes=live, start_us=start))
+    cap._rec_ints, cap._rec_io, cap._rec_us, cap._tail, cap._rec_t0 = None, None, None, None, None
     cap._n_kept = 0
     cap._metas, cap._meta_ids = [], {}
     trace.op_count = cap._count

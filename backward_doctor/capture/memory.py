@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..trace.parts import STORAGE_EVENTS_CAP, StorageEvents
 from ..trace.records import CATEGORIES
 
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
@@ -76,6 +77,20 @@ class MemoryLedger:
         self._callback = self._ref_died      # one bound method for every weakref
         self.on_free: Callable[[int], None] | None = None
         self.active = True
+        #: every count, free and move in order, 5 ints each (see ``StorageEvents``); None: not kept here
+        self.log: array | None = array("q")
+        self.dropped = 0
+        #: how many ops have started (the capture sets it): when a storage was freed or moved
+        self.clock: Callable[[], int] = lambda: 0
+
+    def _note(self, action: int, key: int, nbytes: int, cat: int, op: int) -> None:
+        log = self.log
+        if log is None:
+            return
+        if len(log) < STORAGE_EVENTS_CAP * 5:
+            log.extend((action, key, nbytes, cat, op))
+        else:
+            self.dropped += 1
 
     def _ref_died(self, ref: weakref.ref) -> None:
         key = self._ref_keys.pop(id(ref), None)
@@ -91,6 +106,7 @@ class MemoryLedger:
         self._refs.pop(key, None)
         self.totals[cat] -= nbytes
         self.total -= nbytes
+        self._note(0, key, nbytes, cat, self.clock())
         if self.on_free is not None:
             self.on_free(key)
 
@@ -117,6 +133,7 @@ class MemoryLedger:
         self._ref_keys[id(ref)] = key
         self.totals[cat] += nbytes
         self.total += nbytes
+        self._note(1, key, nbytes, cat, -1 if producer is None else producer)
         return True
 
     def known(self, key: int) -> bool:
@@ -143,6 +160,7 @@ class MemoryLedger:
             self.totals[old] -= nbytes
             self.totals[new] += nbytes
             self._cat[key] = new
+            self._note(2, key, nbytes, new, self.clock())
 
     def snapshot(self) -> dict[str, int]:
         return {c: self.totals[i] for i, c in enumerate(CATEGORIES)}
@@ -161,6 +179,37 @@ class MemoryLedger:
         self.active = False
         for d in (self._live, self._cat, self._producer, self._refs, self._ref_keys):
             d.clear()
+
+
+def storage_events(flat: array | bytes, dropped: int = 0) -> StorageEvents:
+    """A ledger's log (storage keys: addresses) as the trace keeps it: each storage numbered in the order it
+    was counted, a new number each time (an address is reused once its storage is freed); the frees and
+    moves of storages counted before the log began are left out.
+
+    >>> storage_events(array("q", [1, 9000, 8, 0, 3, 2, 9000, 8, 1, 4, 0, 9000, 8, 1, 5, 1, 9000, 4, 0, 6])).flat
+    [1, 0, 8, 0, 3, 2, 0, 8, 1, 4, 0, 0, 8, 1, 5, 1, 1, 4, 0, 6]
+    """
+    if isinstance(flat, bytes):
+        ints = array("q")
+        ints.frombytes(flat)
+    else:
+        ints = flat
+    out: list[int] = []
+    numbers: dict[int, int] = {}  # storage key -> the number of the storage counted under it now
+    counted = 0
+    for i in range(0, len(ints) - 4, 5):
+        action, key, nbytes, cat, op = ints[i:i + 5]
+        if action == 1:
+            number = numbers[key] = counted
+            counted += 1
+        elif key in numbers:
+            number = numbers[key]
+        else:
+            continue
+        out.extend((action, number, nbytes, cat, op))
+        if action == 0:
+            del numbers[key]
+    return StorageEvents(flat=out, dropped=dropped)
 
 
 class Timeline:

@@ -45,6 +45,7 @@ class _NativeLedger(MemoryLedger):
         super().__init__()
         self.ext: Any = None
         self._data: dict[int, int] = {}
+        self.log = None  # (the recorder keeps the ledger's history: it counts what the step makes)
         self._final_by_producer: dict[int | None, int] | None = None  # the recorder's, after the step
 
     def track(self, t: torch.Tensor, category: str, producer: int | None = None) -> bool:
@@ -131,6 +132,7 @@ class NativeCapture(NativeRecords, Capture):
     def _install(self) -> None:
         self._prepare()
         self._t0 = time.perf_counter()
+        self.trace.started_at = time.time()
         limit = -1 if self.memory_limit is None else int(self.memory_limit)
         self._ext.start(self._frames.cell_file, True, self._max_ops, limit, self.detail)
         self._undo.push("native recorder", self._stop_recorder)

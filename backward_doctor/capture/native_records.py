@@ -66,6 +66,7 @@ class NativeRecords:
         idx_where: dict[int, Where] = {}
         idx_fwd: dict[int, tuple[str, int | None]] = {}  # op index -> (phase, forward op index)
         rec_ints, rec_io, rec_us, writer = self._rec_ints, self._rec_io, self._rec_us, self._writer
+        rec_t0 = self._rec_t0
         counts, times = [0] * len(names), [0.0] * len(names)
         tl_index, tl_flat = array("q"), array("q")
         peak, peak_at = self._peak, -1
@@ -106,6 +107,7 @@ class NativeRecords:
                 if tens[j]:
                     writer[tens[j]] = index
             rec_us.append(us)
+            rec_t0.append(recs[b + 20] / 1e3)
             tl_index.append(index)
             tl_flat.extend(recs[b + 13:b + 18])
             if live > peak:
@@ -128,6 +130,7 @@ class NativeRecords:
         if self._count:  # the end of the last op (a failed step's time stops there, as on the Python tier)
             self._t_last = self._t0 + out["last_op_end_s"]
         self.buffer_bytes = out["buffer_bytes"]
+        self._storage_log = (out["storage_log"], out["storage_dropped"])
         self._light(out, names)
         if out["failed_index"] >= 0:
             self._failed = (out["failed_index"], out["failed_overload"], list(out["failed_args"]),

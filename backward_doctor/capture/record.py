@@ -277,16 +277,19 @@ class OpRecorder(CaptureState):
                 known.append(m)
             io += (mid, k)
         fwd = -1 if fwd_index is None else fwd_index
+        start = (self._t_last - self._t0) * 1e6 - us  # (_t_last: this op's end)
         if self._n_kept < self._max_ops:
             self._n_kept += 1
             self._rec_ints.extend((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
                                    len(metas) - n_in, len(self._rec_io), total))
             self._rec_io.extend(io)
             self._rec_us.append(us)
+            self._rec_t0.append(start)
         else:  # past max_ops: a ring buffer of the last ops (a tuple each, bounded)
             self._tail_count += 1
             self._tail.append((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
                                tuple(io), total, us))
+            self._tail_t0.append(start)
 
     # ---------------------------------------------------------------- evidence
     def _check_indices(self, func: Any, name: str, args: tuple, kwargs: dict) -> None:

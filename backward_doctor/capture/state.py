@@ -58,9 +58,13 @@ class CaptureState:
         self._frames = UserFrames(cell_file)
         self._ledger = MemoryLedger()
         self._ledger.on_free = self._on_free
+        self._ledger.clock = self._op_clock
         self._timeline = Timeline()
         # Per-op records as ints in flat arrays (see _record.py), turned into OpRecords by finish().
         self._rec_ints, self._rec_io, self._rec_us = array("q"), array("q"), array("d")
+        self._rec_t0 = array("d")  # each kept op's start, microseconds since the capture started
+        #: the native recorder's ledger log (bytes of 5-int events) and its dropped count; None: the ledger's own
+        self._storage_log: tuple[bytes, int] | None = None
         self._n_kept = 0
         self._names: list[str] = []
         self._name_ids: dict[str, int] = {}
@@ -70,6 +74,7 @@ class CaptureState:
         self._where_ids: dict[int, int] = {}
         self._where_intern: dict[tuple, Where] = {}  # one Where per (position, module stack)
         self._max_ops, self._tail = max_ops, collections.deque(maxlen=tail_ops)
+        self._tail_t0: collections.deque[float] = collections.deque(maxlen=tail_ops)  # (the tail's starts)
         self._tail_count = 0  # records that went to the ring buffer (some since overwritten)
         self._count = 0
         self._unrecorded = 0  # ops whose results could not be recorded (they ran as usual)
@@ -119,6 +124,9 @@ class CaptureState:
         self.rollback: Any = None
         self._watch: Any = None  # the per-iteration LoopWatch (installed with the hooks)
 
+
+    def _op_clock(self) -> int:
+        return self._count
 
     def _on_free(self, key: int) -> None:
         self._writer.pop(key, None)

@@ -1,7 +1,8 @@
 """Command line: ``python -m backward_doctor FILE.py`` diagnoses a file as one cell;
 ``python -m backward_doctor render REPORT.json [--as NAME] [-o OUT]`` renders a saved report again
-(``--json`` writes one) with any registered renderer (``text``, ``html``, ``page``, ``json``), as
-pyinstrument's ``--load`` does. ``--nproc N`` runs the file on N local ranks (``launch.py``: one report for
+(``--json`` writes one) with any registered renderer (``text``, ``html``, ``page``, ``json``, and the
+exporters ``memory_viz`` and ``perfetto``), as pyinstrument's ``--load`` does; ``--memory-snapshot OUT``
+and ``--trace OUT`` write those two files of a run. ``--nproc N`` runs the file on N local ranks (``launch.py``: one report for
 all ranks); ``python -m backward_doctor combine FOLDER`` combines ranks run under ``torchrun -m
 backward_doctor.run.rank FILE.py FOLDER``.
 
@@ -25,7 +26,7 @@ from typing import Any, Callable
 from ..api import check_fix, check_timeout, diagnose
 from ..report.combined import load_report
 from ..report.places import name_places
-from ..report.renderers import names, renderer
+from ..report.renderers import names, renderer, write
 from ..run.engine import choose_engine
 from ..util.units import parse_size
 
@@ -49,7 +50,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
     p.add_argument("--html", default=None, metavar="OUT",
                    help="also write the report as one self-contained HTML page to OUT")
+    _export_options(p)
     return p
+
+
+def _export_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-snapshot", default=None, metavar="OUT",
+                   help="also write a memory snapshot (pickle) to OUT: open it at pytorch.org/memory_viz")
+    p.add_argument("--trace", default=None, metavar="OUT",
+                   help="also write a Chrome/Perfetto trace (JSON) to OUT: open it at ui.perfetto.dev")
+
+
+def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for flag in ("--json", "--html", "--memory-snapshot", "--trace"):
+        _check_output(parser, flag, getattr(args, flag[2:].replace("-", "_"), None))
 
 
 def _read(parser: argparse.ArgumentParser, path: str) -> str:
@@ -86,6 +100,10 @@ def _emit(report: Any, args: argparse.Namespace) -> None:
             json.dump(report.to_dict(), fh)
     if args.html:
         report.save_html(args.html)
+    if getattr(args, "memory_snapshot", None):
+        report.save_memory_snapshot(args.memory_snapshot)
+    if getattr(args, "trace", None):
+        report.save_trace(args.trace)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             choose_engine("native", memory_limit=limit)
     except ValueError as exc:
         parser.error(str(exc))
-    _check_output(parser, "--json", args.json)
-    _check_output(parser, "--html", args.html)
+    _check_outputs(parser, args)
     source = _read(parser, args.file)
     if args.nproc is not None:
         return _distributed(parser, args)
@@ -183,9 +200,9 @@ def combine_main(argv: list[str]) -> int:
     p.add_argument("folder", help="the folder given to backward_doctor.run.rank on every rank")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
     p.add_argument("--html", default=None, metavar="OUT", help="also write the report as an HTML page to OUT")
+    _export_options(p)
     args = p.parse_args(argv)
-    _check_output(p, "--json", args.json)
-    _check_output(p, "--html", args.html)
+    _check_outputs(p, args)
     try:
         report = combine_folder(args.folder)
     except ValueError as exc:
@@ -201,11 +218,14 @@ def render_main(argv: list[str]) -> int:
                                 description="Render a saved report (JSON) again; nothing is run.")
     p.add_argument("report", help="a report saved with --json (or json.dump(report.to_dict()))")
     p.add_argument("--as", dest="kind", default="text", choices=names(), help="renderer (default: text)")
-    p.add_argument("-o", "--output", default=None, metavar="OUT", help="write to OUT instead of stdout")
+    p.add_argument("-o", "--output", default=None, metavar="OUT",
+                   help="write to OUT instead of stdout (required for a binary format: memory_viz)")
     p.add_argument("--html", default=None, metavar="OUT", help="shortcut for --as page -o OUT")
     args = p.parse_args(argv)
     if args.html:
         args.kind, args.output = "page", args.html
+    if renderer(args.kind).binary and not args.output:
+        p.error(f"--as {args.kind} writes a binary file: give -o OUT (e.g. -o snapshot{renderer(args.kind).suffix})")
     _check_output(p, "-o/--html", args.output)
     try:
         with open(args.report, encoding="utf-8") as fh:
@@ -215,10 +235,11 @@ def render_main(argv: list[str]) -> int:
         p.error(f"cannot read {args.report}: {exc.strerror or exc}")
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # not JSON, or not a report's JSON
         p.error(f"{args.report} is not a saved backward_doctor report ({type(exc).__name__}: {exc})")
-    text = renderer(args.kind).render(report)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    else:
-        print(text)
+    try:
+        if args.output:
+            write(report, args.kind, args.output)
+        else:
+            print(renderer(args.kind).render(report))
+    except RuntimeError as exc:  # a renderer that needs a package not installed here (tensorboard)
+        p.error(str(exc))
     return 0 if report.ok else 1

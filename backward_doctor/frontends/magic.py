@@ -50,6 +50,10 @@ class BackwardDoctorMagics(Magics):
     @magic_arguments.argument("--nproc", type=int, default=None, metavar="N",
                               help="run the cell on N local ranks forked from the kernel (torch.distributed: "
                                    "the cell calls init_process_group); one report for all ranks")
+    @magic_arguments.argument("--memory-snapshot", default=None, metavar="PATH",
+                              help="also write a memory snapshot (pickle) to PATH: open it at pytorch.org/memory_viz")
+    @magic_arguments.argument("--trace", default=None, metavar="PATH",
+                              help="also write a Chrome/Perfetto trace (JSON) to PATH: open it at ui.perfetto.dev")
     @magic_arguments.argument("--engine", default="auto", metavar="NAME",
                               help=f"what records the ops: {', '.join(ENGINES)} (default auto: the native "
                                    "recorder when it is built, else the Python dispatch mode)")
@@ -78,6 +82,7 @@ class BackwardDoctorMagics(Magics):
                 check_nproc(args.nproc)
                 if args.fix or limit:
                     raise ValueError("--nproc runs the cell as it is: --fix and --memory-limit apply to one process")
+            check_export_paths(args.memory_snapshot, args.trace)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         with _exclusive():
@@ -96,6 +101,7 @@ class BackwardDoctorMagics(Magics):
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         remember(report)  # type: ignore[arg-type]  (bd.last_report(): the combined report)
+        _export(report, args)
         if not (args.quiet and report.ok):
             display(report)
 
@@ -120,6 +126,7 @@ class BackwardDoctorMagics(Magics):
             if notice is not None:
                 notice.say(f"backward_doctor: no report ({type(exc).__name__} before it was made)")
             raise
+        _export(report, args)
         if args.quiet and report.ok:
             if notice is not None:
                 notice.say("")  # --quiet: the placeholder goes, nothing takes its place
@@ -233,6 +240,37 @@ def _show(shell: Any, report: Any, cell: str, limit: int | None, timeout: float 
         print(f"backward_doctor: the panel could not be built ({type(exc).__name__}: {exc})")
         return
     put(panel)
+
+
+def check_export_paths(*paths: str | None) -> None:
+    """``--memory-snapshot``/``--trace``: a ``ValueError`` (nothing run) for a path whose folder is missing or
+    which is a folder.
+
+    >>> check_export_paths(None, "snap.pickle")
+    >>> check_export_paths("/no/such/folder/snap.pickle")
+    Traceback (most recent call last):
+    ValueError: /no/such/folder/snap.pickle: no such folder: /no/such/folder
+    """
+    for path in paths:
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise ValueError(f"{path}: is a folder; give a file name")
+        if not os.path.isdir(folder):
+            raise ValueError(f"{path}: no such folder: {folder}")
+
+
+def _export(report: Any, args: Any) -> None:
+    """Write the files ``--memory-snapshot`` and ``--trace`` ask for, and say where they went."""
+    for path, save, viewer in ((args.memory_snapshot, report.save_memory_snapshot, "pytorch.org/memory_viz"),
+                               (args.trace, report.save_trace, "ui.perfetto.dev")):
+        if path:
+            try:
+                save(path)
+                print(f"backward_doctor: wrote {path} (open it in {viewer})")
+            except OSError as exc:  # the diagnosis above still shows
+                print(f"backward_doctor: could not write {path}: {exc.strerror or exc}")
 
 
 def _release_failed_frames(outer: Any) -> None:

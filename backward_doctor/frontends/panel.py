@@ -24,6 +24,7 @@ import ipywidgets as W
 from ..render import sections as S, style, view, wording
 from ..render.style import esc
 from .keep_code import keep_html
+from .panel_export import ExportRow
 
 if TYPE_CHECKING:
     from ..report.report import Report
@@ -130,7 +131,8 @@ class Panel:
         self.tabs.selected_index = start
         self.tabs.observe(lambda c: self._fill(c["new"]), names="selected_index")
         self._fill(start)
-        self.widget = W.VBox([self.style, self.summary, self.fix_box, self.tabs],
+        self.export = ExportRow(report)  # memory snapshot and trace files for other tools
+        self.widget = W.VBox([self.style, self.summary, self.fix_box, self.tabs, self.export.widget],
                              layout=W.Layout(max_width="1120px"))
         self.widget.add_class("backward-doctor-panel")
         if getattr(report, "fix_result", None) is not None:  # ``--fix``: the fixed run, with the code to keep

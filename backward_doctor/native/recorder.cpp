@@ -101,8 +101,12 @@ struct VecHash {
 
 // Per visible op, kWidth ints: index, name id, phase (0 fwd, 1 bwd, 2 optimizer), node seq (bwd),
 // seq before, seq after (fwd), grad mode, tensor offset, inputs, outputs, frame offset, frames,
-// live total, 5 category totals, duration ns, non-finite scalar (1), module stack id (set from Python).
-constexpr int kWidth = 20;
+// live total, 5 category totals, duration ns, non-finite scalar (1), module stack id (set from Python),
+// start (ns since recording started).
+constexpr int kWidth = 21;
+// The ledger's history for exporters (a memory_viz snapshot): 5 ints per event (action 1 counted, 0 freed,
+// 2 moved to another category; storage key; bytes; category; op), at most kStorageLogCap events.
+constexpr size_t kStorageLogCap = 100000;
 
 struct State {
   std::thread::id owner;
@@ -165,6 +169,8 @@ struct State {
   std::unordered_map<PyObject*, bool> cell_codes;
   std::vector<std::string> roots;                 // name of each backward's first node
   int64_t totals[kCategories] = {0, 0, 0, 0, 0};
+  std::vector<int64_t> storage_log;
+  int64_t storage_dropped = 0;
   int64_t total = 0, count = 0, depth_bwd = 0, last_phase = 0;
   int64_t start_ns = 0, last_end_ns = 0;  // when recording started, when the latest op ended
   at::CallbackHandle handle = 0;
@@ -216,7 +222,15 @@ OpInfo& info_for(const at::RecordFunction& fn) {
   return S->infos.emplace(key, std::move(info)).first->second;
 }
 
+void log_storage(int64_t action, int64_t key, int64_t nbytes, int64_t cat, int64_t op) {
+  if (S->storage_log.size() < kStorageLogCap * 5)
+    S->storage_log.insert(S->storage_log.end(), {action, key, nbytes, cat, op});
+  else
+    ++S->storage_dropped;
+}
+
 void count_storage(int64_t key, int64_t nbytes, int cat, int64_t producer, int64_t data) {
+  log_storage(1, key, nbytes, cat, producer);
   S->live.emplace(key, Entry{nbytes, cat, producer, data});
   if (data) S->by_data[data] = key;
   S->totals[cat] += nbytes;
@@ -227,6 +241,7 @@ void uncount(int64_t key) {
   auto it = S->live.find(key);
   if (it == S->live.end()) return;
   S->nf_origin.erase(key);  // (a later storage may take the same address)
+  log_storage(0, key, it->second.nbytes, it->second.cat, S->count);
   S->totals[it->second.cat] -= it->second.nbytes;
   S->total -= it->second.nbytes;
   if (it->second.data) S->by_data.erase(it->second.data);
@@ -392,6 +407,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   }
   o.uncaught = std::uncaught_exceptions();
   o.t0 = now_ns();
+  if (o.visible && !o.light && o.rec >= 0) S->recs[o.rec + 20] = o.t0 - S->start_ns;
   S->open.push_back(o);
   return nullptr;
 }
@@ -1043,6 +1059,7 @@ void reclassify(int64_t key, int64_t cat) {
   if (!mine()) return;
   auto it = S->live.find(key);
   if (it == S->live.end() || it->second.cat == cat) return;
+  log_storage(2, key, it->second.nbytes, cat, S->count);
   S->totals[it->second.cat] -= it->second.nbytes;
   S->totals[cat] += it->second.nbytes;
   it->second.cat = (int)cat;
@@ -1120,7 +1137,8 @@ py::dict stop() {
   for (const auto& kv : s->light_totals) light_totals[kv.first] = {kv.second.first, kv.second.second};
   out["light_totals"] = light_totals;
   int64_t held = (int64_t)((s->recs.capacity() + s->tensors.capacity() + s->sizes.capacity() +
-                            s->inplace.capacity() + s->lastis.capacity() + s->light_tl.capacity() +
+                            s->inplace.capacity() + s->storage_log.capacity() + s->lastis.capacity() +
+                            s->light_tl.capacity() +
                             s->meta_table.capacity() + s->meta_sizes.capacity()) * sizeof(int64_t) +
                            s->codes.capacity() * sizeof(PyObject*) +
                            s->live.size() * (sizeof(Entry) + 32) + s->by_data.size() * 32 +
@@ -1131,6 +1149,9 @@ py::dict stop() {
   out["sizes"] = py::bytes(reinterpret_cast<const char*>(s->sizes.data()), s->sizes.size() * sizeof(int64_t));
   out["inplace"] = py::bytes(reinterpret_cast<const char*>(s->inplace.data()), s->inplace.size() * sizeof(int64_t));
   out["lastis"] = s->lastis;
+  out["storage_log"] = py::bytes(reinterpret_cast<const char*>(s->storage_log.data()),
+                                 s->storage_log.size() * sizeof(int64_t));
+  out["storage_dropped"] = s->storage_dropped;
   py::list codes;
   for (PyObject* c : s->codes) codes.append(py::reinterpret_steal<py::object>(c));  // hands our references over
   out["codes"] = codes;

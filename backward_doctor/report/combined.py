@@ -15,7 +15,7 @@ from typing import Any
 
 from ..analysis.findings import Finding
 from ..trace.distributed import RankRecord
-from .renderers import renderer
+from .renderers import renderer, write
 
 
 @dataclass
@@ -80,6 +80,14 @@ class CombinedReport:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(renderer("page").render(self))
         return path
+
+    def save_memory_snapshot(self, path: str) -> str:
+        """The memory snapshot (one device per rank) to ``path``; see ``Report.save_memory_snapshot``."""
+        return write(self, "memory_viz", path)
+
+    def save_trace(self, path: str) -> str:
+        """The ranks on one timeline (one process each, with their collectives) as a Perfetto trace."""
+        return write(self, "perfetto", path)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         return {"text/plain": str(self), "text/html": self.to_html()}

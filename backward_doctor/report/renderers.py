@@ -23,14 +23,17 @@ from typing import Any, TypeVar
 
 
 class Renderer:
-    """Turns a report into one value (a string: text, an HTML fragment, a whole page)."""
+    """Turns a report into one value (a string: text, an HTML fragment, a whole page; or bytes, for a
+    ``binary`` one: a file format such as the memory_viz pickle)."""
 
     #: the name it is registered under (``"text"``, ``"html"``, ``"page"``)
     name: str = ""
     #: file suffix when it is written to a file
     suffix: str = ".txt"
+    #: ``render`` returns bytes: written to a file only, never printed
+    binary: bool = False
 
-    def render(self, report: Any) -> str:  # a Report (this module sits below report.py, which looks it up)
+    def render(self, report: Any) -> str | bytes:  # a Report (this module sits below report.py, which looks it up)
         raise NotImplementedError
 
 
@@ -58,3 +61,20 @@ def renderer(name: str) -> Renderer:
 def names() -> list[str]:
     """The registered renderers' names."""
     return sorted(_REGISTRY)
+
+
+def write(report: Any, name: str, path: str) -> str:
+    """Render ``report`` with the renderer ``name`` into the file ``path`` (text as UTF-8, bytes as they are);
+    returns the path. The file is written whole or not at all (a failed render leaves no half file).
+
+    >>> import os, tempfile
+    >>> from backward_doctor.report import Report
+    >>> path = write(Report(), "text", os.path.join(tempfile.mkdtemp(), "r.txt"))
+    >>> open(path).read().startswith("backward_doctor: OK")
+    True
+    """
+    out = renderer(name).render(report)
+    data = out if isinstance(out, bytes) else out.encode("utf-8")
+    with open(path, "wb") as fh:
+        fh.write(data)
+    return path

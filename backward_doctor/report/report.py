@@ -14,7 +14,7 @@ from typing import Any
 
 from ..analysis.findings import Finding
 from .fix_result import FixResult
-from .renderers import renderer
+from .renderers import renderer, write
 from ..trace.records import Trace
 
 
@@ -73,6 +73,28 @@ class Report:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(page)
         return path
+
+    def save_memory_snapshot(self, path: str) -> str:
+        """Write the memory snapshot PyTorch's viewers read (drop it on pytorch.org/memory_viz) to ``path``:
+        the allocator's own history on CUDA, else made from the doctor's ledger; returns the path.
+
+        >>> import os, pickle, tempfile
+        >>> path = Report().save_memory_snapshot(os.path.join(tempfile.mkdtemp(), "step.pickle"))
+        >>> with open(path, "rb") as fh:
+        ...     sorted(pickle.load(fh))
+        ['device_traces', 'segments']
+        """
+        return write(self, "memory_viz", path)
+
+    def save_trace(self, path: str) -> str:
+        """Write the run as a Chrome/Perfetto trace (open it in ui.perfetto.dev) to ``path``; returns the path.
+
+        >>> import json, os, tempfile
+        >>> with open(Report().save_trace(os.path.join(tempfile.mkdtemp(), "step.json"))) as fh:
+        ...     sorted(json.load(fh))
+        ['displayTimeUnit', 'otherData', 'traceEvents']
+        """
+        return write(self, "perfetto", path)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         return {"text/plain": str(self), "text/html": self.to_html()}

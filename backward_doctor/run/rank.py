@@ -141,6 +141,7 @@ def read_log(path: str) -> list[Collective]:
                     entries.pop(e["drop"], None)
                 elif "end" in e and e["end"] in entries:
                     entries[e["end"]].count, entries[e["end"]].error = e.get("count"), e.get("error", "")
+                    entries[e["end"]].end_s = e.get("end_s")
     except OSError:
         return []
     return [entries[k] for k in sorted(entries)]

@@ -69,6 +69,9 @@ class Collective:
     loop: dict[str, int] = field(default_factory=dict)
     group: str = ""
     error: str = ""
+    #: when the call began and returned, seconds since the epoch (0 / None: not known, or still inside it)
+    start_s: float = 0.0
+    end_s: float | None = None
 
     @property
     def pending(self) -> bool:

@@ -147,6 +147,33 @@ class OomInfo:
 
 
 @dataclass
+class StorageEvents:
+    """The memory ledger's own history while ops were recorded, for exporters that replay memory block by
+    block (a memory_viz snapshot): every storage it began counting, stopped counting (freed) or moved to
+    another category, in order. Five plain ints per event in ``flat``: action (1 counted, 0 freed, 2 moved),
+    storage number (a new one each time a storage is counted), bytes, category (an index into
+    ``CATEGORIES``) and op (counted: the op that made it, -1 made before the step; else how many ops had
+    started then). The log is bounded: past :data:`STORAGE_EVENTS_CAP` events it stops, ``dropped`` counts
+    the rest.
+
+    >>> StorageEvents(flat=[1, 0, 64, 3, 0, 0, 0, 64, 3, 2]).events()
+    [(1, 0, 64, 3, 0), (0, 0, 64, 3, 2)]
+    """
+
+    flat: list[int] = field(default_factory=list)
+    dropped: int = 0
+
+    def events(self) -> list[tuple[int, int, int, int, int]]:
+        """``flat`` as (action, storage, bytes, category, op) tuples."""
+        f = self.flat
+        return [tuple(f[i:i + 5]) for i in range(0, len(f) - 4, 5)]  # type: ignore[misc]
+
+
+#: the most events a trace's :class:`StorageEvents` keeps (CUDA's allocator history keeps as many)
+STORAGE_EVENTS_CAP = 100_000
+
+
+@dataclass
 class Iterations:
     """The cell's training loop, counted in optimizer steps, and which iterations were recorded op by op.
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..util.serde import from_dict, to_dict
 from .parts import (Carrier, Compilation, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
-                    OptimizerSummary, ParameterTotals, RunHistory, StaleStep)
+                    OptimizerSummary, ParameterTotals, RunHistory, StaleStep, StorageEvents)
 
 #: Memory categories, in the order they are stacked in reports and plots.
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -89,6 +89,7 @@ class OpRecord:
     in_keys: list[int] = field(default_factory=list)
     out_keys: list[int] = field(default_factory=list)
     live_bytes: int = 0
+    start_us: float = 0.0  # when it started, in microseconds since the capture started
 
 
 @dataclass
@@ -104,6 +105,8 @@ class MemoryTimeline:
     limit_bytes: int | None = None
     device_total_bytes: int | None = None
     cuda: dict[str, Any] | None = None  # allocator + NVML figures when a GPU was used
+    #: every storage counted and freed, in order (what a memory_viz snapshot replays)
+    storages: StorageEvents = field(default_factory=StorageEvents)
 
 
 @dataclass
@@ -224,6 +227,7 @@ class Trace:
     device: str = "cpu"
     torch_version: str = ""
     duration_s: float = 0.0
+    started_at: float = 0.0  # the capture's start, seconds since the epoch (ranks of one run share a clock)
     completed: bool = True
     ops: list[OpRecord] = field(default_factory=list)
     op_count: int = 0
