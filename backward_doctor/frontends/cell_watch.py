@@ -1,0 +1,153 @@
+"""What one cell watched by ``%backward_doctor on`` puts in place, and what it shows afterwards.
+
+- :class:`HeldTracebacks`: IPython's traceback kept while the cell runs and shown after the report, so the
+  diagnosis sits above it (the doctor's own frames left out);
+- :class:`BackwardTrigger`: for a cell that was not expected to train, ``torch.autograd.backward`` swapped
+  for a function that opens a :class:`~backward_doctor.run.watch.Watch` at the first ``backward()``;
+- :func:`failed` and :func:`quiet_line`: whether a report takes the screen, or one line, or nothing.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+
+from ..capture.process import interrupts_deferred
+from ..report import Report
+from ..render.view import verdict_parts
+from ..run.watch import Watch
+from .running import without_doctor_frames
+
+log = logging.getLogger(__name__)
+
+
+class HeldTracebacks:
+    """While a watched cell runs, ``shell.showtraceback`` keeps the traceback instead of showing it;
+    :meth:`show` shows it after the report (the doctor's own frames left out), with the shell's own method
+    back in place. Idempotent."""
+
+    def __init__(self, shell: Any) -> None:
+        self.shell = shell
+        self.held: list[tuple[tuple, tuple, dict]] = []
+        self._had = "showtraceback" in vars(shell)
+        self._saved = vars(shell).get("showtraceback")
+        self._original = shell.showtraceback
+        self._on = False
+
+    def __enter__(self) -> "HeldTracebacks":
+        def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # noqa: F841 - read by IPython
+            info = exc_tuple if exc_tuple is not None else sys.exc_info()
+            if info[0] is None:
+                return self._original(exc_tuple, *args, **kwargs)
+            self.held.append((tuple(info), args, kwargs))
+            return None
+
+        self.shell.showtraceback = showtraceback
+        self._on = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        if self._on:
+            self._on = False
+            if self._had:
+                self.shell.showtraceback = self._saved
+            else:
+                vars(self.shell).pop("showtraceback", None)
+
+    def show(self) -> None:
+        self.restore()
+        held, self.held = self.held, []
+        for (etype, value, tb), args, kwargs in held:
+            try:
+                tb = without_doctor_frames(tb) or tb
+            except Exception:  # noqa: BLE001 - never lose the user's traceback to the trimming
+                pass
+            self._original((etype, value, tb), *args, **kwargs)
+
+
+def failed(report: Report) -> bool:
+    """What makes a watched cell's report worth the screen: the step raised after it began (a PyTorch op
+    ran, or it was interrupted), hung, or went NaN/Inf. A typo's ``NameError`` before any op is not the
+    doctor's to explain.
+
+    >>> failed(Report())
+    False
+    """
+    tr = report.trace
+    if tr.timed_out or tr.iterations.first_nonfinite is not None:
+        return True
+    if report.exception is not None:
+        return tr.op_count > 0 or (tr.exception is not None and tr.exception.type == "KeyboardInterrupt")
+    return any(f.kind in ("nonfinite", "inf") for f in report.findings)
+
+
+def quiet_line(report: Report) -> str:
+    """The one line a cell that ran to its end gets when something silent was found ('' when nothing was).
+
+    >>> quiet_line(Report())
+    ''
+    """
+    if report.ok or not report.findings:
+        return ""
+    _, _, headline, _ = verdict_parts(report)
+    more = len(report.findings) - 1
+    also = f" (and {more} more)" if more else ""
+    return f"backward_doctor: {headline}{also}. `backward_doctor.last_report()` has the report."
+
+
+class Outer:
+    """What ``magic._release_failed_frames`` reads of a cell's result (``outer.error_in_exec``)."""
+
+    def __init__(self, result: Any) -> None:
+        self.error_in_exec = getattr(result, "error_in_exec", None)
+
+
+class BackwardTrigger:
+    """``torch.autograd.backward`` swapped, for one cell, for a function that opens a watch at its first call
+    (``open_watch(frame)``: the watch begun, or None; ``frame`` is the caller of ``backward``), then goes
+    through the capture's own wrapper, so that first loss is watched too. Nothing else runs: a cell that
+    calls no ``backward()`` pays for the swap only."""
+
+    def __init__(self, open_watch: Callable[[types.FrameType], Watch | None]) -> None:
+        self._open_watch = open_watch
+        self.watch: Watch | None = None
+        self._real: Any = None
+
+    def install(self) -> None:
+        real = self._real = torch.autograd.backward
+
+        @functools.wraps(real)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if self.watch is None and torch.autograd.backward is backward:
+                try:
+                    self.watch = self._open_watch(sys._getframe(1))
+                except Exception:  # noqa: BLE001 - the user's backward() must run whatever happens here
+                    log.warning("always on: the watch could not begin at backward()", exc_info=True)
+                if self.watch is not None:  # the capture wrapped this function: through its watch
+                    return torch.autograd.backward(*args, **kwargs)
+            return real(*args, **kwargs)
+
+        torch.autograd.backward = backward
+
+    def finish(self, exc: BaseException | None) -> Report | None:
+        """End the watch, if one opened (its report), then put ``torch.autograd.backward`` back (after: the
+        capture puts back what it wrapped, this trigger). Ctrl-C is held until both are done."""
+        with interrupts_deferred():
+            try:
+                if self.watch is None or not self.watch.is_open:
+                    return None
+                return self.watch.end(exc)
+            finally:
+                if self._real is not None:
+                    torch.autograd.backward, self._real = self._real, None
+
+
+__all__ = ["BackwardTrigger", "HeldTracebacks", "Outer", "failed", "quiet_line"]
