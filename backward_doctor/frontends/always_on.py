@@ -254,6 +254,10 @@ class AlwaysOnMagics(Magics):
         """
         args = magic_arguments.parse_argstring(self.backward_doctor_line, line)
         shell = self.shell
+        given = args.timeout is not None or args.memory_limit is not None or args.quiet or args.every_iteration \
+            or args.engine != "auto"
+        if given and args.action != "on":
+            raise UsageError(f"options go with `on` (`%backward_doctor on {line.strip()}`), not with {args.action}")
         if args.action == "off":
             print("backward_doctor: always on is off" if turn_off(shell) else "backward_doctor: always on was not on")
             return
