@@ -23,7 +23,7 @@ import dataclasses
 import io
 import random
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -56,8 +56,13 @@ class IterationRollback:
     """What one unrecorded iteration is replayed from (see the module docstring); the capture calls
     :meth:`iteration_began` and :meth:`went_nonfinite` (``capture.rollback``)."""
 
-    def __init__(self, source: str, namespace: dict[str, Any], native: Any = None) -> None:
+    def __init__(self, source: str, namespace: dict[str, Any], native: Any = None,
+                 find_body: Callable[[], Callable[[], Any] | None] | None = None) -> None:
         self.source = source
+        #: a library's loop (no loop in ``source``): asked, when the iteration goes wrong, for a function that
+        #: runs that iteration's forward and backward again (its batch bound in)
+        self._find_body = find_body
+        self.body: Callable[[], Any] | None = None
         self.namespace = namespace
         self._native = native  # the native recorder's module: it keeps torch's RNG state in C++
         self._rng = _rng(source, native)  # iteration 0 starts with the run
@@ -88,6 +93,11 @@ class IterationRollback:
             state.rng["torch"] = torch.frombuffer(bytearray(self._rng["torch"]), dtype=torch.uint8)
         self.state = state
         self.values = {n: self.namespace[n] for n in loop_names(self.source) if n in self.namespace}
+        if self._find_body is not None:
+            try:
+                self.body = self._find_body()
+            except Exception:  # noqa: BLE001 - no replay then (the report says so), never a failed step
+                self.body = None
 
     def went_wrong(self, iteration: int) -> None:
         """The cell raised in an iteration the recorder did not record: keep its state (after the run)."""
@@ -107,7 +117,7 @@ class IterationRollback:
 
     def release(self) -> None:
         """Drop the copy and the batch (after the replay, or when none is run)."""
-        self.state, self.values = None, {}
+        self.state, self.values, self.body = None, {}, None
 
 
 def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[str, Any], *,
@@ -123,9 +133,10 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
     rollback_failed = rollback.failed
     values = loop_values(rollback.values, list(rollback.values)) if rollback.values else ""
     try:
-        found = one_iteration(rollback.source, first.cell_file)
+        found = (rollback.body, []) if rollback.body is not None else one_iteration(rollback.source, first.cell_file)
         why = rollback.why_not or ("" if found is not None else
-                                   "the cell's training loop fetches its own batch (`next(...)`) or was not found")
+                                   "the cell's training loop fetches its own batch (`next(...)`) or was not found"
+                                   if rollback.source else "the library's training step could not be found")
         end = None
         if not why and rollback.state is not None:
             end, why = take_if_it_fits(namespace)  # (names: the replay assigns only its copy's)
@@ -166,7 +177,10 @@ def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: d
                            every_iteration=True)
 
     def run() -> BaseException | None:
-        exec(code, ns)
+        if callable(code):  # a library's step (its batch bound in)
+            code()
+        else:
+            exec(code, ns)
         return None
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -22,7 +22,7 @@ aside: the cell's own run sees its loop).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .. import native
 from ..capture.open_run import OpenRun
@@ -48,13 +48,15 @@ class Watch:
     passes ``{"model": ..., "optimizer": ...}``); ``source``/``cell_file``: the cell being watched, when
     there is one (its loop's iteration can then be replayed); ``timeout``: seconds without a completed
     optimizer step before the run counts as hung (``stall=False``: seconds from :meth:`begin`);
-    ``build``: whether the native recorder may be built now (~40 s once). Other arguments as ``run_step``.
+    ``build``: whether the native recorder may be built now (~40 s once); ``find_body``: for a library's loop,
+    a function asked when an unrecorded iteration goes NaN/Inf or raises, for a function that runs that
+    iteration's step again (``run/iteration_replay.py``). Other arguments as ``run_step``.
     """
 
     def __init__(self, namespace: dict[str, Any], *, source: str = "", cell_file: str | None = None,
                  timeout: float | None = None, memory_limit: int | None = None, engine: str = "auto",
                  every_iteration: bool = False, places: Namer | None = None, build: bool = False,
-                 stall: bool = True) -> None:
+                 stall: bool = True, find_body: Callable[[], Callable[[], Any] | None] | None = None) -> None:
         self.namespace = namespace
         self.timeout = timeout
         self._engine_asked = engine
@@ -62,11 +64,12 @@ class Watch:
         self._claimed = False
         self.engine = choose_engine(engine, memory_limit=memory_limit, build=build)
         detail = screens_every_op()
-        # The iteration where NaN/Inf first showed, unrecorded, is replayed alone: only a loop the cell's own
-        # source holds can be (a library's loop body is not the user's to run again).
+        # The iteration where NaN/Inf first showed, unrecorded, is replayed alone: the body of the cell's loop,
+        # or a library's step (``find_body``, asked then: its batch bound in).
         sampled = (detail and self.engine == "native" and not every_iteration and memory_limit is None
-                   and training_loop(source) is not None)
-        self.rollback = IterationRollback(source, namespace, native.load(build=False)) if sampled else None
+                   and (find_body is not None or training_loop(source) is not None))
+        self.rollback = IterationRollback(source, namespace, native.load(build=False),
+                                          find_body=find_body) if sampled else None
         capture = make_capture(self.engine, namespace, cell_file=cell_file or cell_filename(), source=source,
                                memory_limit=memory_limit, detail=detail, every_iteration=every_iteration)
         capture.rollback = self.rollback
