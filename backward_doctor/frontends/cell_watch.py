@@ -4,12 +4,15 @@
   diagnosis sits above it (the doctor's own frames left out);
 - :class:`BackwardTrigger`: for a cell that was not expected to train, ``torch.autograd.backward`` swapped
   for a function that opens a :class:`~backward_doctor.run.watch.Watch` at the first ``backward()``;
-- :func:`failed` and :func:`quiet_line`: whether a report takes the screen, or one line, or nothing.
+- :func:`failed` and :func:`quiet_line`: whether a report takes the screen, or one line, or nothing;
+  :func:`write_report`: where it goes when a script or a library's loop failed.
 """
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import sys
 import types
 from typing import Any, Callable
@@ -23,6 +26,7 @@ from ..run.watch import Watch
 from .running import without_doctor_frames
 
 log = logging.getLogger(__name__)
+REPORT_NAME = "backward_doctor-report"  # .json and .html in the output folder
 
 
 class HeldTracebacks:
@@ -150,4 +154,14 @@ class BackwardTrigger:
                     torch.autograd.backward, self._real = self._real, None
 
 
-__all__ = ["BackwardTrigger", "HeldTracebacks", "Outer", "failed", "quiet_line"]
+def write_report(report: Report, folder: str) -> list[str]:
+    """The report as ``backward_doctor-report.json`` and ``.html`` in ``folder`` (made if missing); the paths."""
+    os.makedirs(folder, exist_ok=True)
+    base = os.path.join(folder, REPORT_NAME)
+    with open(base + ".json", "w", encoding="utf-8") as fh:
+        json.dump(report.to_dict(), fh)
+    report.save_html(base + ".html")
+    return [base + ".json", base + ".html"]
+
+
+__all__ = ["BackwardTrigger", "HeldTracebacks", "Outer", "failed", "quiet_line", "write_report", "REPORT_NAME"]

@@ -1,5 +1,6 @@
 """Command line: ``python -m backward_doctor FILE.py`` diagnoses a file as one cell;
-``python -m backward_doctor render REPORT.json [--as NAME] [-o OUT]`` renders a saved report again
+``python -m backward_doctor run SCRIPT.py [ARGS...]`` runs a script as ``python`` does, watched, and reports only
+when it fails (``script.py``); ``python -m backward_doctor render REPORT.json [--as NAME] [-o OUT]`` renders a saved report again
 (``--json`` writes one) with any registered renderer (``text``, ``html``, ``page``, ``json``), as
 pyinstrument's ``--load`` does. ``--nproc N`` runs the file on N local ranks (``launch.py``: one report for
 all ranks); ``python -m backward_doctor combine FOLDER`` combines ranks run under ``torchrun -m
@@ -19,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import tokenize
 from typing import Any, Callable
 
 from ..api import check_fix, check_timeout, diagnose
@@ -28,6 +28,7 @@ from ..report.places import name_places
 from ..report.renderers import names, renderer
 from ..run.engine import choose_engine
 from ..util.units import parse_size
+from .script import read_source as _read
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,20 +51,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--html", default=None, metavar="OUT",
                    help="also write the report as one self-contained HTML page to OUT")
     return p
-
-
-def _read(parser: argparse.ArgumentParser, path: str) -> str:
-    """The script's text, decoded as Python decodes a file (a coding line, a BOM, else UTF-8)."""
-    if not os.path.isfile(path):
-        parser.error(f"no such file: {path}")
-    try:
-        with tokenize.open(path) as fh:
-            return fh.read()
-    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:  # binary, or an encoding it does not declare
-        parser.error(f"cannot read {path} as Python source: {str(exc).splitlines()[0]}")
-    except OSError as exc:
-        parser.error(f"cannot read {path}: {exc.strerror or exc}")
-    raise AssertionError("unreachable")
 
 
 def _check_output(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
@@ -94,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         return render_main(argv[1:])
     if argv[:1] == ["combine"]:
         return combine_main(argv[1:])
+    if argv[:1] == ["run"]:  # the script as `python SCRIPT.py ARGS` runs it, watched (frontends/script.py)
+        from .script import main as run_main
+
+        return run_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:

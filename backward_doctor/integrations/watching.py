@@ -20,7 +20,6 @@ ValueError: on_nonfinite must be 'stop' or 'continue', not 'never'
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import sys
@@ -28,7 +27,7 @@ from typing import Any, Callable
 
 from ..api import check_timeout
 from ..capture.runner import current_capture
-from ..frontends.cell_watch import failed, quiet_line
+from ..frontends.cell_watch import failed, quiet_line, write_report
 from ..report import Report
 from ..run.engine import check_engine
 from ..run.step import remember
@@ -36,7 +35,6 @@ from ..run.watch import Watch, active
 from ..util.units import parse_size
 
 log = logging.getLogger(__name__)
-REPORT_NAME = "backward_doctor-report"  # .json and .html in the output directory
 _open: list["LoopDoctor"] = []  # doctors whose watch is open (the ends a library may never announce)
 
 
@@ -179,16 +177,6 @@ class LoopDoctor:
                     pass
 
 
-def write_report(report: Report, folder: str) -> list[str]:
-    """The report as ``backward_doctor-report.json`` and ``.html`` in ``folder`` (made if missing); the paths."""
-    os.makedirs(folder, exist_ok=True)
-    base = os.path.join(folder, REPORT_NAME)
-    with open(base + ".json", "w", encoding="utf-8") as fh:
-        json.dump(report.to_dict(), fh)
-    report.save_html(base + ".html")
-    return [base + ".json", base + ".html"]
-
-
 def _show(report: Report, footer: str) -> None:
     """The report where the user looks: displayed in a notebook, on stderr in a script."""
     shell = _ipython()
@@ -220,4 +208,4 @@ def _at_exit() -> None:
         doctor.end(None, unannounced="when the interpreter exited")
 
 
-__all__ = ["LoopDoctor", "write_report", "REPORT_NAME"]
+__all__ = ["LoopDoctor"]

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..trace.records import Trace
-from ..util.loops import loop_names, one_iteration
+from ..util.loops import loop_names, one_iteration, training_loop
 from .snapshot import Snapshot, take_if_it_fits
 
 _CONTAINERS = (list, dict, set)
@@ -69,6 +69,7 @@ class IterationRollback:
         self.state: Snapshot | None = None
         self.iteration: int | None = None
         self.values: dict[str, Any] = {}
+        self.locals: dict[str, Any] = {}  # the locals of the function running the loop, when one does
         self.why_not = ""
         self.failed = False  # kept for an exception, not for NaN/Inf
         self.torch_rng: bytes | None = None  # torch's state at the iteration's start (native: kept in C++)
@@ -92,7 +93,11 @@ class IterationRollback:
         else:
             state.rng["torch"] = torch.frombuffer(bytearray(self._rng["torch"]), dtype=torch.uint8)
         self.state = state
-        self.values = {n: self.namespace[n] for n in loop_names(self.source) if n in self.namespace}
+        names = loop_names(self.source)
+        self.values = {n: self.namespace[n] for n in names if n in self.namespace}
+        if len(self.values) < len(names):  # the loop runs inside a function (a script's main()): its locals
+            self.locals = _loop_locals(self.source, self.namespace)
+            self.values.update({n: self.locals[n] for n in names if n in self.locals})
         if self._find_body is not None:
             try:
                 self.body = self._find_body()
@@ -117,7 +122,23 @@ class IterationRollback:
 
     def release(self) -> None:
         """Drop the copy and the batch (after the replay, or when none is run)."""
-        self.state, self.values, self.body = None, {}, None
+        self.state, self.values, self.locals, self.body = None, {}, {}, None
+
+
+def _loop_locals(source: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """The locals of the function frame now running a line of the cell's training loop (a function the cell
+    defines: its globals are the namespace), so its body can run again with the names it reads."""
+    loop = training_loop(source)
+    frame = sys._getframe(2)
+    try:
+        while loop is not None and frame is not None:
+            if frame.f_globals is namespace and frame.f_code.co_name != "<module>" \
+                    and loop.lineno <= frame.f_lineno <= (loop.end_lineno or loop.lineno):
+                return dict(frame.f_locals)
+            frame = frame.f_back
+        return {}
+    finally:
+        del frame
 
 
 def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[str, Any], *,
@@ -172,6 +193,7 @@ def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: d
               timeout: float | None, engine: str, make_capture: Any, run_under_capture: Any) -> Trace:
     rollback.restore(namespace)
     ns = {name: (copy.copy(v) if type(v) in _CONTAINERS else v) for name, v in namespace.items()}
+    ns.update(rollback.locals)
     ns.update(rollback.values)
     capture = make_capture(engine, ns, cell_file=first.cell_file, source=rollback.source, detail=True,
                            every_iteration=True)
