@@ -247,4 +247,4 @@ def test_off_leaves_nothing_behind_and_nothing_of_the_cells_is_kept(shell):
     assert torch.autograd.backward is real_backward and shell.run_cell == run_cell and "run_cell" not in vars(shell)
     assert "showtraceback" not in vars(shell)
     # the weights kept to replay iteration 30 were released: no copy of them is alive
-    assert _tensors_shaped_as(shell.user_ns["model"][0].weight) == alive
+    assert _tensors_shaped_as(shell.user_ns["model"][0].weight) <= alive

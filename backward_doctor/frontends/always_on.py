@@ -80,6 +80,7 @@ class AlwaysOn:
         self.last: Report | None = None  # (the latest watched cell's report: strings and numbers)
         self._depth = 0
         self._original: Callable[..., Any] | None = None
+        self._trigger = BackwardTrigger()
 
     # ---------------------------------------------------------------- on / off
     def install(self) -> None:
@@ -91,12 +92,14 @@ class AlwaysOn:
             return self.run_cell(raw_cell, *args, **kwargs)
 
         run_cell.__backward_doctor__ = self  # type: ignore[attr-defined]
+        self._trigger.install()
         self.shell.run_cell = run_cell
 
     def uninstall(self) -> None:
         current = vars(self.shell).get("run_cell")
         if getattr(current, "__backward_doctor__", None) is self:
             del self.shell.run_cell  # the class's own method again
+        self._trigger.uninstall()
 
     # ---------------------------------------------------------------- each cell
     def run_cell(self, raw_cell: str, *args: Any, **kwargs: Any) -> Any:
@@ -155,26 +158,25 @@ class AlwaysOn:
         return box[0]
 
     def _triggered(self, raw_cell: str, args: tuple, kwargs: dict) -> Any:
-        """A cell the guess said would not train: run as it is, ``torch.autograd.backward`` swapped for a
-        trigger that opens a watch at the first ``backward()`` (see :class:`_Trigger`)."""
+        """A cell the guess said would not train: run as it is, the ``backward()`` trigger armed (it opens a
+        watch at the first call, and holds back the traceback from then on)."""
         opened: dict[str, Any] = {}
-        trigger = BackwardTrigger(lambda frame: self._open_at(frame, raw_cell, opened))
-        held = HeldTracebacks(self.shell)
+        self._trigger.arm(lambda frame: self._open_at(frame, raw_cell, opened))
         try:
-            with held:
-                trigger.install()
-                result = self._original(raw_cell, *args, **kwargs)
-        except BaseException:
-            trigger.finish(None)
-            held.show()
+            result = self._original(raw_cell, *args, **kwargs)
+        except BaseException:  # (IPython's own machinery raised: end what opened, then let it through)
+            watch = self._trigger.disarm()
+            if watch is not None:
+                watch.end(None)
+                opened["held"].show()
             raise
-        report = trigger.finish(result.error_in_exec)
-        if report is None:
-            held.show()
+        watch = self._trigger.disarm()
+        if watch is None:
             return result
+        report = watch.end(result.error_in_exec)
         report.trace.notes.append(f"always on: the watch began at the cell's first backward() (line "
                                   f"{opened.get('line')}); what ran before it was not recorded")
-        self._after(report, opened.get("source", raw_cell), held, result)
+        self._after(report, opened.get("source", raw_cell), opened["held"], result)
         return result
 
     def _open_at(self, frame: Any, raw_cell: str, opened: dict[str, Any]) -> Watch:
@@ -191,7 +193,12 @@ class AlwaysOn:
         watch = Watch(shell.user_ns, source=source, cell_file=filename, timeout=opts.timeout,
                       memory_limit=opts.memory_limit, engine=opts.engine, every_iteration=opts.every_iteration,
                       places=ipython_places(shell, filename, number))
-        watch.begin()
+        held = opened["held"] = HeldTracebacks(shell).__enter__()  # (from here: a traceback waits for the report)
+        try:
+            watch.begin()
+        except BaseException:
+            held.restore()
+            raise
         return watch
 
     def _after(self, report: Report, source: str, held: HeldTracebacks, result: Any) -> None:

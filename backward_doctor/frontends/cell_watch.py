@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..capture.process import interrupts_deferred
 from ..report import Report
 from ..render.view import verdict_parts
 from ..run.watch import Watch
@@ -115,43 +114,51 @@ class Outer:
 
 
 class BackwardTrigger:
-    """``torch.autograd.backward`` swapped, for one cell, for a function that opens a watch at its first call
-    (``open_watch(frame)``: the watch begun, or None; ``frame`` is the caller of ``backward``), then goes
-    through the capture's own wrapper, so that first loss is watched too. Nothing else runs: a cell that
-    calls no ``backward()`` pays for the swap only."""
+    """``torch.autograd.backward`` replaced, from ``on`` to ``off``, by a function that opens a watch at its
+    first call while *armed* (a cell the guess said would not train is running: :meth:`arm`), then goes
+    through the capture's own wrapper, so that first loss is watched too. Disarmed it passes every call
+    straight on, so a cell that calls no ``backward()`` pays for two attribute writes, nothing else.
+    ``open_watch(frame)`` returns the watch it began (or None); ``frame`` is the caller of ``backward``."""
 
-    def __init__(self, open_watch: Callable[[types.FrameType], Watch | None]) -> None:
-        self._open_watch = open_watch
+    def __init__(self) -> None:
+        self._opener: Callable[[types.FrameType], Watch | None] | None = None
         self.watch: Watch | None = None
         self._real: Any = None
+        self._fn: Any = None
 
     def install(self) -> None:
         real = self._real = torch.autograd.backward
 
         @functools.wraps(real)
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if self.watch is None and torch.autograd.backward is backward:
+            opener, self._opener = self._opener, None
+            if opener is not None:
                 try:
-                    self.watch = self._open_watch(sys._getframe(1))
+                    self.watch = opener(sys._getframe(1))
                 except Exception:  # noqa: BLE001 - the user's backward() must run whatever happens here
                     log.warning("always on: the watch could not begin at backward()", exc_info=True)
-                if self.watch is not None:  # the capture wrapped this function: through its watch
-                    return torch.autograd.backward(*args, **kwargs)
+                if self.watch is not None and torch.autograd.backward is not backward:
+                    return torch.autograd.backward(*args, **kwargs)  # (through the capture's wrapper)
             return real(*args, **kwargs)
 
-        torch.autograd.backward = backward
+        self._fn = torch.autograd.backward = backward
 
-    def finish(self, exc: BaseException | None) -> Report | None:
-        """End the watch, if one opened (its report), then put ``torch.autograd.backward`` back (after: the
-        capture puts back what it wrapped, this trigger). Ctrl-C is held until both are done."""
-        with interrupts_deferred():
-            try:
-                if self.watch is None or not self.watch.is_open:
-                    return None
-                return self.watch.end(exc)
-            finally:
-                if self._real is not None:
-                    torch.autograd.backward, self._real = self._real, None
+    def uninstall(self) -> None:
+        """Put ``torch.autograd.backward`` back (when something wrapped it since, this one stays disarmed in
+        between: it passes calls on)."""
+        self._opener = None
+        if self._fn is not None and torch.autograd.backward is self._fn:
+            torch.autograd.backward = self._real
+        self._fn = None
+
+    def arm(self, open_watch: Callable[[types.FrameType], Watch | None]) -> None:
+        self.watch, self._opener = None, open_watch
+
+    def disarm(self) -> Watch | None:
+        """Disarm; the watch the cell opened, if it did (still open: the caller ends it)."""
+        self._opener = None
+        watch, self.watch = self.watch, None
+        return watch
 
 
 def write_report(report: Report, folder: str) -> list[str]:
