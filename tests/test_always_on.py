@@ -88,7 +88,8 @@ def test_on_off_status_and_bad_arguments(shell):
     _run(shell, "%backward_doctor off")
     assert "off" in _run(shell, "%backward_doctor status")[1].stdout
     out = _on(shell, "--timeout 30 --quiet")
-    assert out.startswith("backward_doctor: always on (timeout 30 s from the latest optimizer step, quiet)")
+    assert out.startswith("backward_doctor: always on (timeout 30 s from the latest optimizer step, quiet); 0 cells")
+    assert "recording with the" in out
     assert current(shell) is not None and "run_cell" in vars(shell)
     for bad in ("--timeout -1", "--memory-limit lots", "--engine turbo", "sideways"):
         result, cap = _run(shell, f"%backward_doctor {bad}")
@@ -248,3 +249,18 @@ def test_off_leaves_nothing_behind_and_nothing_of_the_cells_is_kept(shell):
     assert "showtraceback" not in vars(shell)
     # the weights kept to replay iteration 30 were released: no copy of them is alive
     assert _tensors_shaped_as(shell.user_ns["model"][0].weight) <= alive
+
+
+def test_a_silent_finding_gets_one_quiet_line(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    leaky = "keep = []\nfor i in range(20):\n    opt.zero_grad()\n    l = model(x).sum()\n    keep.append(l)\n" \
+            "    l.backward()\n    opt.step()\n"
+    result, cap = _run(shell, leaky)
+    assert result.success and cap.outputs == []
+    assert cap.stdout.startswith("backward_doctor: Graphs of earlier iterations kept alive at "
+                                 f"Cell In[{result.execution_count}], line 5"), cap.stdout
+    assert cap.stdout.count("\n") == 1
+    _on(shell, "--quiet")
+    result, cap = _run(shell, leaky)
+    assert result.success and cap.stdout == "" and bd.last_report().findings[0].kind == "graph_leak"

@@ -40,7 +40,7 @@ from ..run.engine import choose_engine, screens_every_op
 from ..run.step import run_step
 from ..run.watch import Watch, active
 from .magic import _release_failed_frames, _show, ipython_places
-from ..util.units import parse_size
+from ..util.units import format_bytes, parse_size
 from .cell_watch import BackwardTrigger, HeldTracebacks, Outer, failed, quiet_line
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class Options:
         'timeout 60 s from the latest optimizer step'
         """
         bits = [f"timeout {self.timeout:g} s from the latest optimizer step" if self.timeout else "",
-                f"memory limit {self.memory_limit:,} bytes" if self.memory_limit else "",
+                f"memory limit {format_bytes(self.memory_limit)}" if self.memory_limit else "",
                 "quiet" if self.quiet else "", f"engine {self.engine}" if self.engine != "auto" else "",
                 "every iteration recorded" if self.every_iteration else ""]
         return ", ".join(b for b in bits if b) or "default options"
@@ -137,13 +137,22 @@ class AlwaysOn:
         box: list[Any] = []
 
         def execute() -> BaseException | None:
-            result = self._original(raw_cell, *args, **kwargs)
+            try:
+                result = self._original(raw_cell, *args, **kwargs)
+            except BaseException as exc:  # (IPython's own machinery raised: it goes on after the report)
+                box.append(exc)
+                raise
             box.append(result)
             return result.error_in_exec
 
+        guard = one_run_at_a_time()
+        try:
+            guard.__enter__()
+        except RuntimeError:  # a fix runs in the panel's thread: this cell runs as it is
+            return self._original(raw_cell, *args, **kwargs)
         held = HeldTracebacks(shell)
         try:
-            with one_run_at_a_time(), held:
+            with held:
                 report = run_step(source, shell.user_ns, timeout=opts.timeout, memory_limit=opts.memory_limit,
                                   engine=engine, rollback=screens_every_op(), cell_file=filename, execute=execute,
                                   build=False, every_iteration=opts.every_iteration, stall=True,
@@ -151,11 +160,14 @@ class AlwaysOn:
         except BaseException:
             held.show()  # a Ctrl-C in the doctor's own code: the user's traceback all the same
             raise
-        if not box:  # (run_cell did not return: nothing ran that can be shown)
+        finally:
+            guard.__exit__(None, None, None)
+        result = box[0] if box else RuntimeError("backward_doctor: the cell did not run")
+        if isinstance(result, BaseException):  # IPython's own machinery raised: as it would have without us
             held.show()
-            raise RuntimeError("backward_doctor: the cell did not run")
-        self._after(report, source, held, box[0])
-        return box[0]
+            raise result
+        self._after(report, source, held, result)
+        return result
 
     def _triggered(self, raw_cell: str, args: tuple, kwargs: dict) -> Any:
         """A cell the guess said would not train: run as it is, the ``backward()`` trigger armed (it opens a
@@ -222,8 +234,13 @@ class AlwaysOn:
         last = ""
         if self.last is not None:
             last = f"; the latest: {'a problem' if failed(self.last) else 'nothing found' if self.last.ok else 'a finding'}"
+        from .. import native
+
+        recorder = ("the native recorder" if native.ready() is not None and self.options.engine != "python" else
+                    "the Python recorder until the native one is built" if native.status()["building"] else
+                    "the Python recorder")
         return (f"backward_doctor: always on ({self.options.words()}); {self.watched} cell"
-                f"{'s' if self.watched != 1 else ''} watched{last}")
+                f"{'s' if self.watched != 1 else ''} watched{last}; recording with {recorder}")
 
 
 @magics_class
