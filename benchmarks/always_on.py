@@ -6,7 +6,9 @@
 Every cell runs in one real IPython ``InteractiveShell`` through ``shell.run_cell`` (what a notebook's
 kernel calls), plain and with always-on installed, interleaved round by round; each mode keeps its own
 namespace built from the same seed (swapped into the shell around its run, outside the timed region).
-Times are process CPU time, one torch thread, medians; ratios against the plain cell of the same rounds.
+Times are process CPU time, one torch thread, medians; ratios against the plain cell of the same rounds
+(which mode runs first alternates round by round; cells without autograd get 5x the rounds, the trivial one
+200x: their differences are microseconds).
 
 Cells: a cell with no autograd (the MLP evaluated under ``no_grad`` on 40 batches, and a trivial
 ``x = 1``), single training steps (the whole-path workloads), the 2,000-iteration loop, and
@@ -100,15 +102,18 @@ def measure(name: str, build: Callable[[], tuple[dict, str]], rounds: int, shell
 
     (plain_ns, cell), (on_ns, _) = build(), build()
     times: dict[str, list[float]] = {"plain": [], "on": []}
-    for r in range(rounds + 1):
-        tp = shell.run(plain_ns, cell, watched=False)
-        ton = shell.run(on_ns, cell, watched=True)
-        if r:
-            times["plain"].append(tp)
-            times["on"].append(ton)
+    watched = not name.startswith("no autograd")
+    n = rounds if watched else max(15, 5 * rounds)  # (cheap cells: more rounds, the differences are small)
+    if cell == TRIVIAL:
+        n *= 40
+    for r in range(n + 1):
+        order = (False, True) if r % 2 else (True, False)  # which mode runs first alternates (no order bias)
+        for on in order:
+            t = shell.run(on_ns if on else plain_ns, cell, watched=on)
+            if r:
+                times["on" if on else "plain"].append(t)
     p, o = statistics.median(times["plain"]), statistics.median(times["on"])
     report = bd.last_report()
-    watched = not name.startswith("no autograd")
     # memory held after the cell: tensors alive with always-on's namespace in the shell, minus the plain one's
     held = 0
     if watched:
@@ -116,7 +121,7 @@ def measure(name: str, build: Callable[[], tuple[dict, str]], rounds: int, shell
         plain_bytes = _tensor_bytes()
         shell.run(on_ns, "pass\n", watched=False)
         held = _tensor_bytes() - plain_bytes
-    row = {"cell": name, "plain_ms": p * 1e3, "on_ms": o * 1e3, "on_x": o / p, "extra_ms": (o - p) * 1e3,
+    row = {"cell": name, "rounds": n, "plain_ms": p * 1e3, "on_ms": o * 1e3, "on_x": o / p, "extra_ms": (o - p) * 1e3,
            "held_tensor_bytes": held,
            "report_json_bytes": len(json.dumps(report.to_dict())) if (watched and report is not None) else 0}
     if watched:

@@ -82,11 +82,15 @@ class LoopDoctor:
                 cleanup()
             return
         self._cleanup = cleanup
-        watch = Watch(namespace, cell_file=cell_file or _main_file(), timeout=self.timeout,
-                      memory_limit=self.memory_limit, engine=self.engine, every_iteration=self.every_iteration,
-                      build=True, stall=True, find_body=find_body)
         try:
+            watch = Watch(namespace, cell_file=cell_file or _main_file(), timeout=self.timeout,
+                          memory_limit=self.memory_limit, engine=self.engine, every_iteration=self.every_iteration,
+                          build=True, stall=True, find_body=find_body)
             watch.begin()
+        except Exception as exc:  # noqa: BLE001 - never the reason training fails: it runs unwatched
+            self._undo_cleanup()
+            print(f"backward_doctor: this training run is not watched ({exc})", file=sys.stderr)
+            return
         except BaseException:
             self._undo_cleanup()
             raise
