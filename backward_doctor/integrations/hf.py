@@ -98,6 +98,7 @@ class _StepArguments:
 
         @functools.wraps(step)
         def training_step(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the traceback
             self._current = (args, kwargs)
             try:
                 return step(*args, **kwargs)
@@ -127,6 +128,7 @@ def _ending_on_exception(trainer: Trainer, callback: DoctorCallback) -> Any:
 
     @functools.wraps(train)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the traceback
         try:
             return train(*args, **kwargs)
         except BaseException as exc:
