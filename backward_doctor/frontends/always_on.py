@@ -1,16 +1,17 @@
 """``%backward_doctor on``: every later cell that trains is watched, and the diagnosis is already there the
 first time one fails.
 
-While on, the shell's ``run_cell`` is wrapped (an attribute of the shell instance, removed by ``off``):
+While on, the shell's ``run_cell`` is wrapped (an attribute of the shell instance) and
+``torch.autograd.backward`` replaced by a trigger that passes calls on unless armed; ``off`` puts both back.
 
 - a cell that will train, by a guess from its text and the code of the notebook functions it calls
   (``capture/trains.py``, microseconds), runs under :func:`~backward_doctor.run.step.run_step` exactly as
   ``%%backward_doctor`` runs it (a loop sampled, every iteration's loss, gradient norm and memory watched,
   the iteration where NaN/Inf first showed replayed from the state kept at its start), the timeout
   counted from the latest optimizer step;
-- any other cell runs as it is, with one attribute swapped for its duration: ``torch.autograd.backward``
-  (called by ``Tensor.backward``) as a trigger. Nothing else is installed, nothing is recorded, and a cell
-  that calls no ``backward()`` pays for the swap only. A ``backward()`` the guess did not expect opens a
+- any other cell runs as it is, the trigger armed for its duration (``cell_watch.BackwardTrigger``).
+  Nothing is installed, nothing is recorded: a cell that calls no ``backward()`` pays for the guess and
+  two attribute writes. A ``backward()`` the guess did not expect opens a
   :class:`~backward_doctor.run.watch.Watch` there, for the rest of the cell.
 
 When a watched cell fails (an exception after the step began, NaN/Inf in the loss or weights, a hang

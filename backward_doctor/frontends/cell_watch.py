@@ -2,8 +2,9 @@
 
 - :class:`HeldTracebacks`: IPython's traceback kept while the cell runs and shown after the report, so the
   diagnosis sits above it (the doctor's own frames left out);
-- :class:`BackwardTrigger`: for a cell that was not expected to train, ``torch.autograd.backward`` swapped
-  for a function that opens a :class:`~backward_doctor.run.watch.Watch` at the first ``backward()``;
+- :class:`BackwardTrigger`: ``torch.autograd.backward`` replaced from ``on`` to ``off`` by a function that,
+  armed while a cell that was not expected to train runs, opens a :class:`~backward_doctor.run.watch.Watch`
+  at its first ``backward()``;
 - :func:`failed` and :func:`quiet_line`: whether a report takes the screen, or one line, or nothing;
   :func:`write_report`: where it goes when a script or a library's loop failed.
 """
