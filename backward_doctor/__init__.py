@@ -5,7 +5,8 @@
 >>> report.findings[0].kind, report.findings[0].line
 ('inplace', 3)
 
-In IPython/Jupyter: ``%load_ext backward_doctor`` then ``%%backward_doctor`` on a cell.
+In IPython/Jupyter: ``%load_ext backward_doctor`` then ``%%backward_doctor`` on a cell, or
+``%backward_doctor on`` to watch every later cell that trains.
 Importing this package imports neither IPython nor matplotlib.
 """
 from __future__ import annotations
@@ -27,13 +28,17 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's API
-    """Called by ``%load_ext backward_doctor``: registers ``%%backward_doctor``."""
+    """Called by ``%load_ext backward_doctor``: registers ``%%backward_doctor`` and ``%backward_doctor on|off``."""
+    from .frontends.always_on import register
     from .frontends.magic import load_ipython_extension as _load
 
     _load(ipython)
+    register(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:  # noqa: ANN001
+    from .frontends.always_on import turn_off
     from .frontends.magic import unload_ipython_extension as _unload
 
+    turn_off(ipython)
     _unload(ipython)

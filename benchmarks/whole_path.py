@@ -24,7 +24,10 @@ rules, snapshot + replay (CUDA only: zero here), and the rest (argument checks, 
 50M-parameter GPT-2 (separate processes, peak reset before the step). ``--panel`` times the panel the
 magic displays (widget + mimebundle) after ``diagnose``; ``--magic`` times ``%%backward_doctor`` in a real
 Jupyter kernel until it goes idle with the panel displayed, against the plain cell; ``--cli`` times
-``python -m backward_doctor SCRIPT`` against ``python SCRIPT`` (whole processes).
+``python -m backward_doctor SCRIPT`` against ``python SCRIPT`` (whole processes). ``--always-on`` adds the
+"always on" column (``benchmarks/always_on.py``): ``%backward_doctor on`` against the plain cell through
+IPython's ``run_cell``, on a cell with no autograd, the single steps, the loops and ``trainer.train()``, and
+what is held between cells.
 """
 from __future__ import annotations
 
@@ -411,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--magic", action="store_true", help="also time %%%%backward_doctor in a real Jupyter kernel")
     ap.add_argument("--cli", action="store_true", help="also time python -m backward_doctor against python")
     ap.add_argument("--iterations", action="store_true", help="also the per-iteration cost over a 2,000-step loop")
+    ap.add_argument("--always-on", action="store_true",
+                    help="also %%backward_doctor on against the plain cell in IPython (benchmarks/always_on.py)")
     ap.add_argument("--only", nargs="*", default=None, help="workload names")
     ap.add_argument("--json", default=None)
     ap.add_argument("--compare", default=None, metavar="OLD.json",
@@ -464,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in result["cli"]:
             print(f"cli   {row['workload']:<14} python {row['plain_s']:.2f} s, python -m backward_doctor "
                   f"{row['cli_s']:.2f} s ({row['cli_x']:.2f}x, +{row['extra_s']:.2f} s)", flush=True)
+    if args.always_on:
+        import always_on
+
+        result["always_on"] = always_on.run(WORKLOADS, names, rounds)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)

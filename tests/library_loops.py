@@ -120,11 +120,11 @@ def hf_args(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5e-5, **
 
 
 def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
-               **args: Any) -> dict[str, Any]:
+               callbacks: list | None = None, **args: Any) -> dict[str, Any]:
     """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier), ``model``,
     ``args``, ``train_ds``; run it with :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass
     named *trainer_name* (e.g. with its own ``compute_loss``) via :func:`define`; its namespace has
-    ``Trainer``, ``torch`` and ``F``. *args* go to :func:`hf_args`."""
+    ``Trainer``, ``torch`` and ``F``. *callbacks* go to the ``Trainer``; *args* to :func:`hf_args`."""
     tf = _transformers()
     ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
                           "TrainingArguments": tf.TrainingArguments}
@@ -134,7 +134,7 @@ def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer
     ns["model"] = tiny_bert_classifier()
     ns["args"] = hf_args(**args)
     ns["train_ds"] = TokenDataset(n=n)
-    ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"])
+    ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"], callbacks=callbacks)
     return ns
 
 

@@ -54,3 +54,17 @@ def test_the_whole_path_benchmark_runs():
     assert re.search(r"^panel 100k_ops\s+\(100000 ops\): \d+ ms", out.stdout, re.M), out.stdout
     ratios = re.search(r"diagnose / plain: ((?:[\d.]+ ){10})", out.stdout)
     assert ratios and all(float(r) > 0 for r in ratios.group(1).split()), out.stdout
+
+
+def test_the_always_on_column_runs():
+    """``always_on.py --smoke``: %backward_doctor on against the plain cell through IPython's run_cell, on a
+    cell with no autograd, a step, a loop and ``trainer.train()``; every figure printed (budgets: RESULTS.md)."""
+    script = os.path.join(ROOT, "benchmarks", "always_on.py")
+    out = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "KINETO_LOG_LEVEL": "5", "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    for cell in ("no autograd: eval x40", "no autograd: x = 1", "step: mlp", "loop 200", "trainer.train() tiny BERT"):
+        row = re.search(rf"^{re.escape(cell)}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s+([\d.]+)\s+(\d+)\s+(\d+)",
+                        out.stdout, re.M)
+        assert row, (cell, out.stdout)
+        assert float(row.group(1)) > 0 and float(row.group(2)) > 0 and row.group(6) == "0", row.group(0)

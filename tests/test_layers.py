@@ -19,7 +19,7 @@ PKG = Path(__file__).resolve().parents[1] / "backward_doctor"
 #: Bottom to top. A module's layer is its first dotted component under the package (``capture`` for
 #: ``backward_doctor.capture.memory``); the package's ``__init__`` and ``__main__`` sit above all.
 LAYERS = ["util", "native", "trace", "capture", "analysis", "report", "render", "run", "fixes", "api",
-          "frontends"]
+          "frontends", "integrations"]
 TOP = {"", "__main__"}
 MAX_LINES = 400
 

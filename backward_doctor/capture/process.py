@@ -183,22 +183,35 @@ def one_run_at_a_time() -> Iterator[None]:
     ...     with one_run_at_a_time():
     ...         pass
     """
-    global _owner, _depth
-    me = threading.get_ident()
     with interrupts_deferred():
-        with _owner_lock:
-            if _owner is not None and _owner != me:
-                name = next((t.name for t in threading.enumerate() if t.ident == _owner), f"thread {_owner}")
-                raise RuntimeError(f"backward_doctor is already diagnosing a step (in {name}); it diagnoses "
-                                   "one step at a time per process: run this one when that one is done")
-            _owner, _depth = me, _depth + 1
+        claim_run()
         try:
             yield
         finally:
-            with _owner_lock:
-                _depth -= 1
-                if _depth == 0:
-                    _owner = None
+            release_run()
+
+
+def claim_run() -> None:
+    """Mark a diagnosis running in this thread (``RuntimeError`` if another thread runs one), for a run whose
+    start and end are two events (``capture/open_run.py``): no Ctrl-C hold spans it. Pair with
+    :func:`release_run`."""
+    global _owner, _depth
+    me = threading.get_ident()
+    with interrupts_deferred(), _owner_lock:  # a Ctrl-C must not leave the lock held
+        if _owner is not None and _owner != me:
+            name = next((t.name for t in threading.enumerate() if t.ident == _owner), f"thread {_owner}")
+            raise RuntimeError(f"backward_doctor is already diagnosing a step (in {name}); it diagnoses "
+                               "one step at a time per process: run this one when that one is done")
+        _owner, _depth = me, _depth + 1
+
+
+def release_run() -> None:
+    """The end of a run :func:`claim_run` marked."""
+    global _owner, _depth
+    with interrupts_deferred(), _owner_lock:
+        _depth -= 1
+        if _depth == 0:
+            _owner = None
 
 
 def exclusive(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,6 +16,7 @@ import itertools
 import linecache
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 from .process import complete, interrupts_allowed, interrupts_deferred
@@ -29,10 +30,14 @@ _RETRIES, _RETRY_S = 60, 0.5  # after the timeout: interrupt again every 0.5 s, 
 
 
 class Watchdog:
-    """Interrupt the calling thread after ``timeout`` seconds (None: never)."""
+    """Interrupt the calling thread after ``timeout`` seconds (None: never). With ``progress`` (a count read
+    from this thread, e.g. the optimizer steps done) the time counts from the latest change of the count:
+    a long run that keeps stepping is not a hang, one that stops stepping for ``timeout`` seconds is."""
 
-    def __init__(self, timeout: float | None, frames: UserFrames) -> None:
+    def __init__(self, timeout: float | None, frames: UserFrames,
+                 progress: Callable[[], int] | None = None) -> None:
         self.timeout = timeout
+        self.progress = progress
         self.fired = False
         self.stacks: list = []
         self._frames = frames
@@ -64,8 +69,21 @@ class Watchdog:
             if deferral.pending:  # a Ctrl-C while arming: disarm, then it is delivered as the user's handler would
                 self._close(deferral)
 
+    def _expired(self) -> bool:
+        """Wait until the run ends (False) or the timeout passes without progress (True)."""
+        if self.progress is None:
+            return not self._done.wait(self.timeout)
+        last, since = self.progress(), time.monotonic()
+        while not self._done.wait(min(self.timeout, 1.0)):
+            now = self.progress()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= self.timeout:
+                return True
+        return False
+
     def _watch(self) -> None:
-        if self._done.wait(self.timeout):
+        if not self._expired():
             return
         with self._lock:
             if self._done.is_set():
@@ -172,19 +190,25 @@ def running_progress() -> dict[str, Any] | None:
 
 
 def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
-                      timeout: float | None) -> Trace:
-    """Call ``run()`` (which returns the cell's exception or None) under capture and watchdog."""
+                      timeout: float | None, stall: bool = False) -> Trace:
+    """Call ``run()`` (which returns the cell's exception or None) under capture and watchdog. ``stall``:
+    the timeout counts from the latest optimizer step (a loop that keeps stepping is not hung)."""
     with interrupts_deferred():  # set-up and tear-down hold Ctrl-C; the cell itself does not
         _running.append(capture)
         try:
-            return _run_under_capture(run, capture, timeout)
+            return _run_under_capture(run, capture, watchdog_for(capture, timeout, stall))
         finally:
             _running.remove(capture)
 
 
-def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
-                       timeout: float | None) -> Trace:
-    watchdog = Watchdog(timeout, capture._frames)
+def watchdog_for(capture: Capture, timeout: float | None, stall: bool = False) -> Watchdog:
+    """The watchdog of ``capture``'s run; with ``stall`` it counts time from the run's latest optimizer step."""
+    its = capture.trace.iterations
+    capture.trace.timeout_stall = bool(stall and timeout is not None)
+    return Watchdog(timeout, capture._frames, progress=(lambda: its.steps) if stall else None)
+
+
+def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture, watchdog: Watchdog) -> Trace:
     exc: BaseException | None = None
     try:
         # Capture first: its start-up (a one-time torch import) is not the cell's time.
@@ -193,8 +217,13 @@ def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture
                 exc = _run_disarmed_after(run, watchdog)
     except KeyboardInterrupt as e:  # the interrupt landed after the cell ended
         exc = exc or e
+    return traced(capture, watchdog, exc)
+
+
+def traced(capture: Capture, watchdog: Watchdog, exc: BaseException | None) -> Trace:
+    """The trace of a stopped capture: the watchdog's verdict and stacks, the run's exception as evidence."""
     trace = capture.trace
-    trace.timeout_s = timeout
+    trace.timeout_s = watchdog.timeout
     if watchdog.fired:
         trace.timed_out = True
         trace.threads = watchdog.stacks
@@ -209,10 +238,11 @@ def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture
 def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
                memory_limit: int | None = None, filename: str | None = None,
                history: CellHistory | None = None, detail: bool = True, engine: str = "python",
-               every_iteration: bool = False, rollback: Any = None) -> Trace:
+               every_iteration: bool = False, rollback: Any = None, stall: bool = False) -> Trace:
     """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace.
 
-    ``rollback``: told when iterations begin and go non-finite (``run/iteration_replay.py``).
+    ``rollback``: told when iterations begin and go non-finite (``run/iteration_replay.py``). ``stall``: the
+    timeout counts from the latest optimizer step.
 
     ``engine``: ``"python"`` (the dispatch-mode :class:`Capture`) or ``"native"``
     (:class:`~backward_doctor.capture.native_capture.NativeCapture`, first tier only).
@@ -229,4 +259,4 @@ def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None 
         exec(code, namespace)
         return None
 
-    return run_under_capture(run, capture, timeout)
+    return run_under_capture(run, capture, timeout, stall)

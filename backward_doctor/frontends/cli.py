@@ -1,5 +1,6 @@
 """Command line: ``python -m backward_doctor FILE.py`` diagnoses a file as one cell;
-``python -m backward_doctor render REPORT.json [--as NAME] [-o OUT]`` renders a saved report again
+``python -m backward_doctor run SCRIPT.py [ARGS...]`` runs a script as ``python`` does, watched, and reports only
+when it fails (``script.py``); ``python -m backward_doctor render REPORT.json [--as NAME] [-o OUT]`` renders a saved report again
 (``--json`` writes one) with any registered renderer (``text``, ``html``, ``page``, ``json``, and the
 exporters ``memory_viz`` and ``perfetto``), as pyinstrument's ``--load`` does; ``--memory-snapshot OUT``
 and ``--trace OUT`` write those two files of a run. ``--nproc N`` runs the file on N local ranks (``launch.py``: one report for
@@ -20,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import tokenize
 from typing import Any, Callable
 
 from ..api import check_fix, check_timeout, diagnose
@@ -29,6 +29,7 @@ from ..report.places import name_places
 from ..report.renderers import names, renderer, write
 from ..run.engine import choose_engine
 from ..util.units import parse_size
+from .script import read_source as _read
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,20 +67,6 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         _check_output(parser, flag, getattr(args, flag[2:].replace("-", "_"), None))
 
 
-def _read(parser: argparse.ArgumentParser, path: str) -> str:
-    """The script's text, decoded as Python decodes a file (a coding line, a BOM, else UTF-8)."""
-    if not os.path.isfile(path):
-        parser.error(f"no such file: {path}")
-    try:
-        with tokenize.open(path) as fh:
-            return fh.read()
-    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:  # binary, or an encoding it does not declare
-        parser.error(f"cannot read {path} as Python source: {str(exc).splitlines()[0]}")
-    except OSError as exc:
-        parser.error(f"cannot read {path}: {exc.strerror or exc}")
-    raise AssertionError("unreachable")
-
-
 def _check_output(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
     """An output path must be writable before the step runs (else the report would be lost after it)."""
     if path is None:
@@ -112,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         return render_main(argv[1:])
     if argv[:1] == ["combine"]:
         return combine_main(argv[1:])
+    if argv[:1] == ["run"]:  # the script as `python SCRIPT.py ARGS` runs it, watched (frontends/script.py)
+        from .script import main as run_main
+
+        return run_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:

@@ -23,12 +23,12 @@ import dataclasses
 import io
 import random
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..trace.records import Trace
-from ..util.loops import loop_names, one_iteration
+from ..util.loops import loop_names, one_iteration, training_loop
 from .snapshot import Snapshot, take_if_it_fits
 
 _CONTAINERS = (list, dict, set)
@@ -56,14 +56,20 @@ class IterationRollback:
     """What one unrecorded iteration is replayed from (see the module docstring); the capture calls
     :meth:`iteration_began` and :meth:`went_nonfinite` (``capture.rollback``)."""
 
-    def __init__(self, source: str, namespace: dict[str, Any], native: Any = None) -> None:
+    def __init__(self, source: str, namespace: dict[str, Any], native: Any = None,
+                 find_body: Callable[[], Callable[[], Any] | None] | None = None) -> None:
         self.source = source
+        #: a library's loop (no loop in ``source``): asked, when the iteration goes wrong, for a function that
+        #: runs that iteration's forward and backward again (its batch bound in)
+        self._find_body = find_body
+        self.body: Callable[[], Any] | None = None
         self.namespace = namespace
         self._native = native  # the native recorder's module: it keeps torch's RNG state in C++
         self._rng = _rng(source, native)  # iteration 0 starts with the run
         self.state: Snapshot | None = None
         self.iteration: int | None = None
         self.values: dict[str, Any] = {}
+        self.locals: dict[str, Any] = {}  # the locals of the function running the loop, when one does
         self.why_not = ""
         self.failed = False  # kept for an exception, not for NaN/Inf
         self.torch_rng: bytes | None = None  # torch's state at the iteration's start (native: kept in C++)
@@ -87,7 +93,16 @@ class IterationRollback:
         else:
             state.rng["torch"] = torch.frombuffer(bytearray(self._rng["torch"]), dtype=torch.uint8)
         self.state = state
-        self.values = {n: self.namespace[n] for n in loop_names(self.source) if n in self.namespace}
+        names = loop_names(self.source)
+        self.values = {n: self.namespace[n] for n in names if n in self.namespace}
+        if len(self.values) < len(names):  # the loop runs inside a function (a script's main()): its locals
+            self.locals = _loop_locals(self.source, self.namespace)
+            self.values.update({n: self.locals[n] for n in names if n in self.locals})
+        if self._find_body is not None:
+            try:
+                self.body = self._find_body()
+            except Exception:  # noqa: BLE001 - no replay then (the report says so), never a failed step
+                self.body = None
 
     def went_wrong(self, iteration: int) -> None:
         """The cell raised in an iteration the recorder did not record: keep its state (after the run)."""
@@ -107,7 +122,23 @@ class IterationRollback:
 
     def release(self) -> None:
         """Drop the copy and the batch (after the replay, or when none is run)."""
-        self.state, self.values = None, {}
+        self.state, self.values, self.locals, self.body = None, {}, {}, None
+
+
+def _loop_locals(source: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """The locals of the function frame now running a line of the cell's training loop (a function the cell
+    defines: its globals are the namespace), so its body can run again with the names it reads."""
+    loop = training_loop(source)
+    frame = sys._getframe(2)
+    try:
+        while loop is not None and frame is not None:
+            if frame.f_globals is namespace and frame.f_code.co_name != "<module>" \
+                    and loop.lineno <= frame.f_lineno <= (loop.end_lineno or loop.lineno):
+                return dict(frame.f_locals)
+            frame = frame.f_back
+        return {}
+    finally:
+        del frame
 
 
 def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[str, Any], *,
@@ -123,9 +154,10 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
     rollback_failed = rollback.failed
     values = loop_values(rollback.values, list(rollback.values)) if rollback.values else ""
     try:
-        found = one_iteration(rollback.source, first.cell_file)
+        found = (rollback.body, []) if rollback.body is not None else one_iteration(rollback.source, first.cell_file)
         why = rollback.why_not or ("" if found is not None else
-                                   "the cell's training loop fetches its own batch (`next(...)`) or was not found")
+                                   "the cell's training loop fetches its own batch (`next(...)`) or was not found"
+                                   if rollback.source else "the library's training step could not be found")
         end = None
         if not why and rollback.state is not None:
             end, why = take_if_it_fits(namespace)  # (names: the replay assigns only its copy's)
@@ -161,12 +193,16 @@ def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: d
               timeout: float | None, engine: str, make_capture: Any, run_under_capture: Any) -> Trace:
     rollback.restore(namespace)
     ns = {name: (copy.copy(v) if type(v) in _CONTAINERS else v) for name, v in namespace.items()}
+    ns.update(rollback.locals)
     ns.update(rollback.values)
     capture = make_capture(engine, ns, cell_file=first.cell_file, source=rollback.source, detail=True,
                            every_iteration=True)
 
     def run() -> BaseException | None:
-        exec(code, ns)
+        if callable(code):  # a library's step (its batch bound in)
+            code()
+        else:
+            exec(code, ns)
         return None
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

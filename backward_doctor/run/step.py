@@ -93,7 +93,8 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
              memory_limit: int | None = None, engine: str = "auto", rollback: bool = True,
              cell_file: str | None = None, execute: Callable[[], BaseException | None] | None = None,
              build: bool = True, history: bool = True, detail: bool | None = None,
-             fix: str | None = None, every_iteration: bool = False, places: Namer | None = None) -> Report:
+             fix: str | None = None, every_iteration: bool = False, places: Namer | None = None,
+             stall: bool = False) -> Report:
     """Run the cell ``source`` in ``namespace`` under a capture and diagnose it (arguments already
     checked). ``execute``: runs the cell and returns its exception (default: ``exec`` of ``source``
     compiled as ``cell_file``). ``build``: whether the native recorder may be built now (the magic
@@ -101,7 +102,8 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     gradients, growing memory; a fix's rewritten cell has none). ``detail``: screen every op for
     NaN/Inf in this run (default: where that is cheap, see ``engine.screens_every_op``). ``fix``: the name the report is labelled
     with. ``every_iteration``: record every iteration of a loop (the native recorder samples them). ``places``:
-    the frontend's names for the cell and files (``Cell In[2]``; ``report/places.py``)."""
+    the frontend's names for the cell and files (``Cell In[2]``; ``report/places.py``). ``stall``: the timeout
+    counts from the latest optimizer step, not from the start (a long loop that keeps stepping is not hung)."""
     chosen = choose_engine(engine, memory_limit=memory_limit, build=build)
     if detail is None:  # one run, every op screened where that is cheap: no replay, no snapshot (engine.py)
         detail = screens_every_op()
@@ -113,13 +115,13 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     if execute is None:
         trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
                            history=past, detail=detail, engine=chosen, every_iteration=every_iteration,
-                           rollback=iteration_rollback)
+                           rollback=iteration_rollback, stall=stall)
     else:
         capture = make_capture(chosen, namespace, cell_file=cell_file or cell_filename(), source=source,
                                memory_limit=memory_limit, history=past, detail=detail,
                                every_iteration=every_iteration)
         capture.rollback = iteration_rollback
-        trace = run_under_capture(execute, capture, timeout)
+        trace = run_under_capture(execute, capture, timeout, stall)
     if iteration_rollback is not None and iteration_rollback.iteration is not None:
         trace = replay_iteration(trace, iteration_rollback, namespace, timeout=timeout, engine=chosen)
     if wants_replay(trace, snapshot):

@@ -241,6 +241,8 @@ class Trace:
     exception: ExceptionInfo | None = None
     timed_out: bool = False
     timeout_s: float | None = None
+    #: the timeout counted from the latest optimizer step, not from the start (always on, callbacks)
+    timeout_stall: bool = False
     threads: list[ThreadStack] = field(default_factory=list)
     carriers: list[Carrier] = field(default_factory=list)  # namespace tensors holding a graph at the start
     backward_calls: list[Where] = field(default_factory=list)

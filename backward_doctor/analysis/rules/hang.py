@@ -37,6 +37,11 @@ def _idle(stack) -> bool:
                                                         for f in stack.frames[-3:])
 
 
+def _steps(trace: Trace) -> str:
+    n = trace.iterations.steps
+    return "none" if not n else f"{n:,} step{'s' if n != 1 else ''}"
+
+
 def hang(trace: Trace) -> list[Finding]:
     """Timeout or Ctrl-C: name the line the main thread was stuck on, with all stacks."""
     exc = trace.exception
@@ -55,8 +60,9 @@ def hang(trace: Trace) -> list[Finding]:
         waiting = f"the call on line {inner.line} (`{inner.code}`)"
     else:
         waiting = f"`{inner.function}` ({inner.file.rsplit('/', 1)[-1]}:{inner.line}: `{inner.code}`)"
-    how = (f"did not finish within the {trace.timeout_s:g} s timeout" if trace.timed_out
-           else "was interrupted by hand")
+    how = ("was interrupted by hand" if not trace.timed_out
+           else f"made no progress for {trace.timeout_s:g} s (no optimizer step completed; {_steps(trace)} had)"
+           if trace.timeout_stall else f"did not finish within the {trace.timeout_s:g} s timeout")
     last = trace.ops[-1] if trace.ops else None
     phase = f"; the last PyTorch op was `{last.op}` in {last.phase}" if last else "; no PyTorch op had run yet"
     others = [s.name for s in trace.threads if not s.is_main and not _idle(s)]

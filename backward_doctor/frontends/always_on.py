@@ -1,0 +1,330 @@
+"""``%backward_doctor on``: every later cell that trains is watched, and the diagnosis is already there the
+first time one fails.
+
+While on, the shell's ``run_cell`` is wrapped (an attribute of the shell instance) and
+``torch.autograd.backward`` replaced by a trigger that passes calls on unless armed; ``off`` puts both back.
+
+- a cell that will train, by a guess from its text and the code of the notebook functions it calls
+  (``capture/trains.py``, microseconds), runs under :func:`~backward_doctor.run.step.run_step` exactly as
+  ``%%backward_doctor`` runs it (a loop sampled, every iteration's loss, gradient norm and memory watched,
+  the iteration where NaN/Inf first showed replayed from the state kept at its start), the timeout
+  counted from the latest optimizer step;
+- any other cell runs as it is, the trigger armed for its duration (``cell_watch.BackwardTrigger``).
+  Nothing is installed, nothing is recorded: a cell that calls no ``backward()`` pays for the guess and
+  two attribute writes. A ``backward()`` the guess did not expect opens a
+  :class:`~backward_doctor.run.watch.Watch` there, for the rest of the cell.
+
+When a watched cell fails (an exception after the step began, NaN/Inf in the loss or weights, a hang
+past ``--timeout``, a Ctrl-C, an OOM) the report (the panel in Jupyter) is displayed, then IPython's
+traceback: the traceback is held back while the cell runs and shown after the report. When it succeeds
+nothing is shown, or one quiet line when something silent was found (a leak, stale gradients, starved
+parameters). ``bd.last_report()`` always has the latest watched cell's report; nothing else of the cell
+is kept (the previous report is replaced, the state kept for a replay released).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+
+from ..api import check_engine, check_timeout
+from ..capture.process import one_run_at_a_time
+from ..capture.trains import might_train
+from ..report import Report
+from ..run.engine import choose_engine, screens_every_op
+from ..run.step import run_step
+from ..run.watch import Watch, active
+from .magic import _release_failed_frames, _show, ipython_places
+from ..util.units import format_bytes, parse_size
+from .cell_watch import BackwardTrigger, HeldTracebacks, Outer, failed, quiet_line
+
+log = logging.getLogger(__name__)
+_DOCTOR_MAGIC = ("%%backward_doctor", "%backward_doctor")
+
+
+@dataclass
+class Options:
+    """What ``%backward_doctor on`` was given (the cell magic's options that apply to every cell)."""
+
+    timeout: float | None = None
+    memory_limit: int | None = None
+    quiet: bool = False
+    engine: str = "auto"
+    every_iteration: bool = False
+
+    def words(self) -> str:
+        """The options in words, for ``status``.
+
+        >>> Options(timeout=60.0).words()
+        'timeout 60 s from the latest optimizer step'
+        """
+        bits = [f"timeout {self.timeout:g} s from the latest optimizer step" if self.timeout else "",
+                f"memory limit {format_bytes(self.memory_limit)}" if self.memory_limit else "",
+                "quiet" if self.quiet else "", f"engine {self.engine}" if self.engine != "auto" else "",
+                "every iteration recorded" if self.every_iteration else ""]
+        return ", ".join(b for b in bits if b) or "default options"
+
+
+class AlwaysOn:
+    """The wrapper of one shell's ``run_cell`` (see the module docstring)."""
+
+    def __init__(self, shell: Any, options: Options) -> None:
+        self.shell = shell
+        self.options = options
+        self.watched = 0
+        self.last: Report | None = None  # (the latest watched cell's report: strings and numbers)
+        self._depth = 0
+        self._original: Callable[..., Any] | None = None
+        self._trigger = BackwardTrigger()
+
+    # ---------------------------------------------------------------- on / off
+    def install(self) -> None:
+        original = self.shell.run_cell
+        self._original = original
+
+        @functools.wraps(original)
+        def run_cell(raw_cell: str, *args: Any, **kwargs: Any) -> Any:
+            return self.run_cell(raw_cell, *args, **kwargs)
+
+        run_cell.__backward_doctor__ = self  # type: ignore[attr-defined]
+        self._trigger.install()
+        self.shell.run_cell = run_cell
+
+    def uninstall(self) -> None:
+        current = vars(self.shell).get("run_cell")
+        if getattr(current, "__backward_doctor__", None) is self:
+            del self.shell.run_cell  # the class's own method again
+        self._trigger.uninstall()
+
+    # ---------------------------------------------------------------- each cell
+    def run_cell(self, raw_cell: str, *args: Any, **kwargs: Any) -> Any:
+        original = self._original
+        silent = kwargs.get("silent", args[1] if len(args) > 1 else False)
+        if (self._depth or silent or not isinstance(raw_cell, str) or raw_cell.lstrip().startswith(_DOCTOR_MAGIC)
+                or threading.current_thread() is not threading.main_thread() or active()):
+            # A nested run (the cell magic's own), a silent request, `%%backward_doctor` (it wins), or a
+            # diagnosis already running: the cell as it is.
+            return original(raw_cell, *args, **kwargs)
+        self._depth += 1
+        try:
+            if might_train(raw_cell, self.shell.user_ns):
+                return self._watched(raw_cell, args, kwargs)
+            return self._triggered(raw_cell, args, kwargs)
+        finally:
+            self._depth -= 1
+
+    def _cell_file(self, raw_cell: str, number: int) -> tuple[str, str]:
+        """(the cell as Python, the file name ``run_cell`` compiles it under)."""
+        shell = self.shell
+        source = shell.transform_cell(raw_cell)
+        return source, shell.compile.get_code_name(raw_cell, source, number)
+
+    def _watched(self, raw_cell: str, args: tuple, kwargs: dict) -> Any:
+        """The cell under ``run_step``, as ``%%backward_doctor`` runs it."""
+        shell, opts = self.shell, self.options
+        number = shell.execution_count
+        try:
+            source, filename = self._cell_file(raw_cell, number)
+            engine = choose_engine(opts.engine, memory_limit=opts.memory_limit, build=False)
+        except Exception:  # noqa: BLE001 - IPython reports a cell it cannot transform; run it as it is
+            log.debug("always on: the cell could not be prepared; it runs unwatched", exc_info=True)
+            return self._original(raw_cell, *args, **kwargs)
+        box: list[Any] = []
+
+        def execute() -> BaseException | None:
+            try:
+                result = self._original(raw_cell, *args, **kwargs)
+            except BaseException as exc:  # (IPython's own machinery raised: it goes on after the report)
+                box.append(exc)
+                raise
+            box.append(result)
+            return result.error_in_exec
+
+        guard = one_run_at_a_time()
+        try:
+            guard.__enter__()
+        except RuntimeError:  # a fix runs in the panel's thread: this cell runs as it is
+            return self._original(raw_cell, *args, **kwargs)
+        held = HeldTracebacks(shell)
+        try:
+            with held:
+                report = run_step(source, shell.user_ns, timeout=opts.timeout, memory_limit=opts.memory_limit,
+                                  engine=engine, rollback=screens_every_op(), cell_file=filename, execute=execute,
+                                  build=False, every_iteration=opts.every_iteration, stall=True,
+                                  places=ipython_places(shell, filename, number))
+        except BaseException:
+            held.show()  # a Ctrl-C in the doctor's own code: the user's traceback all the same
+            raise
+        finally:
+            guard.__exit__(None, None, None)
+        result = box[0] if box else RuntimeError("backward_doctor: the cell did not run")
+        if isinstance(result, BaseException):  # IPython's own machinery raised: as it would have without us
+            held.show()
+            raise result
+        self._after(report, source, held, result)
+        return result
+
+    def _triggered(self, raw_cell: str, args: tuple, kwargs: dict) -> Any:
+        """A cell the guess said would not train: run as it is, the ``backward()`` trigger armed (it opens a
+        watch at the first call, and holds back the traceback from then on)."""
+        opened: dict[str, Any] = {}
+        self._trigger.arm(lambda frame: self._open_at(frame, raw_cell, opened))
+        try:
+            result = self._original(raw_cell, *args, **kwargs)
+        except BaseException:  # (IPython's own machinery raised: end what opened, then let it through)
+            watch = self._trigger.disarm()
+            if watch is not None:
+                watch.end(None)
+                opened["held"].show()
+            raise
+        watch = self._trigger.disarm()
+        if watch is None:
+            return result
+        report = watch.end(result.error_in_exec)
+        report.trace.notes.append(f"always on: the watch began at the cell's first backward() (line "
+                                  f"{opened.get('line')}); what ran before it was not recorded")
+        self._after(report, opened.get("source", raw_cell), opened["held"], result)
+        return result
+
+    def _open_at(self, frame: Any, raw_cell: str, opened: dict[str, Any]) -> Watch:
+        """The watch a cell that was not expected to train opens at its first ``backward()`` (``frame``)."""
+        shell, opts = self.shell, self.options
+        outer = getattr(shell.displayhook, "exec_result", None)  # (the cell's number: its result knows it)
+        number = getattr(outer, "execution_count", None)
+        number = number if isinstance(number, int) else shell.execution_count
+        source, filename = self._cell_file(raw_cell, number)
+        while frame is not None and frame.f_code.co_filename != filename:
+            frame = frame.f_back
+        opened.update(source=source, line=frame.f_lineno if frame is not None else None)
+        del frame
+        watch = Watch(shell.user_ns, source=source, cell_file=filename, timeout=opts.timeout,
+                      memory_limit=opts.memory_limit, engine=opts.engine, every_iteration=opts.every_iteration,
+                      places=ipython_places(shell, filename, number))
+        held = opened["held"] = HeldTracebacks(shell).__enter__()  # (from here: a traceback waits for the report)
+        try:
+            watch.begin()
+        except BaseException:
+            held.restore()
+            raise
+        return watch
+
+    def _after(self, report: Report, source: str, held: HeldTracebacks, result: Any) -> None:
+        """The report when the cell failed, one quiet line when it found something silent; then the held
+        traceback."""
+        self.watched += 1
+        self.last = report
+        opts = self.options
+        try:
+            if failed(report):
+                _show(self.shell, report, source, opts.memory_limit, opts.timeout)
+            elif not opts.quiet and quiet_line(report):
+                print(quiet_line(report))
+        except Exception:  # noqa: BLE001 - never lose the user's traceback to the report
+            log.warning("always on: the report could not be shown", exc_info=True)
+        held.show()
+        if report.trace.exception is not None and report.trace.exception.type == "OutOfMemoryError":
+            _release_failed_frames(Outer(result))
+
+    def status(self) -> str:
+        last = ""
+        if self.last is not None:
+            last = f"; the latest: {'a problem' if failed(self.last) else 'nothing found' if self.last.ok else 'a finding'}"
+        from .. import native
+
+        recorder = ("the native recorder" if native.ready() is not None and self.options.engine != "python" else
+                    "the Python recorder until the native one is built" if native.status()["building"] else
+                    "the Python recorder")
+        return (f"backward_doctor: always on ({self.options.words()}); {self.watched} cell"
+                f"{'s' if self.watched != 1 else ''} watched{last}; recording with {recorder}")
+
+
+@magics_class
+class AlwaysOnMagics(Magics):
+    """``%backward_doctor on|off|status`` (the line magic; ``%%backward_doctor`` is the cell magic)."""
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("action", nargs="?", default="status", choices=("on", "off", "status"),
+                              help="on: watch every later cell that trains; off: stop; status: say which")
+    @magic_arguments.argument("--timeout", type=float, default=None, metavar="S",
+                              help="seconds without a completed optimizer step before a cell counts as hung "
+                                   "and is interrupted")
+    @magic_arguments.argument("--memory-limit", default=None, metavar="SIZE",
+                              help="simulated device capacity for every watched cell, e.g. 300MB or 2GiB")
+    @magic_arguments.argument("--quiet", action="store_true",
+                              help="no line for silent findings of a cell that ran to its end (failures still show)")
+    @magic_arguments.argument("--every-iteration", action="store_true",
+                              help="record every iteration of a loop (default: 0, 1, 2 and powers of two)")
+    @magic_arguments.argument("--engine", default="auto", metavar="NAME",
+                              help="what records the ops: auto, native or python")
+    @line_magic("backward_doctor")
+    def backward_doctor_line(self, line: str) -> None:
+        """Watch every later cell that trains, and show the diagnosis the first time one fails.
+
+        Example::
+
+            %load_ext backward_doctor
+            %backward_doctor on --timeout 120
+
+        A cell that trains (a backward, an optimizer step, ``trainer.train()``...) runs as with
+        ``%%backward_doctor``; when it fails (an exception, NaN/Inf, a hang past ``--timeout``
+        seconds without an optimizer step, Ctrl-C, an OOM) the report appears above the traceback. When it
+        succeeds nothing is shown, or one line when something silent was found. Other cells run as they are.
+        ``%%backward_doctor`` on a cell still works and wins. ``%backward_doctor off`` puts everything back.
+        """
+        args = magic_arguments.parse_argstring(self.backward_doctor_line, line)
+        shell = self.shell
+        given = args.timeout is not None or args.memory_limit is not None or args.quiet or args.every_iteration \
+            or args.engine != "auto"
+        if given and args.action != "on":
+            raise UsageError(f"options go with `on` (`%backward_doctor on {line.strip()}`), not with {args.action}")
+        if args.action == "off":
+            print("backward_doctor: always on is off" if turn_off(shell) else "backward_doctor: always on was not on")
+            return
+        if args.action == "status":
+            on = current(shell)
+            print(on.status() if on is not None else "backward_doctor: always on is off "
+                  "(`%backward_doctor on` watches every later cell that trains)")
+            return
+        try:
+            options = Options(timeout=check_timeout(args.timeout), memory_limit=parse_size(args.memory_limit),
+                              quiet=args.quiet, engine=check_engine(args.engine), every_iteration=args.every_iteration)
+            choose_engine(options.engine, memory_limit=options.memory_limit, build=False)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        print(turn_on(shell, options).status())
+
+
+def register(ipython: Any) -> None:
+    """Register the line magic (``%load_ext backward_doctor``)."""
+    ipython.register_magics(AlwaysOnMagics)
+
+
+def turn_on(shell: Any, options: Options) -> AlwaysOn:
+    """Wrap ``shell.run_cell`` (replacing an earlier ``on``'s options)."""
+    turn_off(shell)
+    on = AlwaysOn(shell, options)
+    on.install()
+    return on
+
+
+def turn_off(shell: Any) -> bool:
+    """Put the shell's own ``run_cell`` back; True when always-on was on."""
+    on = current(shell)
+    if on is None:
+        return False
+    on.uninstall()
+    return True
+
+
+def current(shell: Any) -> AlwaysOn | None:
+    """The shell's always-on wrapper, if it is on."""
+    return getattr(vars(shell).get("run_cell"), "__backward_doctor__", None)
+
+
+__all__ = ["AlwaysOn", "AlwaysOnMagics", "register", "Options", "turn_on", "turn_off", "current"]

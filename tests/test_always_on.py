@@ -1,0 +1,266 @@
+"""``%backward_doctor on|off|status`` in a real IPython InteractiveShell (the kernel tests are in
+``test_always_on_kernel.py``): which cells are watched, what they show, what is left behind."""
+from __future__ import annotations
+
+import gc
+import re
+import weakref
+
+import pytest
+import torch
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+import backward_doctor as bd
+from backward_doctor.capture.trains import might_train
+from backward_doctor.frontends.always_on import current
+
+import fault_injection as fi
+
+pytestmark = pytest.mark.ipython
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+SETUP = """
+import torch, torch.nn as nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+x = torch.randn(16, 4)
+"""
+TRAIN = """
+for i in range(40):
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+"""
+#: NaN at iteration 30 (unrecorded: 0, 1, 2 and powers of two are), from a division by zero on line 5
+NAN_AT_30 = """
+steps = 0
+for i in range(40):
+    opt.zero_grad()
+    out = model(x)
+    out = out / (i - 30) if i == 30 else out   # <-- root cause
+    loss = out.pow(2).mean()
+    loss.backward()
+    opt.step()
+    steps += 1
+"""
+
+
+@pytest.fixture
+def shell():
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext backward_doctor", store_history=False)
+    yield sh
+    sh.run_cell("%backward_doctor off", store_history=False)
+
+
+def _run(shell, cell):
+    with capture_output() as cap:
+        result = shell.run_cell(cell, store_history=True)
+    return result, cap
+
+
+def _on(shell, options=""):
+    _run(shell, "%backward_doctor off")
+    result, cap = _run(shell, f"%backward_doctor on {options}")
+    assert result.success, cap.stderr
+    return cap.stdout
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_guess_of_which_cells_train():
+    ns: dict = {}
+    exec("def inner(m):\n    m(1).backward()\ndef outer(m):\n    for _ in range(2):\n        inner(m)\n"
+         "class Exp:\n    def go(self):\n        outer(None)\ne = Exp()\ndef plot():\n    return 1\n", ns)
+    assert might_train("loss.backward()", ns) and might_train("trainer.train()", ns)
+    assert might_train("trainer.fit(model, loader)", ns) and might_train("opt.step()", ns)
+    assert might_train("outer(net)", ns) and might_train("e.go()", ns)  # through the notebook's own code
+    assert not might_train("plot()\nprint(df.head())\ny = model(x)", ns)
+    assert not might_train("import numpy as np\nnp.mean([1, 2])", ns)  # a library's function is not followed
+
+
+def test_on_off_status_and_bad_arguments(shell):
+    _run(shell, "%backward_doctor off")
+    assert "off" in _run(shell, "%backward_doctor status")[1].stdout
+    out = _on(shell, "--timeout 30 --quiet")
+    assert out.startswith("backward_doctor: always on (timeout 30 s from the latest optimizer step, quiet); 0 cells")
+    assert "recording with the" in out
+    assert current(shell) is not None and "run_cell" in vars(shell)
+    for bad in ("--timeout -1", "--memory-limit lots", "--engine turbo", "sideways"):
+        result, cap = _run(shell, f"%backward_doctor {bad}")
+        assert "UsageError" in cap.stderr + cap.stdout, bad
+    assert "timeout 30 s" in _run(shell, "%backward_doctor status")[1].stdout  # the bad ones changed nothing
+    assert "always on is off" in _run(shell, "%backward_doctor off")[1].stdout
+    assert current(shell) is None and "run_cell" not in vars(shell)
+
+
+def test_cells_that_train_fine_show_nothing_and_compute_the_same(shell):
+    ns_plain: dict = {}
+    exec(SETUP, ns_plain)
+    exec(TRAIN, ns_plain)
+    _on(shell)
+    _run(shell, SETUP)
+    before = bd.last_report()
+    result, cap = _run(shell, TRAIN)
+    assert result.success and cap.stdout == "" and cap.outputs == []  # nothing shown
+    report = bd.last_report()
+    assert report is not before and report.ok and report.trace.iterations.steps == 40  # it was watched
+    for a, b in zip(_weights(shell.user_ns["model"]), _weights(ns_plain["model"])):
+        assert torch.equal(a, b)                                                       # bit-identical
+
+
+def test_a_cell_without_autograd_is_not_watched_and_nothing_stays_installed(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    real_backward = torch.autograd.backward
+    before = fi.baseline()
+    last = bd.last_report()
+    result, cap = _run(shell, "with torch.no_grad():\n    y = model(x)\nprint(y.shape)")
+    assert result.success and cap.stdout == "torch.Size([16, 1])\n" and cap.outputs == []
+    assert bd.last_report() is last                                   # no run was made
+    assert torch.autograd.backward is real_backward and fi.baseline() == before
+
+
+def test_nan_at_iteration_30_is_reported_without_running_the_cell_again(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    result, cap = _run(shell, NAN_AT_30)
+    assert result.success                                      # NaN raises nothing: the cell ran to its end
+    assert shell.user_ns["steps"] == 40                        # once: the replay ran in a copy of the namespace
+    f = bd.last_report().findings[0]
+    assert (f.kind, f.op, f.line, f.iteration) == ("nonfinite", "aten::div", 5, 30), str(bd.last_report())
+    shown = cap.outputs[-1].data["text/plain"]
+    assert shown.startswith(f"backward_doctor: PROBLEM - NaN/Inf created here at Cell In[{result.execution_count}], "
+                            "line 5, in iteration 30")
+
+
+def test_a_failing_step_shows_the_report_then_the_users_traceback(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    cell = "out = model(x)\nout = out.relu_()\nout.sigmoid_()\nout.sum().backward()"
+    result, cap = _run(shell, cell)
+    assert isinstance(result.error_in_exec, RuntimeError)
+    text = ANSI.sub("", cap.stdout)
+    assert "modified by an inplace operation" in text and "backward_doctor/" not in text
+    shown = cap.outputs[-1].data["text/plain"]
+    assert shown.startswith("backward_doctor: PROBLEM - Saved tensor modified in place"), shown[:200]
+    assert "showtraceback" not in vars(shell)
+
+
+def test_a_typo_before_any_op_is_left_to_the_traceback(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    result, cap = _run(shell, "loss = modle(x).sum()\nloss.backward()")
+    assert isinstance(result.error_in_exec, NameError) and "NameError" in cap.stdout
+    assert cap.outputs == []
+
+
+def test_the_cell_magic_wins(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    result, cap = _run(shell, "%%backward_doctor\n" + TRAIN)
+    assert result.success and len(cap.outputs) == 1          # the magic's report, once
+    assert cap.outputs[0].data["text/plain"].startswith("backward_doctor: OK")
+
+
+def test_a_backward_the_guess_missed_opens_the_watch_there(shell):
+    _on(shell)
+    _run(shell, SETUP + "jobs = {'go': lambda t: t.sum().backward()}\n")
+    real_backward = torch.autograd.backward
+    last = bd.last_report()
+    result, cap = _run(shell, "h = model(x)\njobs['go'](h)\nh.nope")
+    assert isinstance(result.error_in_exec, AttributeError)
+    report = bd.last_report()
+    assert report is not last and report.trace.op_count > 0
+    assert any("began at the cell's first backward() (line 2)" in n for n in report.trace.notes)
+    assert cap.outputs and cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM")
+    assert torch.autograd.backward is real_backward
+
+
+def test_a_hang_is_no_optimizer_step_for_the_timeout(shell):
+    _on(shell, "--timeout 1")
+    _run(shell, SETUP)
+    # 2.5 s of steady stepping is not a hang (each step comes well within the timeout)...
+    result, cap = _run(shell, "import time\nfor i in range(10):\n    time.sleep(0.25)\n    opt.zero_grad()\n"
+                              "    model(x).pow(2).mean().backward()\n    opt.step()\n")
+    assert result.success and cap.outputs == [], ANSI.sub("", cap.stdout)
+    # ...a loop that stops stepping is, and is interrupted
+    cell = "import time\nfor i in range(3):\n    model(x).sum().backward()\n    opt.step()\ntime.sleep(60)"
+    result, cap = _run(shell, cell)
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    f = bd.last_report().findings[0]
+    assert (f.kind, f.line) == ("hang", 5)
+    assert "made no progress for 1 s (no optimizer step completed; 3 steps had)" in f.message
+    assert cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM - The step hangs")
+
+
+def test_out_of_memory_under_a_memory_limit(shell):
+    _on(shell, "--memory-limit 100KB")
+    _run(shell, SETUP)
+    result, cap = _run(shell, "big = model(x[:5].repeat(500, 1))\nbig.sum().backward()")
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    f = bd.last_report().findings[0]
+    assert (f.kind, f.line, f.module) == ("oom", 1, "model.0")
+    assert cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM - Out of memory")
+
+
+def test_ctrl_c_in_a_watched_cell(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    cell = ("import os, signal, threading, time\n"
+            "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "for i in range(100000):\n    model(x).sum().backward()\n    opt.step()\n    time.sleep(0.01)\n")
+    result, cap = _run(shell, cell)
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    report = bd.last_report()
+    assert report.findings[0].kind == "hang" and "interrupted by hand" in report.findings[0].message
+    assert cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM")
+
+
+def _tensors_shaped_as(t):
+    """Tensors alive (the gc's view) with ``t``'s shape, parameters aside: gradients, copies."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape == t.shape)
+
+
+def test_off_leaves_nothing_behind_and_nothing_of_the_cells_is_kept(shell):
+    _run(shell, "%backward_doctor off")
+    _run(shell, SETUP)
+    _run(shell, TRAIN)  # (gradients exist: the count below compares like with like)
+    real_backward, run_cell = torch.autograd.backward, shell.run_cell
+    before = fi.baseline()
+    alive = _tensors_shaped_as(shell.user_ns["model"][0].weight)
+    _on(shell, "--timeout 20")
+    _run(shell, "import weakref\nbatch = torch.randn(256, 4)\nprobe = weakref.ref(batch)\n" + NAN_AT_30
+         + "del batch")
+    assert bd.last_report().findings[0].kind == "nonfinite"  # (iteration 30 replayed from a kept state)
+    _run(shell, "model(x).sum().backward()\nraise ValueError('boom')")
+    _run(shell, "%backward_doctor off")
+    gc.collect()
+    assert shell.user_ns["probe"]() is None                      # the cell's tensor is not held
+    left = fi.leftovers(before, {"model": shell.user_ns["model"]})
+    assert left == [], left
+    assert torch.autograd.backward is real_backward and shell.run_cell == run_cell and "run_cell" not in vars(shell)
+    assert "showtraceback" not in vars(shell)
+    # the weights kept to replay iteration 30 were released: no copy of them is alive
+    assert _tensors_shaped_as(shell.user_ns["model"][0].weight) <= alive
+
+
+def test_a_silent_finding_gets_one_quiet_line(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    leaky = "keep = []\nfor i in range(20):\n    opt.zero_grad()\n    l = model(x).sum()\n    keep.append(l)\n" \
+            "    l.backward()\n    opt.step()\n"
+    result, cap = _run(shell, leaky)
+    assert result.success and cap.outputs == []
+    assert cap.stdout.startswith("backward_doctor: Graphs of earlier iterations kept alive at "
+                                 f"Cell In[{result.execution_count}], line 5"), cap.stdout
+    assert cap.stdout.count("\n") == 1
+    _on(shell, "--quiet")
+    result, cap = _run(shell, leaky)
+    assert result.success and cap.stdout == "" and bd.last_report().findings[0].kind == "graph_leak"
