@@ -91,6 +91,7 @@ class CaptureState:
         self._where_stacks: list[tuple[Where, tuple[int, ...]]] = []
         self._params: dict[int, weakref.ref] = {}
         self._got_grad: set[int] = set()  # ids of parameters autograd accumulated into
+        self._stepped_params: set[int] = set()  # ids of parameters an optimizer step of this run held
         self._opt_depth = 0
         self._writer: dict[int, int] = {}      # storage key -> last op that wrote it
         self._nf_origin: dict[int, int] = {}   # storage key -> op index that first made its NaN/Inf

@@ -35,11 +35,7 @@ def param_infos(cap: "OpRecorder") -> list[ParamInfo]:
     for name, t in ns_mod.tensors(cap.namespace):  # e.g. logit_scale = nn.Parameter(...)
         if isinstance(t, nn.Parameter):
             names.setdefault(id(t), name)
-    stepped_opts = {s.id for s in cap.trace.optimizer_steps}
-    stepped: set[int] = set()
-    for _, opt in ns_mod.optimizers(cap.namespace):
-        if id(opt) in stepped_opts:
-            stepped.update(id(p) for g in opt.param_groups for p in g["params"])
+    stepped = cap._stepped_params  # (an optimizer a library holds is not in the namespace: its hook saw it)
     out = []
     for p in cap.parameters():
         out.append(ParamInfo(name=names.get(id(p), f"<parameter {tuple(shape_of(p))}>"), key=storage_key(p) or 0,

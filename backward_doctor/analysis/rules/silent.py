@@ -172,7 +172,8 @@ def detached(trace: Trace) -> list[Finding]:
            f"but got no gradient, so the optimizer never updates them: line {op.where.line} (`{code}`) {how_text}, "
            "which cuts the graph between them and the loss. Remove the cut (keep `.detach()`/`no_grad` for "
            "logging and evaluation), or freeze them on purpose with `requires_grad_(False)`.")
-    where = Where(line=op.where.line, file=op.where.file, cell_line=op.where.cell_line, module=module)
+    where = Where(line=op.where.line, file=op.where.file, cell_line=op.where.cell_line, module=module,
+                  function=op.where.function)
     return [at("detached", where, msg, op=op.op, title="Parameters starved of gradient",
                evidence={"parameters": names, "cut": how, "values": count})]
 
