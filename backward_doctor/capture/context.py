@@ -129,6 +129,7 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         self._compile_watch.install()
         self._watch = self._make_watch()
         self._watch_backward()
+        self._find_library_loop()
 
     def _remove_parameter_hooks(self) -> None:
         handles, self._handles = self._handles, []
@@ -361,8 +362,8 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         from .finish import record_exception
 
         record_exception(self, exc)
-        if self.trace.iterations.starts:  # stopped inside the loop: the iteration that was running
-            self._note_loop_values(self.trace.iterations.steps)
+        # (stopped inside a loop: the iteration that was running, the first one included)
+        self._note_loop_values(self.trace.iterations.steps)
         if self.rollback is not None and self._asleep and isinstance(exc, Exception) \
                 and not self.trace.timed_out and "out of memory" not in str(exc).lower():
             # An error in an iteration the recorder did not record: that iteration can be replayed

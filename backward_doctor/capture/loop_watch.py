@@ -122,8 +122,12 @@ class LoopWatch:
 
     def before_step(self, opt: torch.optim.Optimizer) -> None:
         """The outermost ``optimizer.step()`` is about to run: the gradients it will use, its lr."""
-        lr = opt.param_groups[0].get("lr") if opt.param_groups else None
+        group = opt.param_groups[0] if opt.param_groups else {}
+        lr = group.get("lr")
         self._lr = float(lr) if isinstance(lr, (int, float)) else None
+        if self.its.base_lr is None:  # (a scheduler keeps the configured rate as "initial_lr")
+            base = group.get("initial_lr", lr)
+            self.its.base_lr = float(base) if isinstance(base, (int, float)) else None
         if self._sumsq is not None:
             grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
             try:

@@ -147,6 +147,17 @@ class OomInfo:
 
 
 @dataclass
+class LrSetting:
+    """Where the learning rate a loop trained with was set, as far as the user's sources tell."""
+
+    value: float | None = None  # the learning rate (the optimizer's initial one)
+    file: str | None = None     # None: the cell that ran
+    line: int | None = None
+    code: str = ""              # the statement, on one line
+    keyword: str = ""           # "learning_rate" (TrainingArguments) or "lr"
+
+
+@dataclass
 class Iterations:
     """The cell's training loop, counted in optimizer steps, and which iterations were recorded op by op.
 
@@ -182,6 +193,16 @@ class Iterations:
     first_nonfinite_in: str = ""
     #: the trace's ops are this one iteration, replayed in detail after the run (``run/iteration_replay.py``)
     replayed: int | None = None
+    #: a library ran the loop: "transformers" or "lightning" ('' for a loop the cell wrote), from the cell's
+    #: call at ``library_line`` (``library_call``: ``trainer.train()``); ``values`` then say the library's
+    #: epoch and batch (``capture/trainers.py``)
+    library: str = ""
+    library_call: str = ""
+    library_line: int | None = None
+    #: the learning rate the loop began with (the first optimizer step's, before any schedule changed it)
+    base_lr: float | None = None
+    #: where that learning rate was set (looked up when NaN/Inf showed in the loop)
+    lr_set: LrSetting | None = None
 
     @property
     def skipped(self) -> int:
