@@ -57,7 +57,8 @@ def define(source: str, ns: dict[str, Any], name: str | None = None) -> dict[str
     path = os.path.join(_DIR, f"{name or 'user_code'}_{next(_counter)}.py")
     with open(path, "w", encoding="utf-8") as f:
         f.write(source)
-    linecache.checkcache(path)
+    # As IPython registers a cell's code: in linecache for good (no modification time to check).
+    linecache.cache[path] = (len(source), None, source.splitlines(keepends=True), path)
     exec(compile(source, path, "exec"), ns)
     return ns
 
@@ -109,22 +110,28 @@ def tiny_bert_classifier(seed: int = 0) -> nn.Module:
 
 def hf_args(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5e-5, **extra: Any) -> Any:
     """`TrainingArguments` for a quiet CPU run: no logging, saving, tqdm or reporting; *extra* overrides."""
-    tf = _transformers()
+    return _transformers().TrainingArguments(**hf_args_kwargs(steps, batch, accum, lr, **extra))
+
+
+def hf_args_kwargs(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5e-5, **extra: Any) -> dict[str, Any]:
+    """The keyword arguments :func:`hf_args` passes to `TrainingArguments`."""
     kw: dict[str, Any] = dict(output_dir=tempfile.mkdtemp(prefix="bd-hf-", dir=_DIR), max_steps=steps,
                               per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
                               learning_rate=lr, use_cpu=True, report_to="none", save_strategy="no",
                               logging_strategy="no", eval_strategy="no", disable_tqdm=True,
                               dataloader_num_workers=0, seed=0)
     kw.update(extra)
-    return tf.TrainingArguments(**kw)
+    return kw
 
 
 def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
-               **args: Any) -> dict[str, Any]:
+               args_source: str | None = None, **args: Any) -> dict[str, Any]:
     """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier), ``model``,
     ``args``, ``train_ds``; run it with :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass
     named *trainer_name* (e.g. with its own ``compute_loss``) via :func:`define`; its namespace has
-    ``Trainer``, ``torch`` and ``F``. *args* go to :func:`hf_args`."""
+    ``Trainer``, ``torch`` and ``F``. *args* go to :func:`hf_args`; *args_source*, when given, is the user's
+    code that binds ``args`` (defined like a cell), from ``base_args``: those keyword arguments without the
+    learning rate (``args = TrainingArguments(**base_args, learning_rate=5e5)``)."""
     tf = _transformers()
     ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
                           "TrainingArguments": tf.TrainingArguments}
@@ -132,7 +139,11 @@ def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer
     if trainer_source is not None:
         cls = define(trainer_source, ns, name=trainer_name)[trainer_name]
     ns["model"] = tiny_bert_classifier()
-    ns["args"] = hf_args(**args)
+    if args_source is not None:
+        ns["base_args"] = {k: v for k, v in hf_args_kwargs(**args).items() if k != "learning_rate"}
+        define(args_source, ns, name="training_args")
+    else:
+        ns["args"] = hf_args(**args)
     ns["train_ds"] = TokenDataset(n=n)
     ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"])
     return ns

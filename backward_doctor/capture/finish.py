@@ -282,6 +282,10 @@ def finish(cap: "OpRecorder") -> Trace:
     from .step_state import graph_holders, param_infos
 
     trace.params = param_infos(cap)
+    if trace.iterations.first_nonfinite is not None:  # a loop that went NaN/Inf: where its learning rate was set
+        from .trainers import locate_lr
+
+        trace.iterations.lr_set = locate_lr(trace, cap.namespace, cap._frames.is_user)
     trace.graph_holders = graph_holders(cap)
     if cap.history is not None:
         _remember(cap)

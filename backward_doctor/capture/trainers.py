@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from ..trace.parts import LrSetting
+from ..trace.records import Trace
 
 #: (library, the module its Trainer class lives in, the methods that run its loop)
 _LIBRARIES = (("transformers", "transformers.trainer", ("train",)),
@@ -138,6 +139,11 @@ def _statements(lines: list[str]) -> Iterable[tuple[int, str]]:
         yield i + 1, text
 
 
+def _one_line(text: str) -> str:
+    """A statement on one line, comments dropped, at most 160 characters."""
+    return " ".join(" ".join(re.sub(r"\s*#[^'\"]*$", "", line) for line in text.splitlines()).split())[:160]
+
+
 def find_lr_setting(values: set[float], sources: Iterable[tuple[str | None, list[str]]],
                     prefer: tuple[str | None, int, int] | None = None) -> LrSetting | None:
     """Where the learning rate was set: the last statement of the user's sources that passes one of ``values``
@@ -157,7 +163,7 @@ def find_lr_setting(values: set[float], sources: Iterable[tuple[str | None, list
             if got is None:
                 continue
             setting = LrSetting(value=max(values) if values else None, file=file, line=line,
-                                code=" ".join(text.split())[:160], keyword=got[0])
+                                code=_one_line(text), keyword=got[0])
             if got[1]:
                 found = setting
             elif prefer is not None and file == prefer[0] and prefer[1] <= line <= prefer[2]:
@@ -165,17 +171,39 @@ def find_lr_setting(values: set[float], sources: Iterable[tuple[str | None, list
     return found or fallback
 
 
-def user_sources(is_user: Callable[[str], bool], cell: tuple[str | None, str] | None = None
+def user_sources(is_user: Callable[[str], bool], ran: Iterable[str], cell: str = ""
                  ) -> list[tuple[str | None, list[str]]]:
-    """The user's sources ``linecache`` holds (IPython's cells, files of the user's own code), oldest first
-    as far as the cache knows, and the cell that ran (``(None, source)``) last."""
-    out = []
+    """The user's sources: the cells IPython has run (``linecache`` entries it keeps for good, oldest
+    first), the user's files whose code ran in this step (``ran``), and the cell that ran (``(None, cell)``)
+    last."""
+    ran = set(ran)
+    out: list[tuple[str | None, list[str]]] = []
     for name, entry in list(linecache.cache.items()):
-        if len(entry) == 4 and is_user(name):
+        if len(entry) == 4 and (entry[1] is None or name in ran) and is_user(name):
             out.append((name, list(entry[2])))
-    if cell is not None:
-        out.append((cell[0], cell[1].splitlines(keepends=True)))
+    for name in sorted(ran - {n for n, _ in out}):  # a file linecache has not read yet
+        lines = linecache.getlines(name)
+        if lines and is_user(name):
+            out.append((name, lines))
+    if cell:
+        out.append((None, cell.splitlines(keepends=True)))
     return out
+
+
+def locate_lr(trace: Trace, namespace: dict[str, Any], is_user: Callable[[str], bool]) -> LrSetting | None:
+    """Where the learning rate the loop began with was set (``Iterations.lr_set``)."""
+    its = trace.iterations
+    values = {v for v in (its.base_lr, its.lr[0] if its.lr else None) if v}
+    if not values:
+        return None
+    ran = {op.where.file for op in trace.ops if op.where.file}
+    span = configure_optimizers_span(namespace)
+    if span is not None:
+        ran.add(span[0])
+    found = find_lr_setting(values, user_sources(is_user, ran, trace.source), span)
+    if found is not None:
+        found.value = its.base_lr or found.value
+    return found
 
 
 def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, int, int] | None:
@@ -193,4 +221,4 @@ def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, int, int]
     return None
 
 
-__all__ = ["LibraryLoop", "find_library_loop", "find_lr_setting", "user_sources", "configure_optimizers_span"]
+__all__ = ["LibraryLoop", "find_library_loop", "find_lr_setting", "locate_lr", "user_sources", "configure_optimizers_span"]

@@ -65,7 +65,7 @@ def steps_in(source: str, loop_line: int) -> bool:
     """Whether the loop starting at ``loop_line`` calls ``x.step(...)`` in its body (a training loop, whose
     iterations are optimizer steps).
 
-    >>> steps_in("for b in data:\n    opt.step()\n", 1), steps_in("for i in range(3):\n    y = i\n", 1)
+    >>> steps_in("for b in data:\\n    opt.step()\\n", 1), steps_in("for i in range(3):\\n    y = i\\n", 1)
     (True, False)
     """
     try:
