@@ -49,13 +49,14 @@ def place_in_loops(trace: Trace, findings: list[Finding]) -> list[Finding]:
         if f.iteration is None and index is None and (trace.exception is not None or trace.timed_out) and f is findings[0]:
             # The cell's exception (its finding comes first): the op that raised, else the iteration
             # that was running when it came.
-            index = trace.failed_op.index if trace.failed_op is not None else None
+            index = trace.failed_op.index if trace.failed_op is not None else \
+                trace.exception.oom.index if trace.exception is not None and trace.exception.oom is not None else None
             if index is None:
                 f.iteration = its.steps
         if index is not None:
             f.iteration = its.iteration_of(index) if its.starts else 0
-            if loop is not None and f.iteration:
-                f.iteration -= _after_step(trace, index, f.iteration, line, loop[0])
+            if loop is not None and f.iteration and ran_after_step(trace, index, line) is not None:
+                f.iteration -= 1
         if f.iteration is not None:
             if library:
                 f.evidence["loop_line"], f.evidence["loop_call"] = its.library_line, its.library_call
@@ -67,25 +68,32 @@ def place_in_loops(trace: Trace, findings: list[Finding]) -> list[Finding]:
     return findings
 
 
-def _after_step(trace: Trace, index: int, iteration: int, line: int, loop_line: int) -> int:
-    """1 when op ``index`` ran after iteration ``iteration - 1``'s optimizer step in the same pass through
-    the loop's body (the cell lines of every op since that step come after the step's line), else 0."""
+def ran_after_step(trace: Trace, index: int, line: int) -> int | None:
+    """The cell line of the ``optimizer.step()`` that op ``index`` (at cell line ``line``) ran after in the same
+    pass through the loop's body (an evaluation after the step), else None: the step is in the same loop,
+    before ``line``, and every op between the step's return and this one is on a line after it.
+
+    >>> from backward_doctor.trace import Trace
+    >>> ran_after_step(Trace(), 3, 2) is None
+    True
+    """
     its = trace.iterations
-    if its.replayed is not None or iteration not in its.recorded:
-        return 0
+    iteration = its.iteration_of(index) if its.starts else None
+    if not iteration or its.replayed is not None or iteration not in its.recorded:
+        return None
     begun = its.starts[its.recorded.index(iteration)]
     steps = [s for s in trace.optimizer_steps if s.index < begun and s.cell_line is not None]
-    if not steps:
-        return 0
+    loop = loop_at(trace.source, line)
+    if not steps or loop is None:
+        return None
     step_line = steps[-1].cell_line
-    if not step_line < line or loop_at(trace.source, step_line) is None \
-            or loop_at(trace.source, step_line)[0] != loop_line:
-        return 0
+    if not step_line < line or loop_at(trace.source, step_line) != loop:
+        return None
     ops = trace.ops
     lo = bisect.bisect_left([op.index for op in ops], begun)
     for op in ops[lo:]:
         if op.index >= index:
             break
-        if op.where.cell_line is not None and op.where.cell_line <= step_line:
-            return 0  # the loop came round again: a new iteration's body
-    return 1
+        if op.where.cell_line is not None and op.where.cell_line < step_line:
+            return None  # the loop came round again: a new iteration's body
+    return step_line

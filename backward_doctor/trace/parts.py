@@ -144,6 +144,8 @@ class OomInfo:
     #: ("(existing before the step)", "(gradients in backward)", "(outside modules)"); largest first
     by_module: dict[str, int] = field(default_factory=dict)
     simulated: bool = False         # ``memory_limit`` ran out, not a device
+    #: the outermost module running when memory ran out was in eval mode (``model.eval()``)
+    eval_mode: bool = False
 
 
 @dataclass
