@@ -37,6 +37,8 @@ def place_in_loops(trace: Trace, findings: list[Finding]) -> list[Finding]:
         return findings
     for f in findings:
         line = f.cell_line if f.cell_line is not None else (f.line if f.file is None else None)
+        if line is None and its.library and f.iteration is not None:
+            line = its.library_line  # (a rule placed it in an iteration, at a line of the user's own files)
         if line is None:
             continue
         library = bool(its.library) and line == its.library_line

@@ -5,10 +5,12 @@ tensors in the namespace still carry an autograd graph and from which runs.
 """
 from __future__ import annotations
 
+import ast
 import bisect
 import collections
 import functools
 import inspect
+import linecache
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -92,8 +94,25 @@ def _class_source(cls: type) -> tuple[str | None, int]:
     file is thousands of lines), far too slow to do for every submodule on every run."""
     try:
         return inspect.getsourcefile(cls), inspect.getsourcelines(cls)[1]
-    except (TypeError, OSError):
+    except (TypeError, OSError):  # a class defined in a notebook cell: ``__main__`` has no file
+        return _class_from_code(cls)
+
+
+def _class_from_code(cls: type) -> tuple[str | None, int]:
+    """(file, first line) of a class from its methods' code objects, which still name the cell's file
+    (IPython keeps the cell's lines in ``linecache``): the ``class`` statement around them there."""
+    codes = [getattr(v, "__func__", v).__code__ for v in vars(cls).values()
+             if hasattr(getattr(v, "__func__", v), "__code__")]
+    if not codes:
         return None, 0
+    file, first = codes[0].co_filename, min(c.co_firstlineno for c in codes)
+    try:
+        tree = ast.parse("".join(linecache.getlines(file)))
+    except SyntaxError:
+        return file, 0
+    spans = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__
+             and n.lineno <= first <= (n.end_lineno or n.lineno)]
+    return file, max(spans, default=0)
 
 
 def _nodes(fn: Any) -> Iterator[Any]:

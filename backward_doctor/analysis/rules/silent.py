@@ -15,7 +15,7 @@ import math
 import os
 
 from ..findings import Finding, at, source_line
-from ...util.stores import store_line
+from ...util.stores import function_at, store_line
 from ...trace.queries import skipped_amp_steps
 from ...trace.parts import GraphHolder
 from ...trace.records import OpRecord, Trace, Where
@@ -46,7 +46,9 @@ def holder_place(trace: Trace, holder: GraphHolder) -> tuple[str, Where]:
     that made it, when this run did). Shared by the leaks across runs and across a loop's iterations."""
     var = _root(holder.path)
     if holder.store in ("module", "closure"):
-        return var, Where(line=holder.store_line, file=holder.store_file, module=holder.module)
+        function = function_at(holder.store_file, holder.store_line) if holder.store_file and holder.store_line \
+            else None
+        return var, Where(line=holder.store_line, file=holder.store_file, module=holder.module, function=function)
     line = store_line(trace.source, holder.target or [var])
     if line is not None:
         return var, Where(line=line, cell_line=line)
