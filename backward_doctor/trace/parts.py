@@ -189,6 +189,9 @@ class Iterations:
     lr: list[float | None] = field(default_factory=list)
     live_bytes: list[int] = field(default_factory=list)
     live_kind: str = ""  # "allocator" (CPU allocator, net since start), "cuda" (memory_allocated), "ledger"
+    #: ``backward()`` calls (``torch.autograd.backward``: ``loss.backward()``, ``accelerator.backward(loss)``) in
+    #: each iteration, the same points as the series above: more than one is gradient accumulation
+    backwards: list[int] = field(default_factory=list)
     #: the first iteration whose loss or gradients were NaN/Inf (seen in every iteration, recorded or not)
     first_nonfinite: int | None = None
     #: what made it non-finite first: "loss" or "gradients"
