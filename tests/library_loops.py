@@ -211,9 +211,9 @@ def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier",
 
 
 # ----------------------------------------------------------------------------- Accelerate
-def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8) -> dict[str, Any]:
+def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, lr: float = 0.1) -> dict[str, Any]:
     """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model``,
-    ``optimizer`` and ``loader`` it prepared; run it with :data:`ACCEL_LOOP` (or a cell of your own)."""
+    ``optimizer`` (SGD, *lr*) and ``loader`` it prepared; run it with :data:`ACCEL_LOOP` (or a cell of your own)."""
     acc = pytest.importorskip("accelerate", reason="accelerate is a test dependency (pyproject [test])")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -223,6 +223,6 @@ def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8) -> dict[str, An
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
     accelerator = acc.Accelerator(cpu=True, gradient_accumulation_steps=accum)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, xy_loader(n=n, batch=batch))
     return {"torch": torch, "accelerator": accelerator, "model": model, "optimizer": optimizer, "loader": loader}

@@ -235,7 +235,7 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
                 self._stepped_params.add(id(p))
         where = self._frames.where(sys._getframe(1))
         step = OptimizerStep(index=self._count, optimizer=type(opt).__name__, id=id(opt),
-                             line=where.line, file=where.file, cell_line=where.cell_line)
+                             line=where.line, file=where.file, cell_line=where.cell_line, function=where.function)
         self.trace.optimizer_steps.append(step)
         wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, step, outermost))
         if wrapped is None:  # no closure: the gradients the update uses are there now

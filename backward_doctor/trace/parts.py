@@ -27,6 +27,7 @@ class OptimizerStep:
     line: int | None = None
     file: str | None = None
     cell_line: int | None = None
+    function: str | None = None  # the user's function that called it (``LitModel.training_step``)
 
 
 @dataclass

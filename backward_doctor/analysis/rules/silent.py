@@ -100,15 +100,16 @@ def stale_grad(trace: Trace) -> list[Finding]:
     """optimizer.step() on gradients that an earlier step already used: zero_grad() is missing."""
     out = []
     for s in trace.stale_steps[:1]:
-        where = Where(line=s.line, file=s.file, cell_line=s.cell_line)
+        where = Where(line=s.line, file=s.file, cell_line=s.cell_line, function=s.function)
         code = _code(trace, where.line, where.file)
+        earlier = "iteration of this loop" if s.since_run == trace.run_id else "run"
         msg = (f"`{code or 'optimizer.step()'}` used gradients that still contain the gradients of an earlier "
-               f"run ({s.params} parameters): `zero_grad()` was never called since the previous step, so "
+               f"{earlier} ({s.params} parameters): `zero_grad()` was never called since the previous step, so "
                "backward() keeps adding into `.grad` and every step follows the sum of all past gradients - "
                "gradient accumulation by accident. Call `optimizer.zero_grad()` at the start of the step "
                "(before `loss.backward()`), or right after `optimizer.step()`.")
         out.append(at("stale_grad", where, msg, title="Gradients were never zeroed", severity="error",
-                      evidence={"parameters": s.params, "since_run": s.since_run}))
+                      evidence={"parameters": s.params, "since_run": s.since_run, "op_index": s.index}))
     return out
 
 
