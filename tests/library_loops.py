@@ -63,15 +63,20 @@ def define(source: str, ns: dict[str, Any], name: str | None = None) -> dict[str
     return ns
 
 
-def marked_line(ns: dict[str, Any], name: str, marker: str) -> int:
-    """The 1-based line, in the file :func:`define` wrote, of the first line containing *marker*, for the
-    code object *name* was defined from (a class or function of *ns*)."""
+def defined_in(ns: dict[str, Any], name: str) -> str:
+    """The file :func:`define` wrote the code of *name* (a class or function of *ns*) into."""
     obj = ns[name]
     # A class defined in a cell has no module file (``inspect.getsourcefile`` fails, as in IPython):
     # its methods' code objects still name the file.
     functions = [obj] if callable(obj) and hasattr(obj, "__code__") else [
         v for v in vars(obj).values() if hasattr(getattr(v, "__func__", v), "__code__")]
-    path = getattr(functions[0], "__func__", functions[0]).__code__.co_filename
+    return getattr(functions[0], "__func__", functions[0]).__code__.co_filename
+
+
+def marked_line(ns: dict[str, Any], name: str, marker: str) -> int:
+    """The 1-based line, in the file :func:`define` wrote, of the first line containing *marker*, for the
+    code object *name* was defined from (a class or function of *ns*)."""
+    path = defined_in(ns, name)
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if marker in line:
@@ -211,9 +216,11 @@ def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier",
 
 
 # ----------------------------------------------------------------------------- Accelerate
-def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, lr: float = 0.1) -> dict[str, Any]:
-    """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model``,
-    ``optimizer`` (SGD, *lr*) and ``loader`` it prepared; run it with :data:`ACCEL_LOOP` (or a cell of your own)."""
+def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, lr: float = 0.1,
+                    model: nn.Module | None = None) -> dict[str, Any]:
+    """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model`` (16 features in,
+    5 classes out; a small MLP unless given), ``optimizer`` (SGD, *lr*) and ``loader`` it prepared; run it with
+    :data:`ACCEL_LOOP` (or a cell of your own)."""
     acc = pytest.importorskip("accelerate", reason="accelerate is a test dependency (pyproject [test])")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -221,7 +228,7 @@ def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, lr: float = 0.1
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    model = model if model is not None else nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
     accelerator = acc.Accelerator(cpu=True, gradient_accumulation_steps=accum)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, xy_loader(n=n, batch=batch))

@@ -178,7 +178,7 @@ def detached(trace: Trace) -> list[Finding]:
     where = Where(line=op.where.line, file=op.where.file, cell_line=op.where.cell_line, module=module,
                   function=op.where.function)
     return [at("detached", where, msg, op=op.op, title="Parameters starved of gradient",
-               evidence={"parameters": names, "cut": how, "values": count})]
+               evidence={"parameters": names, "cut": how, "values": count, "op_index": op.index})]
 
 
 _TOWARD_LOSS = {"aten::pow", "aten::abs", "aten::mean", "aten::sum", "aten::mul", "aten::div", "aten::sqrt",
