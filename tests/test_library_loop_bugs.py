@@ -8,6 +8,7 @@ it); the bug's line is marked ``# <-- bug`` and the correct version replaces tha
 """
 from __future__ import annotations
 
+import linecache
 import os
 import textwrap
 from dataclasses import dataclass, field
@@ -352,3 +353,172 @@ def test_fit_with_clipping_or_accumulation_is_watched_like_a_cell_loop(engine: s
     if "gradient_clip_val" in kw:  # the norm is read after the closure (and Lightning's clipping) ran
         assert max(its.grad_norm) <= 1.0 + 1e-5, its.grad_norm
     assert its.values["1"] == f"epoch 0, batch {2 * kw.get('accumulate_grad_batches', 1) - 1}"
+
+
+# ----------------------------------------------------------------------------- 5. a learning rate too high
+def _hf_lr(lr: str) -> dict[str, Any]:
+    return ll.hf_trainer(args_source=HF_LR.replace("5e5", lr), steps=6)
+
+
+LR_CASES = {  # name: (the run with the learning rate too high, the same with a sound one, cell, where it was set)
+    "hf_training_arguments_typo": (lambda: _hf_lr("5e5"), lambda: _hf_lr("5e-5"), ll.HF_TRAIN,
+                                   lambda ns: ("training_args_", 1)),
+    "lightning_configure_optimizers": (lambda: ll.lit_fit(module_kwargs={"lr": 5e5}, steps=8),
+                                       lambda: ll.lit_fit(steps=8), ll.LIT_FIT,
+                                       lambda ns: (ll.defined_in(ns, "LitClassifier"),
+                                                   ll.marked_line(ns, "LitClassifier", "torch.optim.SGD("))),
+    "accelerate_sgd": (lambda: ll.accelerate_loop(accum=2, n=128, lr=5e5),
+                       lambda: ll.accelerate_loop(accum=2, n=128), ll.ACCEL_LOOP,
+                       lambda ns: (None, 5)),  # (not in the user's sources: the cell's optimizer.step())
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", sorted(LR_CASES))
+def test_divergence_from_the_first_steps_is_the_learning_rate(name: str, engine: str) -> None:
+    _engine_or_skip(engine)
+    bad, good, cell, where = LR_CASES[name]
+    ns = bad()
+    report = bd.diagnose(cell, ns, engine=engine)
+    f = report.findings[0]
+    assert f.kind == "nonfinite" and f.title.startswith("The learning rate is too high"), str(report)
+    file, line = where(ns)
+    if file is not None and not os.path.isabs(file):  # the user's `args = ...` (a file of its own, as a cell)
+        assert os.path.basename(f.file).startswith(file) and "learning_rate=5e5" in linecache.getline(f.file, 1)
+    else:
+        assert f.file == file, f.location()
+    assert f.line == line, f.location()
+    assert f.iteration == 0 and f.evidence["learning_rate"] == 5e5 and f.evidence["early"], f.evidence
+    assert "5e+05" in f.message and "LayerNorm" not in f.title and "add an epsilon" not in f.message, f.message
+    its = report.trace.iterations
+    assert its.loss[0] is not None and its.first_nonfinite is not None and its.first_nonfinite > 1
+    if name.startswith("hf"):  # the typo and its fix, in TrainingArguments' own words
+        assert "`learning_rate=5e-5`" in f.message and "warmup_steps" in f.message, f.message
+        assert f.evidence["lr_set"]["code"] == "args = TrainingArguments(**base_args, learning_rate=5e5)"
+    ok = bd.diagnose(cell, good(), engine=engine)
+    assert ok.exception is None and ok.findings == [], str(ok)
+
+
+# ----------------------------------------------------------------------------- 6. evaluation without no_grad
+def _mlp(width: int = 512) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                               torch.nn.ReLU(), torch.nn.Linear(width, 5))
+
+
+def _eval_loop_ns() -> dict[str, Any]:
+    model = _mlp()
+    g = torch.Generator().manual_seed(1)
+    return {"torch": torch, "F": torch.nn.functional, "model": model,
+            "optimizer": torch.optim.SGD(model.parameters(), lr=0.01),
+            "x": torch.randn(32, 16, generator=g), "y": torch.randint(0, 5, (32,), generator=g),
+            "x_val": torch.randn(4096, 16, generator=g), "y_val": torch.randint(0, 5, (4096,), generator=g)}
+
+
+def _eval_accelerate_ns() -> dict[str, Any]:
+    ns = ll.accelerate_loop(accum=1, n=32, model=_mlp())
+    g = torch.Generator().manual_seed(1)
+    ns.update(x_val=torch.randn(4096, 16, generator=g), y_val=torch.randint(0, 5, (4096,), generator=g))
+    return ns
+
+
+EVAL_LOOP = """\
+for step in range(4):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    val_loss = F.cross_entropy(model(x_val), y_val)  # <-- bug
+    model.train()
+"""
+EVAL_ACCELERATE = """\
+for step, (x, y) in enumerate(loader):
+    with accelerator.accumulate(model):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    val_loss = torch.nn.functional.cross_entropy(model(x_val), y_val)  # <-- bug
+"""
+EVAL_CELL = """\
+model.eval()
+val_loss = F.cross_entropy(model(x_val), y_val)  # <-- bug
+"""
+EVAL_CASES = {"cell_loop": (_eval_loop_ns, EVAL_LOOP, 0), "accelerate": (_eval_accelerate_ns, EVAL_ACCELERATE, 0),
+              "eval_cell": (_eval_loop_ns, EVAL_CELL, None)}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", sorted(EVAL_CASES))
+def test_oom_in_an_evaluation_with_gradients_on_is_the_missing_no_grad(name: str, engine: str) -> None:
+    _engine_or_skip(engine)
+    build, cell, iteration = EVAL_CASES[name]
+    limit = 20 * 2 ** 20  # the training step fits, an evaluation of 4,096 rows with its activations does not
+    report = bd.diagnose(cell, build(), engine=engine, memory_limit=limit)
+    assert report.exception is not None and "out of memory" in report.exception.lower(), str(report)
+    f = report.findings[0]
+    line = next(i for i, t in enumerate(cell.splitlines(), 1) if BUG in t)
+    assert (f.kind, f.file, f.line, f.fixes) == ("oom", None, line, []), str(report)
+    assert f.title == "Evaluation without torch.no_grad() ran out of memory" and f.iteration == iteration, f.location()
+    assert "accumulation" not in f.evidence.get("fix_code", "") and "torch.no_grad()" in f.message
+    code = f.evidence["fix_code"]
+    assert code.startswith("with torch.no_grad():\n    val_loss = ") and "model.train()" not in code, code
+    assert "with torch.no_grad():" in str(report) and "with torch.no_grad():" in report.to_html()
+    compile(code, "<fix>", "exec")
+    ok = bd.diagnose(fixed(cell, "with torch.no_grad():\n    " + cell.splitlines()[line - 1].strip()), build(),
+                     engine=engine, memory_limit=limit)
+    assert ok.exception is None and ok.findings == [], str(ok)
+
+
+# ----------------------------------------------------------------------------- 1. iterations in a cell's loop
+def _cell_loop_ns() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    return {"torch": torch, "F": torch.nn.functional, "model": model, "x": x, "y": y, "x_val": torch.randn(32, 16),
+            "optimizer": torch.optim.SGD(model.parameters(), lr=0.01), "batches": iter([(x, y)] * 16)}
+
+
+TAIL = """\
+for step in range(8):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    val = model(x_val if step != K else x_val[:, :3])  # <-- bug
+"""
+TAIL_NEXT = TAIL.replace("    loss = F.cross_entropy(model(x), y)\n",
+                         "    xb, yb = next(batches)\n    loss = F.cross_entropy(model(xb), yb)\n")
+FIRST = """\
+for step in range(8):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x[:, :3] if step == 0 else x), y)  # <-- bug
+    loss.backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("k", [0, 2, 3, 5])
+@pytest.mark.parametrize("cell", [TAIL, TAIL_NEXT], ids=["replayed", "next_batch"])
+def test_code_after_the_step_belongs_to_the_iteration_whose_step_ran(cell: str, k: int, engine: str) -> None:
+    """An evaluation after ``optimizer.step()`` that fails in iteration k is placed in iteration k, recorded
+    or not (native: 3 and 5 run unrecorded and are replayed, or, with ``next()``, not replayable)."""
+    _engine_or_skip(engine)
+    report = bd.diagnose(cell.replace("K", str(k)), _cell_loop_ns(), engine=engine)
+    f = report.findings[0]
+    assert (f.kind, f.line, f.iteration) == ("shape_mismatch", cell.count("\n") - 0, k), f.location()
+    if cell is TAIL:
+        assert f.evidence["loop_value"] == f"step = {k}", f.evidence
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_before_the_first_step_returns_the_loop_is_in_iteration_0(engine: str) -> None:
+    _engine_or_skip(engine)
+    report = bd.diagnose(FIRST, _cell_loop_ns(), engine=engine)
+    f = report.findings[0]
+    assert (f.kind, f.line, f.iteration, f.evidence["loop_value"]) == ("shape_mismatch", 3, 0, "step = 0"), \
+        f.location()
+    assert "in iteration 0 of the loop at line 1" in f.location()

@@ -88,11 +88,10 @@ def find_library_loop(namespace: dict[str, Any], source: str) -> LibraryLoop | N
 
 
 # ----------------------------------------------------------------------------- where the learning rate was set
-_LR_KEYWORDS = ("learning_rate", "lr")
 _LR_TEXT = re.compile(r"\b(learning_rate|lr)\s*=")
 
 
-def _lr_in_line(text: str, values: set[float]) -> tuple[str, bool] | None:
+def _lr_in_line(text: str, values: set[float], keywords: tuple[str, ...]) -> tuple[str, bool] | None:
     """(keyword, whether its value is a literal equal to one of ``values``) for the first ``lr=`` /
     ``learning_rate=`` keyword or assignment in a statement's text."""
     text = text.strip()
@@ -106,7 +105,7 @@ def _lr_in_line(text: str, values: set[float]) -> tuple[str, bool] | None:
             [(a.arg, d) for a, d in zip(node.args.args[::-1], node.args.defaults[::-1])] \
             if isinstance(node, ast.FunctionDef) else []
         for name, value in pairs:
-            if name in _LR_KEYWORDS:
+            if name in keywords:
                 literal = isinstance(value, ast.Constant) and isinstance(value.value, (int, float))
                 return name, literal and any(abs(float(value.value) - v) <= 1e-9 * max(1.0, abs(v)) for v in values)
     return None
@@ -145,13 +144,14 @@ def _one_line(text: str) -> str:
 
 
 def find_lr_setting(values: set[float], sources: Iterable[tuple[str | None, list[str]]],
-                    prefer: tuple[str | None, int, int] | None = None) -> LrSetting | None:
+                    prefer: tuple[str | None, int, int] | None = None,
+                    keywords: tuple[str, ...] = ("lr",)) -> LrSetting | None:
     """Where the learning rate was set: the last statement of the user's sources that passes one of ``values``
-    as a literal ``lr=`` / ``learning_rate=``; else, within ``prefer`` ((file, first, last line): a
-    ``configure_optimizers``), the line that passes the learning rate at all.
+    as a literal keyword of ``keywords`` (``lr=``; ``learning_rate=`` for ``TrainingArguments``); else, within
+    ``prefer`` ((file, first, last line): a ``configure_optimizers``), the line that passes the learning rate.
 
     >>> cells = [(None, ["opt = SGD(params, lr=0.1)\\n"]), ("/t/2.py", ["args = TA(out, learning_rate=5e5)\\n"])]
-    >>> s = find_lr_setting({500000.0}, cells)
+    >>> s = find_lr_setting({500000.0}, cells, keywords=("learning_rate",))
     >>> s.file, s.line, s.code, s.keyword
     ('/t/2.py', 1, 'args = TA(out, learning_rate=5e5)', 'learning_rate')
     """
@@ -159,7 +159,7 @@ def find_lr_setting(values: set[float], sources: Iterable[tuple[str | None, list
     fallback: LrSetting | None = None
     for file, lines in sources:
         for line, text in _statements(lines):
-            got = _lr_in_line(text, values)
+            got = _lr_in_line(text, values, keywords)
             if got is None:
                 continue
             setting = LrSetting(value=max(values) if values else None, file=file, line=line,
@@ -200,7 +200,8 @@ def locate_lr(trace: Trace, namespace: dict[str, Any], is_user: Callable[[str], 
     span = configure_optimizers_span(namespace)
     if span is not None:
         ran.add(span[0])
-    found = find_lr_setting(values, user_sources(is_user, ran, trace.source), span)
+    keywords = ("learning_rate",) if its.library == "transformers" else ("lr",)
+    found = find_lr_setting(values, user_sources(is_user, ran, trace.source), span, keywords)
     if found is not None:
         found.value = its.base_lr or found.value
     return found
