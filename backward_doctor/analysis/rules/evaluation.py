@@ -97,8 +97,8 @@ def eval_without_no_grad(trace: Trace) -> list[Finding]:
     fix = (f"`with torch.no_grad(): {block.splitlines()[1].strip()}`" if first == last else
            f"lines {first}-{last} inside `with torch.no_grad():`")
     msg = (f"Memory ran out in an evaluation at line {line} (`{text}`), {what}, run with gradients on: every "
-           f"layer saved what a backward would need ({format_bytes(activations)} of activations live), for a "
-           "backward that never comes. An evaluation needs each layer's output only until the next layer has "
+           f"layer saved what a backward would need ({format_bytes(activations)} of the {format_bytes(exc.oom.live)} "
+           "in use were activations), for a backward that never comes. An evaluation needs each layer's output only until the next layer has "
            f"read it. Fix: {fix} (or `torch.inference_mode()`); `model.eval()` alone does not turn gradients off. "
            "A smaller batch, gradient accumulation or AMP would only shrink what need not be kept at all.")
     evidence = {"activations": activations, "step_line": after, "eval_mode": exc.oom.eval_mode,

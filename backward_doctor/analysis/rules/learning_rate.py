@@ -73,7 +73,8 @@ def diverged_from_start(trace: Trace, f: Finding, pattern: dict[str, Any], k: in
         where = Where(line=line, cell_line=line) if line is not None else Where(line=f.line, file=f.file)
     set_at = f", set by `{code}`," if code else ""
     steps = f"{pattern['after']} optimizer steps" if pattern["after"] != 1 else "optimizer step"
-    consequence = (f"`{f.op}` at line {f.line}" if f.op and f.line is not None else "the op") + " that made the first NaN/Inf"
+    consequence = "the op that made the first NaN/Inf" + (f", `{f.op}`" if f.op else "") + \
+        (f" in `{f.module}`," if f.module else f" at line {f.line}," if f.op and f.line is not None else "")
     msg = (f"The learning rate {shown}{set_at} is far too high: the loss went from {pattern['from']:.3g} to "
            f"{pattern['to']:.3g} in the first {steps}, and was NaN/Inf "
            f"in iteration {k}. Each update overshoots, the weights blow up until an op overflows; {consequence} is a "
