@@ -130,13 +130,14 @@ def hf_args_kwargs(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5
 
 
 def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
-               args_source: str | None = None, **args: Any) -> dict[str, Any]:
+               args_source: str | None = None, eval_n: int = 0, **args: Any) -> dict[str, Any]:
     """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier), ``model``,
     ``args``, ``train_ds``; run it with :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass
     named *trainer_name* (e.g. with its own ``compute_loss``) via :func:`define`; its namespace has
     ``Trainer``, ``torch`` and ``F``. *args* go to :func:`hf_args`; *args_source*, when given, is the user's
     code that binds ``args`` (defined like a cell), from ``base_args``: those keyword arguments without the
-    learning rate (``args = TrainingArguments(**base_args, learning_rate=5e5)``)."""
+    learning rate (``args = TrainingArguments(**base_args, learning_rate=5e5)``). *eval_n*: an ``eval_ds`` of
+    that many examples for the trainer to evaluate on (with ``eval_strategy`` in *args*)."""
     tf = _transformers()
     ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
                           "TrainingArguments": tf.TrainingArguments}
@@ -150,7 +151,8 @@ def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer
     else:
         ns["args"] = hf_args(**args)
     ns["train_ds"] = TokenDataset(n=n)
-    ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"])
+    ns["eval_ds"] = TokenDataset(n=eval_n, seed=1) if eval_n else None
+    ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"], eval_dataset=ns["eval_ds"])
     return ns
 
 
@@ -180,6 +182,33 @@ class LitClassifier(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+"""
+
+
+#: A correct LightningModule with manual optimization (``self.optimizers()``, ``manual_backward``).
+LIT_MANUAL = """\
+import torch
+import pytorch_lightning as pl
+import torch.nn.functional as F
+
+
+class LitManual(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 """
 
 
