@@ -201,34 +201,19 @@ def _item_rebuilt(f: Any, ns: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- Accelerate (a cell loop)
-ACC_INPLACE = """\
-for step, (x, y) in enumerate(loader):
-    with accelerator.accumulate(model):
+_ACC_LOSS = "        loss = torch.nn.functional.cross_entropy(model(x), y)\n"  # (the line of ll.ACCEL_LOOP each bug edits)
+ACC_INPLACE = ll.ACCEL_LOOP.replace(_ACC_LOSS, """\
         h = torch.sigmoid(model(x))
         if step == 5:
             h += 1  # <-- bug
         loss = torch.nn.functional.cross_entropy(h, y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-"""
-ACC_ITEM = """\
-for step, (x, y) in enumerate(loader):
-    with accelerator.accumulate(model):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+""")
+ACC_ITEM = ll.ACCEL_LOOP.replace(_ACC_LOSS, _ACC_LOSS + """\
         loss = torch.tensor(loss.item(), requires_grad=True)  # <-- bug
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-"""
-ACC_FUNCTION = """\
-for step, (x, y) in enumerate(loader):
-    with accelerator.accumulate(model):
+""")
+ACC_FUNCTION = ll.ACCEL_LOOP.replace(_ACC_LOSS, """\
         loss = torch.nn.functional.cross_entropy(Project.apply(model(x), proj), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-"""
+""")
 
 
 def _acc_with_function(source: str) -> dict[str, Any]:
@@ -432,15 +417,7 @@ for step in range(4):
     val_loss = F.cross_entropy(model(x_val), y_val)  # <-- bug
     model.train()
 """
-EVAL_ACCELERATE = """\
-for step, (x, y) in enumerate(loader):
-    with accelerator.accumulate(model):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    val_loss = torch.nn.functional.cross_entropy(model(x_val), y_val)  # <-- bug
-"""
+EVAL_ACCELERATE = ll.ACCEL_LOOP + "    val_loss = torch.nn.functional.cross_entropy(model(x_val), y_val)  # <-- bug\n"
 EVAL_CELL = """\
 model.eval()
 val_loss = F.cross_entropy(model(x_val), y_val)  # <-- bug
@@ -522,3 +499,15 @@ def test_before_the_first_step_returns_the_loop_is_in_iteration_0(engine: str) -
     assert (f.kind, f.line, f.iteration, f.evidence["loop_value"]) == ("shape_mismatch", 3, 0, "step = 0"), \
         f.location()
     assert "in iteration 0 of the loop at line 1" in f.location()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_leaf_made_to_be_differentiated_is_not_a_loss_rebuilt_from_numbers(engine: str) -> None:
+    """Only a tensor made from a number a ``.item()`` took out of the graph is a rebuilt loss: a leaf the user
+    made with ``requires_grad=True`` (a model idle in the namespace) is differentiated on purpose."""
+    _engine_or_skip(engine)
+    ns = {"torch": torch, "model": torch.nn.Linear(4, 2)}
+    for cell in ("z = torch.ones(2, requires_grad=True)\n(z * 3).sum().backward()\n",
+                 "z = torch.tensor([1.0, 2.0], requires_grad=True)\n(z * model.weight.sum().item()).sum().backward()\n"):
+        report = bd.diagnose(cell, ns, engine=engine)
+        assert report.findings == [], str(report)

@@ -287,14 +287,20 @@ _WHY = {
 
 
 def _rebuilt_from_numbers(trace: Trace) -> OpRecord | None:
-    """The op that made a fresh tensor the loss was computed from, when no parameter got a gradient: a
-    library that scales the loss first (a Trainer divides it by the accumulation steps) puts an op between
-    the rebuilt leaf and ``backward()``, so the walk starts at each backward's root and goes back."""
-    if any(p.got_grad for p in trace.params):
+    """The op that made a tensor from Python numbers (``torch.tensor(loss.item(), requires_grad=True)``) the
+    loss was computed from, when the forward used trainable parameters and none got a gradient: a library
+    that scales the loss first (a Trainer divides it by the accumulation steps) puts an op between the rebuilt
+    leaf and ``backward()``, so the walk starts at each backward's root and goes back. A tensor the user
+    made to differentiate (``torch.ones(2, requires_grad=True)``) is not one: no ``.item()`` came before."""
+    used = {k for op in trace.ops if op.phase == "forward" for k in op.in_keys}
+    if any(p.got_grad for p in trace.params) or not any(p.requires_grad and p.key in used for p in trace.params):
         return None
     for root in sorted(loss_roots(trace)):
         found = _cut(trace, root)
-        if found is not None and found[1] == "new_tensor":
+        if found is None or found[1] != "new_tensor" or found[0].op not in ("aten::lift_fresh", "aten::scalar_tensor"):
+            continue
+        if any(op.op == "aten::_local_scalar_dense" and op.index < found[0].index and op.inputs
+               and op.inputs[0].requires_grad for op in trace.ops):
             return found[0]
     return None
 
