@@ -5,12 +5,10 @@ tensors in the namespace still carry an autograd graph and from which runs.
 """
 from __future__ import annotations
 
-import ast
 import bisect
 import collections
 import functools
 import inspect
-import linecache
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -18,7 +16,7 @@ from torch import nn
 
 from . import namespace as ns_mod
 from .memory import shape_of, storage_key, storage_nbytes
-from ..util.stores import store_line_in_file
+from ..util.stores import class_line, store_line_in_file
 from ..trace.parts import GraphHolder
 from ..trace.records import ParamInfo
 
@@ -105,14 +103,8 @@ def _class_from_code(cls: type) -> tuple[str | None, int]:
              if hasattr(getattr(v, "__func__", v), "__code__")]
     if not codes:
         return None, 0
-    file, first = codes[0].co_filename, min(c.co_firstlineno for c in codes)
-    try:
-        tree = ast.parse("".join(linecache.getlines(file)))
-    except SyntaxError:
-        return file, 0
-    spans = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__
-             and n.lineno <= first <= (n.end_lineno or n.lineno)]
-    return file, max(spans, default=0)
+    file = codes[0].co_filename
+    return file, class_line(file, cls.__name__, min(c.co_firstlineno for c in codes)) or 0
 
 
 def _nodes(fn: Any) -> Iterator[Any]:

@@ -124,3 +124,20 @@ def function_at(filename: str, line: int) -> str | None:
                 visit(child, inner)
     visit(tree, [])
     return ".".join(best) if best else None
+
+
+def class_line(filename: str, name: str, inside: int) -> int | None:
+    """The line of the ``class name`` statement of a source file whose body holds line ``inside`` (a class
+    defined in a notebook cell, found from its methods' first lines).
+
+    >>> import linecache
+    >>> linecache.cache["<doc2>"] = (0, None, ["x = 1\\n", "class Lit:\\n", "    def f(self):\\n", "        pass\\n"], "<doc2>")
+    >>> class_line("<doc2>", "Lit", 3)
+    2
+    """
+    tree = _parsed(filename)
+    if tree is None:
+        return None
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name
+             and n.lineno <= inside <= (n.end_lineno or n.lineno)]
+    return max(lines) if lines else None
