@@ -136,6 +136,12 @@ LIT_DETACH = LIT_HEAD + """
         feats = self.net[0](x).detach()  # <-- bug
         return F.cross_entropy(self.net[2](torch.relu(feats)), y)
 """ + LIT_OPT
+LIT_DETACH_ALL = LIT_HEAD + """
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x).detach()  # <-- bug
+        return F.cross_entropy(logits, y)
+""" + LIT_OPT
 LIT_NAN = LIT_HEAD + """
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -242,6 +248,9 @@ CASES: dict[str, Case] = {
     "lightning_detach_in_training_step": Case(
         _lit, LIT_DETACH, "feats = self.net[0](x)", ll.LIT_FIT, "detached", "LitModel", "LitModel.training_step",
         iteration=0, loop_call="trainer.fit(model, loader)"),
+    "lightning_detach_whole_output_in_training_step": Case(
+        _lit, LIT_DETACH_ALL, "logits = self.net(x)", ll.LIT_FIT, "no_grad_path", "LitModel", "LitModel.training_step",
+        iteration=0, loop_value="epoch 0, batch 0"),
     "lightning_log_of_zero_in_training_step": Case(
         _lit, LIT_NAN, "loss = F.cross_entropy(self.net(x), y)", ll.LIT_FIT, "nonfinite", "LitModel",
         "LitModel.training_step", iteration=2, loop_value="epoch 0, batch 2", check=_no_false_backward),

@@ -207,11 +207,15 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
     writer: dict[int, int] = {}
     producers: dict[int, list[int]] = {}
     seen_rg: set[int] = set()
+    #: per op, its inputs read without requires_grad whose storage an earlier op read with it (as things
+    #: stood when it ran: a storage freed later may come back under the same key)
+    cut_inputs: dict[int, list[int]] = {}
     for op in trace.ops:
         producers[op.index] = [writer[k] for k in op.in_keys if k in writer]
         for k, m in zip(op.in_keys, op.inputs):
             if m.requires_grad:
                 seen_rg.add(k)
+        cut_inputs[op.index] = [k for k, m in zip(op.in_keys, op.inputs) if k in seen_rg and not m.requires_grad]
         # A freshly allocated output may reuse the key of a freed storage: forget what that one was.
         seen_rg.difference_update(k for k in op.out_keys if k not in op.in_keys)
         if op.op not in _NO_VALUES:  # views of a storage, not new values
@@ -239,11 +243,10 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
             # argmax / a comparison / .long(): integers have no gradient. Only the answer when nothing
             # else cut the graph: labels made by an argmax are fine where a detach is the real cut.
             nondiff = nondiff or op
-        for k, r in zip(op.in_keys, rg):
-            if k in seen_rg and not r:
-                wrote = trace.op(_last_writer_before(trace, k, op.index))
-                detach = _user_detach(trace, k, op.index, wrote)
-                return (detach, "detach") if detach is not None else (_data_site(trace, k, op), "data")
+        for k in cut_inputs.get(idx, ()):
+            wrote = trace.op(_last_writer_before(trace, k, op.index))
+            detach = _user_detach(trace, k, op.index, wrote)
+            return (detach, "detach") if detach is not None else (_data_site(trace, k, op), "data")
         queue.extend(producers.get(idx, []))
     return (nondiff, "nondiff") if nondiff is not None else None
 
