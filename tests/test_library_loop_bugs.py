@@ -354,6 +354,13 @@ def _hf_lr(lr: str) -> dict[str, Any]:
     return ll.hf_trainer(args_source=HF_LR.replace("5e5", lr), steps=6)
 
 
+def _with_another_cell(ns: dict[str, Any]) -> dict[str, Any]:
+    """An earlier cell that passes the same number as ``lr=`` to something else: not where this loop's
+    learning rate was set (it builds no optimizer of this loop)."""
+    ll.define("class Schedule:\n    def __init__(self, lr):\n        self.lr = lr\n\n\nother = Schedule(lr=5e5)\n", {})
+    return ns
+
+
 LR_CASES = {  # name: (the run with the learning rate too high, the same with a sound one, cell, where it was set)
     "hf_training_arguments_typo": (lambda: _hf_lr("5e5"), lambda: _hf_lr("5e-5"), ll.HF_TRAIN,
                                    lambda ns: ("training_args_", 1)),
@@ -361,7 +368,7 @@ LR_CASES = {  # name: (the run with the learning rate too high, the same with a 
                                        lambda: ll.lit_fit(steps=8), ll.LIT_FIT,
                                        lambda ns: (ll.defined_in(ns, "LitClassifier"),
                                                    ll.marked_line(ns, "LitClassifier", "torch.optim.SGD("))),
-    "accelerate_sgd": (lambda: ll.accelerate_loop(accum=2, n=128, lr=5e5),
+    "accelerate_sgd": (lambda: _with_another_cell(ll.accelerate_loop(accum=2, n=128, lr=5e5)),
                        lambda: ll.accelerate_loop(accum=2, n=128), ll.ACCEL_LOOP,
                        lambda ns: (None, 5)),  # (not in the user's sources: the cell's optimizer.step())
 }

@@ -144,14 +144,16 @@ def _one_line(text: str) -> str:
 
 
 def find_lr_setting(values: set[float], sources: Iterable[tuple[str | None, list[str]]],
-                    prefer: tuple[str | None, int, int] | None = None,
-                    keywords: tuple[str, ...] = ("lr",)) -> LrSetting | None:
+                    prefer: tuple[str | None, int, int] | None = None, keywords: tuple[str, ...] = ("lr",),
+                    anchors: tuple[str, ...] = ()) -> LrSetting | None:
     """Where the learning rate was set: the last statement of the user's sources that passes one of ``values``
-    as a literal keyword of ``keywords`` (``lr=``; ``learning_rate=`` for ``TrainingArguments``); else, within
-    ``prefer`` ((file, first, last line): a ``configure_optimizers``), the line that passes the learning rate.
+    as a literal keyword of ``keywords`` (``lr=``; ``learning_rate=`` for ``TrainingArguments``) and names one
+    of ``anchors`` (what builds this loop's optimizer: ``SGD(``, ``TrainingArguments(``, the LightningModule's
+    class: a cell about another model does not count); else, within ``prefer`` ((file, first, last line): a
+    ``configure_optimizers``), the line that passes the learning rate.
 
     >>> cells = [(None, ["opt = SGD(params, lr=0.1)\\n"]), ("/t/2.py", ["args = TA(out, learning_rate=5e5)\\n"])]
-    >>> s = find_lr_setting({500000.0}, cells, keywords=("learning_rate",))
+    >>> s = find_lr_setting({500000.0}, cells, keywords=("learning_rate",), anchors=("TA(",))
     >>> s.file, s.line, s.code, s.keyword
     ('/t/2.py', 1, 'args = TA(out, learning_rate=5e5)', 'learning_rate')
     """
@@ -159,6 +161,9 @@ def find_lr_setting(values: set[float], sources: Iterable[tuple[str | None, list
     fallback: LrSetting | None = None
     for file, lines in sources:
         for line, text in _statements(lines):
+            inside = prefer is not None and file == prefer[0]  # (the LightningModule's own code)
+            if anchors and not inside and not any(a in text for a in anchors):
+                continue
             got = _lr_in_line(text, values, keywords)
             if got is None:
                 continue
@@ -166,7 +171,7 @@ def find_lr_setting(values: set[float], sources: Iterable[tuple[str | None, list
                                 code=_one_line(text), keyword=got[0])
             if got[1]:
                 found = setting
-            elif prefer is not None and file == prefer[0] and prefer[1] <= line <= prefer[2]:
+            elif inside and prefer[1] <= line <= prefer[2]:
                 fallback = fallback or setting
     return found or fallback
 
@@ -197,19 +202,24 @@ def locate_lr(trace: Trace, namespace: dict[str, Any], is_user: Callable[[str], 
     if not values:
         return None
     ran = {op.where.file for op in trace.ops if op.where.file}
-    span = configure_optimizers_span(namespace)
+    found_span = configure_optimizers_span(namespace)
+    span = found_span[1:] if found_span is not None else None
     if span is not None:
         ran.add(span[0])
     keywords = ("learning_rate",) if its.library == "transformers" else ("lr",)
-    found = find_lr_setting(values, user_sources(is_user, ran, trace.source), span, keywords)
+    anchors = {f"{s.optimizer}(" for s in trace.optimizer_steps} | \
+        ({"TrainingArguments("} if its.library == "transformers" else set()) | \
+        ({f"{found_span[0]}("} if found_span is not None else set())
+    found = find_lr_setting(values, user_sources(is_user, ran, trace.source), span, keywords, tuple(sorted(anchors)))
     if found is not None:
         found.value = its.base_lr or found.value
     return found
 
 
-def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, int, int] | None:
-    """(file, first line, last line) of a LightningModule's ``configure_optimizers`` in the namespace: from its
-    code object, which a class defined in a notebook cell still has (``inspect`` cannot find such a class)."""
+def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, str, int, int] | None:
+    """(class name, file, first line, last line) of a LightningModule's ``configure_optimizers`` in the
+    namespace: from its code object, which a class defined in a notebook cell still has (``inspect`` cannot
+    find such a class)."""
     from . import namespace as ns_mod
 
     for _, mod in ns_mod.modules(namespace):
@@ -218,7 +228,7 @@ def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, int, int]
         if code is None or "lightning" in (getattr(fn, "__module__", "") or ""):
             continue
         last = max((ln for _, _, ln in code.co_lines() if ln is not None), default=code.co_firstlineno)
-        return code.co_filename, code.co_firstlineno, last
+        return type(mod).__name__, code.co_filename, code.co_firstlineno, last
     return None
 
 
