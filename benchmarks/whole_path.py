@@ -129,11 +129,29 @@ def loop(n: int) -> Callable[[], tuple[dict, str]]:
     return build
 
 
+def library(name: str) -> Callable[[], tuple[dict, str]]:
+    """A library's loop (tests/library_loops.py, tiny and offline), 16 optimizer steps: `Trainer.train()`,
+    Lightning `fit()` (a new `pl.Trainer` in the cell: a finished one would not train again), Accelerate."""
+    def build() -> tuple[dict, str]:
+        import library_loops as ll
+
+        if name == "hf_trainer":
+            return ll.hf_trainer(steps=16, n=64), ll.HF_TRAIN
+        if name == "lightning_fit":
+            ns = ll.lit_fit(steps=16)
+            ns["ll"] = ll
+            return ns, "trainer = ll.lit_trainer(16)\ntrainer.fit(model, loader)\n"
+        return ll.accelerate_loop(accum=2, n=256), ll.ACCEL_LOOP
+    build.__name__ = name
+    return build
+
+
 WORKLOADS: dict[str, Callable[[], tuple[dict, str]]] = {
     "mlp": mlp, "cnn": cnn, "transformer": transformer,
     "hf_gpt2": _hf("hf_gpt2"), "hf_llama": _hf("hf_llama"), "hf_bert": _hf("hf_bert"), "hf_t5": _hf("hf_t5"),
     "hf_vit": _hf("hf_vit"), "hf_mixtral_moe": _hf("hf_mixtral_moe"), "peft_lora_gpt2": _hf("peft_lora_gpt2"),
     "gpt2_50m": gpt2_50m, "loop_200": loop(200), "loop_2000": loop(2000),
+    "hf_trainer": library("hf_trainer"), "lightning_fit": library("lightning_fit"), "accelerate": library("accelerate"),
 }
 QUICK_SKIP = {"gpt2_50m", "loop_2000"}
 SMOKE = ["mlp", "loop_200"]

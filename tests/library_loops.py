@@ -57,20 +57,26 @@ def define(source: str, ns: dict[str, Any], name: str | None = None) -> dict[str
     path = os.path.join(_DIR, f"{name or 'user_code'}_{next(_counter)}.py")
     with open(path, "w", encoding="utf-8") as f:
         f.write(source)
-    linecache.checkcache(path)
+    # As IPython registers a cell's code: in linecache for good (no modification time to check).
+    linecache.cache[path] = (len(source), None, source.splitlines(keepends=True), path)
     exec(compile(source, path, "exec"), ns)
     return ns
 
 
-def marked_line(ns: dict[str, Any], name: str, marker: str) -> int:
-    """The 1-based line, in the file :func:`define` wrote, of the first line containing *marker*, for the
-    code object *name* was defined from (a class or function of *ns*)."""
+def defined_in(ns: dict[str, Any], name: str) -> str:
+    """The file :func:`define` wrote the code of *name* (a class or function of *ns*) into."""
     obj = ns[name]
     # A class defined in a cell has no module file (``inspect.getsourcefile`` fails, as in IPython):
     # its methods' code objects still name the file.
     functions = [obj] if callable(obj) and hasattr(obj, "__code__") else [
         v for v in vars(obj).values() if hasattr(getattr(v, "__func__", v), "__code__")]
-    path = getattr(functions[0], "__func__", functions[0]).__code__.co_filename
+    return getattr(functions[0], "__func__", functions[0]).__code__.co_filename
+
+
+def marked_line(ns: dict[str, Any], name: str, marker: str) -> int:
+    """The 1-based line, in the file :func:`define` wrote, of the first line containing *marker*, for the
+    code object *name* was defined from (a class or function of *ns*)."""
+    path = defined_in(ns, name)
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if marker in line:
@@ -109,22 +115,30 @@ def tiny_bert_classifier(seed: int = 0) -> nn.Module:
 
 def hf_args(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5e-5, **extra: Any) -> Any:
     """`TrainingArguments` for a quiet CPU run: no logging, saving, tqdm or reporting; *extra* overrides."""
-    tf = _transformers()
+    return _transformers().TrainingArguments(**hf_args_kwargs(steps, batch, accum, lr, **extra))
+
+
+def hf_args_kwargs(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5e-5, **extra: Any) -> dict[str, Any]:
+    """The keyword arguments :func:`hf_args` passes to `TrainingArguments`."""
     kw: dict[str, Any] = dict(output_dir=tempfile.mkdtemp(prefix="bd-hf-", dir=_DIR), max_steps=steps,
                               per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
                               learning_rate=lr, use_cpu=True, report_to="none", save_strategy="no",
                               logging_strategy="no", eval_strategy="no", disable_tqdm=True,
                               dataloader_num_workers=0, seed=0)
     kw.update(extra)
-    return tf.TrainingArguments(**kw)
+    return kw
 
 
 def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
-               callbacks: list | None = None, **args: Any) -> dict[str, Any]:
+               callbacks: list | None = None, args_source: str | None = None, eval_n: int = 0,
+               **args: Any) -> dict[str, Any]:
     """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier), ``model``,
     ``args``, ``train_ds``; run it with :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass
     named *trainer_name* (e.g. with its own ``compute_loss``) via :func:`define`; its namespace has
-    ``Trainer``, ``torch`` and ``F``. *callbacks* go to the ``Trainer``; *args* to :func:`hf_args`."""
+    ``Trainer``, ``torch`` and ``F``. *callbacks* go to the ``Trainer``; *args* to :func:`hf_args`;
+    *args_source*, when given, is the user's code that binds ``args`` (defined like a cell), from
+    ``base_args``: those keyword arguments without the learning rate (``args = TrainingArguments(**base_args, learning_rate=5e5)``). *eval_n*: an ``eval_ds`` of
+    that many examples for the trainer to evaluate on (with ``eval_strategy`` in *args*)."""
     tf = _transformers()
     ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
                           "TrainingArguments": tf.TrainingArguments}
@@ -132,9 +146,15 @@ def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer
     if trainer_source is not None:
         cls = define(trainer_source, ns, name=trainer_name)[trainer_name]
     ns["model"] = tiny_bert_classifier()
-    ns["args"] = hf_args(**args)
+    if args_source is not None:
+        ns["base_args"] = {k: v for k, v in hf_args_kwargs(**args).items() if k != "learning_rate"}
+        define(args_source, ns, name="training_args")
+    else:
+        ns["args"] = hf_args(**args)
     ns["train_ds"] = TokenDataset(n=n)
-    ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"], callbacks=callbacks)
+    ns["eval_ds"] = TokenDataset(n=eval_n, seed=1) if eval_n else None
+    ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"],
+                       eval_dataset=ns["eval_ds"], callbacks=callbacks)
     return ns
 
 
@@ -164,6 +184,33 @@ class LitClassifier(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+"""
+
+
+#: A correct LightningModule with manual optimization (``self.optimizers()``, ``manual_backward``).
+LIT_MANUAL = """\
+import torch
+import pytorch_lightning as pl
+import torch.nn.functional as F
+
+
+class LitManual(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 """
 
 
@@ -200,9 +247,11 @@ def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier",
 
 
 # ----------------------------------------------------------------------------- Accelerate
-def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8) -> dict[str, Any]:
-    """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model``,
-    ``optimizer`` and ``loader`` it prepared; run it with :data:`ACCEL_LOOP` (or a cell of your own)."""
+def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, lr: float = 0.1,
+                    model: nn.Module | None = None) -> dict[str, Any]:
+    """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model`` (16 features in,
+    5 classes out; a small MLP unless given), ``optimizer`` (SGD, *lr*) and ``loader`` it prepared; run it with
+    :data:`ACCEL_LOOP` (or a cell of your own)."""
     acc = pytest.importorskip("accelerate", reason="accelerate is a test dependency (pyproject [test])")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -210,8 +259,8 @@ def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8) -> dict[str, An
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    model = model if model is not None else nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
     accelerator = acc.Accelerator(cpu=True, gradient_accumulation_steps=accum)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, xy_loader(n=n, batch=batch))
     return {"torch": torch, "accelerator": accelerator, "model": model, "optimizer": optimizer, "loader": loader}

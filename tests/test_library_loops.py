@@ -20,6 +20,10 @@ LOOPS = {
     "lightning_fit": (lambda: ll.lit_fit(), ll.LIT_FIT),
     "lightning_fit_accumulating": (lambda: ll.lit_fit(trainer_kwargs={"accumulate_grad_batches": 2}), ll.LIT_FIT),
     "accelerate_accumulate": (lambda: ll.accelerate_loop(accum=2), ll.ACCEL_LOOP),
+    # (issue 26) evaluation inside the loop, clipping, manual optimization: watched, silent, bit-identical
+    "hf_trainer_evaluating": (lambda: ll.hf_trainer(eval_n=8, eval_strategy="steps", eval_steps=2), ll.HF_TRAIN),
+    "lightning_fit_clipping": (lambda: ll.lit_fit(trainer_kwargs={"gradient_clip_val": 0.5}), ll.LIT_FIT),
+    "lightning_fit_manual": (lambda: ll.lit_fit(module_source=ll.LIT_MANUAL, module_name="LitManual"), ll.LIT_FIT),
 }
 
 

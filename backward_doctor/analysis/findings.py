@@ -81,13 +81,19 @@ class Finding:
         return f"{loc}, {self.when()}" if self.iteration is not None else loc
 
     def when(self) -> str:
-        """``in iteration 20 of the loop at line 1`` ('' outside a loop)."""
+        """``in iteration 20 of the loop at line 1``, ``in iteration 3 of `trainer.train()` (epoch 0)`` for a
+        library's loop ('' outside a loop).
+
+        >>> Finding("inplace", "", iteration=3, evidence={"loop_call": "trainer.train()", "loop_value": "epoch 0"}).when()
+        'in iteration 3 of `trainer.train()` (epoch 0)'
+        """
         if self.iteration is None:
             return ""
         loop = self.evidence.get("loop_line")
+        call = self.evidence.get("loop_call")
         value = self.evidence.get("loop_value")
-        return (f"in iteration {self.iteration} of the loop" + (f" at line {loop}" if loop is not None else "")
-                + (f" ({value})" if value else ""))
+        of = f" of `{call}`" if call else " of the loop" + (f" at line {loop}" if loop is not None else "")
+        return f"in iteration {self.iteration}{of}" + (f" ({value})" if value else "")
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -53,7 +53,7 @@ def nan_pattern(its: Iterations, k: int) -> dict[str, Any] | None:
         if len(values) >= 8:
             break
     else:
-        return None
+        return early_divergence(its, k)
     iters = hist["iterations"][:len(values)]
     typical = statistics.median(values[: max(4, len(values) // 2)])
     last = values[-1]
@@ -64,6 +64,24 @@ def nan_pattern(its: Iterations, k: int) -> dict[str, Any] | None:
             start -= 1
         return {**out, "pattern": "divergence", "start": iters[start]}
     return {**out, "pattern": "jump", "start": k}
+
+
+def early_divergence(its: Iterations, k: int) -> dict[str, Any] | None:
+    """A loop that diverged from its first steps (NaN/Inf first seen in iteration ``k``, fewer than 8 finite
+    points before it): the loss grew at least 100x over its first value, its last finite value the highest
+    (``{"pattern": "divergence", "series": "loss", "start": 0, "early": True, "from", "to", "after"}``,
+    ``after``: the iteration of the last finite value). Such a start is the update size: the learning rate.
+
+    >>> early_divergence(Iterations(steps=3, loss=[5.5, 1.9e12, None]), 2)["to"]
+    1900000000000.0
+    >>> early_divergence(Iterations(steps=3, loss=[5.5, 5.2, None]), 2) is None
+    True
+    """
+    values = _finite_prefix(history_before(its, k, points=16)["loss"])
+    if len(values) < 2 or values[0] <= 0 or values[-1] < 100 * values[0] or values[-1] < max(values):
+        return None
+    return {"pattern": "divergence", "series": "loss", "start": 0, "early": True, "from": values[0],
+            "to": values[-1], "after": (len(values) - 1) * its.stride}
 
 
 def lr_change(its: Iterations, before: int, source: str = "") -> dict[str, Any] | None:
@@ -124,4 +142,4 @@ def memory_growth(its: Iterations, limit: int | None = None) -> dict[str, Any] |
     return {"per_iteration": per, "from": b0, "to": b1, "first": i0, "last": i1, "full_at": full}
 
 
-__all__ = ["history_before", "nan_pattern", "lr_change", "lr_line", "memory_growth"]
+__all__ = ["history_before", "nan_pattern", "early_divergence", "lr_change", "lr_line", "memory_growth"]

@@ -17,6 +17,7 @@ optimizer hooks, per-parameter hooks) is restored on exit, exceptions included.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -129,6 +130,7 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         self._compile_watch.install()
         self._watch = self._make_watch()
         self._watch_backward()
+        self._find_library_loop()
 
     def _remove_parameter_hooks(self) -> None:
         handles, self._handles = self._handles, []
@@ -224,21 +226,69 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
             del stack[stack.index(id(module)):]
         self._stack_key = tuple(stack)
 
-    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._opt_depth == 0:
-            self._watch.before_step(opt)
+    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+        outermost = self._opt_depth == 0
         self._opt_depth += 1
         self._where_cache.clear()
         for group in opt.param_groups:
             for p in group["params"]:
                 self._register_param(p)
+                self._stepped_params.add(id(p))
         where = self._frames.where(sys._getframe(1))
         step = OptimizerStep(index=self._count, optimizer=type(opt).__name__, id=id(opt),
-                             line=where.line, file=where.file, cell_line=where.cell_line)
+                             line=where.line, file=where.file, cell_line=where.cell_line, function=where.function)
         self.trace.optimizer_steps.append(step)
-        closure = any(callable(a) for a in list(args) + list(kwargs.values()))
-        if self.history is not None and not closure:  # L-BFGS & co. zero grads inside the closure
+        wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, step, outermost))
+        if wrapped is None:  # no closure: the gradients the update uses are there now
+            self._before_update(opt, step, outermost)
+        return wrapped
+
+    def _before_update(self, opt: torch.optim.Optimizer, step: OptimizerStep | None, outermost: bool) -> None:
+        """The optimizer's own update is about to use the gradients (after its closure, if it got one):
+        the loop watch reads them, and whether an earlier step had already used them."""
+        if outermost:
+            self._watch.before_step(opt)
+        if self.history is not None and step is not None:
             self._check_stale(opt, step)
+
+    def _wrap_closure(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict,
+                      first_returned: Any) -> tuple[tuple, dict] | None:
+        """``step(closure)`` (L-BFGS; Lightning runs ``training_step`` and ``backward`` in one): the new
+        (args, kwargs) with the closure wrapped so that what it runs is recorded as the forward and backward
+        it is, not as the optimizer's update, and ``first_returned`` is called when it first returns (the
+        update uses the gradients it left). None when there is no closure. The wrapper calls the closure
+        with the same arguments and returns what it returns: the step computes exactly the same."""
+        # (args[0] is the optimizer itself: torch passes the bound call's arguments)
+        if callable(kwargs.get("closure")):
+            kwargs = dict(kwargs, closure=self._closure_wrapper(kwargs["closure"], first_returned))
+        elif len(args) > 1 and callable(args[1]):
+            args = (args[0], self._closure_wrapper(args[1], first_returned)) + tuple(args[2:])
+        else:
+            return None
+        return args, kwargs
+
+    def _closure_wrapper(self, closure: Any, first_returned: Any) -> Any:
+        capture, pending = self, [first_returned]
+
+        @functools.wraps(closure)
+        def closure_under_doctor(*a: Any, **kw: Any) -> Any:
+            __tracebackhide__ = True
+            depth = capture._opt_depth
+            capture._set_optimizer_depth(0)  # (its ops run outside the optimizer's own update)
+            try:
+                out = closure(*a, **kw)
+            finally:
+                capture._set_optimizer_depth(depth)
+            if pending:
+                pending.pop()()
+            return out
+
+        return closure_under_doctor
+
+    def _set_optimizer_depth(self, depth: int) -> None:
+        """Inside (depth > 0) or outside the optimizer's own update, from the next op on."""
+        self._opt_depth = depth
+        self._where_cache.clear()
 
     def _check_stale(self, opt: torch.optim.Optimizer, step: OptimizerStep) -> None:
         """A gradient an earlier step already consumed, never cleared since: accumulation by accident."""
@@ -313,8 +363,8 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         from .finish import record_exception
 
         record_exception(self, exc)
-        if self.trace.iterations.starts:  # stopped inside the loop: the iteration that was running
-            self._note_loop_values(self.trace.iterations.steps)
+        # (stopped inside a loop: the iteration that was running, the first one included)
+        self._note_loop_values(self.trace.iterations.steps)
         if self.rollback is not None and self._asleep and isinstance(exc, Exception) \
                 and not self.trace.timed_out and "out of memory" not in str(exc).lower():
             # An error in an iteration the recorder did not record: that iteration can be replayed

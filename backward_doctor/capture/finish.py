@@ -34,6 +34,7 @@ def record_exception(cap: "OpRecorder", exc: BaseException) -> None:
     info = ExceptionInfo(type=type(exc).__name__, message=str(exc).strip(), frames=frames)
     info.where = cap._frames.where_in(frames)
     modules: list[int] = []
+    eval_mode = False
     tb = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame
@@ -51,6 +52,8 @@ def record_exception(cap: "OpRecorder", exc: BaseException) -> None:
             del local_vars
             if isinstance(owner, nn.Module):
                 cap._register_module(owner)
+                if not modules:  # the outermost module the step was in: evaluating (eval mode) or training
+                    eval_mode = not owner.training
                 modules.append(id(owner))
             elif isinstance(owner, torch.Tensor) and in_torch and code.co_name == "backward" and info.loss is None:
                 key = storage_key(owner)
@@ -63,6 +66,7 @@ def record_exception(cap: "OpRecorder", exc: BaseException) -> None:
         cap._where_stacks.append((info.where, tuple(modules)))
     if isinstance(exc, torch.OutOfMemoryError):
         info.oom = cap._oom or cap._memory_breakdown(cap._count, None)
+        info.oom.eval_mode = eval_mode
     cap.trace.exception = info
     cap.trace.completed = False
     if cap._t_last > cap._t0 and not isinstance(exc, KeyboardInterrupt):
@@ -288,6 +292,10 @@ def finish(cap: "OpRecorder") -> Trace:
     from .step_state import graph_holders, param_infos
 
     trace.params = param_infos(cap)
+    if trace.iterations.first_nonfinite is not None:  # a loop that went NaN/Inf: where its learning rate was set
+        from .trainers import locate_lr
+
+        trace.iterations.lr_set = locate_lr(trace, cap.namespace, cap._frames.is_user)
     trace.graph_holders = graph_holders(cap)
     if cap.history is not None:
         _remember(cap)

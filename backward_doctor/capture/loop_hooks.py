@@ -75,10 +75,27 @@ class LoopHooks:
         self.trace.iterations.recorded.append(iteration)
         self.trace.iterations.starts.append(self._count)
 
+    def _find_library_loop(self) -> None:
+        """A library's loop the cell calls (``trainer.train()``): its iterations are placed in it, with the
+        library's epoch and batch (``trainers.py``)."""
+        from .trainers import find_library_loop
+
+        self._library = find_library_loop(self.namespace, self.trace.source)
+        if self._library is not None:
+            its = self.trace.iterations
+            its.library, its.library_call, its.library_line = (self._library.library, self._library.call,
+                                                               self._library.line)
+
     def _note_loop_values(self, iteration: int) -> None:
-        """The cell's loop variables as they are now, for ``iteration`` (strings only: nothing kept). The
-        first 4,096 iterations, then powers of two only (a bounded trace)."""
+        """The cell's loop variables (a library's loop: its epoch and batch) as they are now, for
+        ``iteration`` (strings only: nothing kept). The first 4,096 iterations, then powers of two only (a
+        bounded trace)."""
         if len(self.trace.iterations.values) >= 4096 and iteration & (iteration - 1):
+            return
+        if self._library is not None:
+            text = self._library.position()
+            if text:
+                self.trace.iterations.values[str(iteration)] = text
             return
         if self._loop_names is None:
             from ..util.loops import outer_loops

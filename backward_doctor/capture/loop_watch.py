@@ -14,8 +14,8 @@ synchronise the device every iteration); live memory is the allocator's count.
 >>> w = LoopWatch(its := Iterations(), live=lambda: 0)
 >>> w.saw_backward(torch.tensor(0.5))
 >>> w.iteration_ended()
->>> its.loss, its.first_nonfinite
-([0.5], None)
+>>> its.loss, its.backwards, its.first_nonfinite
+([0.5], [1], None)
 """
 from __future__ import annotations
 
@@ -105,10 +105,12 @@ class LoopWatch:
         self._norm: float | None = None
         self._lr: float | None = None
         self._bad = ""  # "loss" / "gradients": this iteration's NaN/Inf, seen before its step
+        self._backwards = 0  # backward() calls since the last step (micro-batches of gradient accumulation)
 
     # ---------------------------------------------------------------- during an iteration
     def saw_backward(self, tensors: Any) -> None:
         """``backward()`` was called on ``tensors``: the latest one-element one is the loss."""
+        self._backwards += 1
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         value = self._scalar(t) if isinstance(t, torch.Tensor) else None
         if value is None:
@@ -122,8 +124,12 @@ class LoopWatch:
 
     def before_step(self, opt: torch.optim.Optimizer) -> None:
         """The outermost ``optimizer.step()`` is about to run: the gradients it will use, its lr."""
-        lr = opt.param_groups[0].get("lr") if opt.param_groups else None
+        group = opt.param_groups[0] if opt.param_groups else {}
+        lr = group.get("lr")
         self._lr = float(lr) if isinstance(lr, (int, float)) else None
+        if self.its.base_lr is None:  # (a scheduler keeps the configured rate as "initial_lr")
+            base = group.get("initial_lr", lr)
+            self.its.base_lr = float(base) if isinstance(base, (int, float)) else None
         if self._sumsq is not None:
             grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
             try:
@@ -153,12 +159,14 @@ class LoopWatch:
             its.lr.append(self._lr)
             live = self._live()
             its.live_bytes.append(-1 if live is None else int(live))
+            its.backwards.append(self._backwards)
             if len(its.loss) > _MAX_POINTS:
-                for series in (its.loss, its.grad_norm, its.lr, its.live_bytes):
+                for series in (its.loss, its.grad_norm, its.lr, its.live_bytes, its.backwards):
                     del series[1::2]
                 its.stride *= 2
         self._loss = self._norm = self._lr = None
         self._bad = ""
+        self._backwards = 0
 
 
 __all__ = ["LoopWatch", "read_scalar", "python_sumsq"]

@@ -228,15 +228,22 @@ class NativeCapture(NativeRecords, Capture):
                          sumsq=ext.grad_sumsq, scalar=ext.scalar_value,
                          on_nonfinite=self._went_nonfinite)
 
-    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._asleep:  # an unsampled iteration: only its end is counted
-            if self._opt_depth == 0:
-                self._watch.before_step(opt)
+    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+        if self._asleep:  # an unsampled iteration: only its end is counted (and its numbers read)
+            outermost = self._opt_depth == 0
             self._opt_depth += 1
-            return
+            wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, None, outermost))
+            if wrapped is None:
+                self._before_update(opt, None, outermost)
+            return wrapped
         self._count = self._ext.op_count()
-        super()._optim_pre(opt, args, kwargs)
+        wrapped = super()._optim_pre(opt, args, kwargs)
         self._ext.set_optimizer_depth(self._opt_depth)
+        return wrapped
+
+    def _set_optimizer_depth(self, depth: int) -> None:
+        super()._set_optimizer_depth(depth)
+        self._ext.set_optimizer_depth(depth)
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._asleep:

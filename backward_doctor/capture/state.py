@@ -96,6 +96,7 @@ class CaptureState:
         self._where_stacks: list[tuple[Where, tuple[int, ...]]] = []
         self._params: dict[int, weakref.ref] = {}
         self._got_grad: set[int] = set()  # ids of parameters autograd accumulated into
+        self._stepped_params: set[int] = set()  # ids of parameters an optimizer step of this run held
         self._opt_depth = 0
         self._writer: dict[int, int] = {}      # storage key -> last op that wrote it
         self._nf_origin: dict[int, int] = {}   # storage key -> op index that first made its NaN/Inf
@@ -118,6 +119,7 @@ class CaptureState:
         self._cuda_alloc = array("q")
         self._t0 = self._t_last = 0.0  # start, and end of the latest op (what a failed step took)
         self._loop_names: list[str] | None = None  # the cell's loop variables (found when first needed)
+        self._library: Any = None  # a library's training loop the cell calls (``trainers.LibraryLoop``)
         self._asleep = False  # the native recorder is off for an unsampled iteration (native_capture.py)
         #: set by the run (``run/iteration_replay.py``): told when each iteration begins and when NaN/Inf
         #: shows in one the recorder did not record, so that iteration can be replayed from its state

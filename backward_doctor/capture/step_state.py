@@ -16,7 +16,7 @@ from torch import nn
 
 from . import namespace as ns_mod
 from .memory import shape_of, storage_key, storage_nbytes
-from ..util.stores import store_line_in_file
+from ..util.stores import class_line, store_line_in_file
 from ..trace.parts import GraphHolder
 from ..trace.records import ParamInfo
 
@@ -35,11 +35,7 @@ def param_infos(cap: "OpRecorder") -> list[ParamInfo]:
     for name, t in ns_mod.tensors(cap.namespace):  # e.g. logit_scale = nn.Parameter(...)
         if isinstance(t, nn.Parameter):
             names.setdefault(id(t), name)
-    stepped_opts = {s.id for s in cap.trace.optimizer_steps}
-    stepped: set[int] = set()
-    for _, opt in ns_mod.optimizers(cap.namespace):
-        if id(opt) in stepped_opts:
-            stepped.update(id(p) for g in opt.param_groups for p in g["params"])
+    stepped = cap._stepped_params  # (an optimizer a library holds is not in the namespace: its hook saw it)
     out = []
     for p in cap.parameters():
         out.append(ParamInfo(name=names.get(id(p), f"<parameter {tuple(shape_of(p))}>"), key=storage_key(p) or 0,
@@ -96,8 +92,19 @@ def _class_source(cls: type) -> tuple[str | None, int]:
     file is thousands of lines), far too slow to do for every submodule on every run."""
     try:
         return inspect.getsourcefile(cls), inspect.getsourcelines(cls)[1]
-    except (TypeError, OSError):
+    except (TypeError, OSError):  # a class defined in a notebook cell: ``__main__`` has no file
+        return _class_from_code(cls)
+
+
+def _class_from_code(cls: type) -> tuple[str | None, int]:
+    """(file, first line) of a class from its methods' code objects, which still name the cell's file
+    (IPython keeps the cell's lines in ``linecache``): the ``class`` statement around them there."""
+    codes = [getattr(v, "__func__", v).__code__ for v in vars(cls).values()
+             if hasattr(getattr(v, "__func__", v), "__code__")]
+    if not codes:
         return None, 0
+    file = codes[0].co_filename
+    return file, class_line(file, cls.__name__, min(c.co_firstlineno for c in codes)) or 0
 
 
 def _nodes(fn: Any) -> Iterator[Any]:

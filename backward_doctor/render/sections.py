@@ -227,6 +227,8 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
                        f'<code>{esc(ic.valid)}</code> ({esc(ic.what)})</div>')
     out.append(f'<div style="margin-top:6px">{_message_html(f.message)}</div>')
     ev = f.evidence
+    if ev.get("fix_code"):  # the fix as code, as the user would write it
+        out.append(f'<div class="src"><pre style="padding:6px 8px">{esc(str(ev["fix_code"]))}</pre></div>')
     out.append(loop_plot_html(tr, f))
     if f.kind == "oom" and ev.get("predicted_peak_text"):
         limit = ev.get("limit")

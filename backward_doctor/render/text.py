@@ -70,6 +70,9 @@ def render_text(report: "Report") -> str:
         if f.op:
             out.append(f"    op: {f.op}")
         out.extend(_wrap(f.message, "    "))
+        if f.evidence.get("fix_code"):  # the fix as code, as the user would write it
+            out.append("    fix:")
+            out.extend("      " + ln for ln in str(f.evidence["fix_code"]).splitlines())
         if f.fixes:
             out.append(f"    fixes: {', '.join(f.fixes)}  (re-run with fix=NAME / --fix NAME)")
         ev = f.evidence

@@ -27,6 +27,7 @@ class OptimizerStep:
     line: int | None = None
     file: str | None = None
     cell_line: int | None = None
+    function: str | None = None  # the user's function that called it (``LitModel.training_step``)
 
 
 @dataclass
@@ -144,6 +145,19 @@ class OomInfo:
     #: ("(existing before the step)", "(gradients in backward)", "(outside modules)"); largest first
     by_module: dict[str, int] = field(default_factory=dict)
     simulated: bool = False         # ``memory_limit`` ran out, not a device
+    #: the outermost module running when memory ran out was in eval mode (``model.eval()``)
+    eval_mode: bool = False
+
+
+@dataclass
+class LrSetting:
+    """Where the learning rate a loop trained with was set, as far as the user's sources tell."""
+
+    value: float | None = None  # the learning rate (the optimizer's initial one)
+    file: str | None = None     # None: the cell that ran
+    line: int | None = None
+    code: str = ""              # the statement, on one line
+    keyword: str = ""           # "learning_rate" (TrainingArguments) or "lr"
 
 
 @dataclass
@@ -203,12 +217,25 @@ class Iterations:
     lr: list[float | None] = field(default_factory=list)
     live_bytes: list[int] = field(default_factory=list)
     live_kind: str = ""  # "allocator" (CPU allocator, net since start), "cuda" (memory_allocated), "ledger"
+    #: ``backward()`` calls (``torch.autograd.backward``: ``loss.backward()``, ``accelerator.backward(loss)``) in
+    #: each iteration, the same points as the series above: more than one is gradient accumulation
+    backwards: list[int] = field(default_factory=list)
     #: the first iteration whose loss or gradients were NaN/Inf (seen in every iteration, recorded or not)
     first_nonfinite: int | None = None
     #: what made it non-finite first: "loss" or "gradients"
     first_nonfinite_in: str = ""
     #: the trace's ops are this one iteration, replayed in detail after the run (``run/iteration_replay.py``)
     replayed: int | None = None
+    #: a library ran the loop: "transformers" or "lightning" ('' for a loop the cell wrote), from the cell's
+    #: call at ``library_line`` (``library_call``: ``trainer.train()``); ``values`` then say the library's
+    #: epoch and batch (``capture/trainers.py``)
+    library: str = ""
+    library_call: str = ""
+    library_line: int | None = None
+    #: the learning rate the loop began with (the first optimizer step's, before any schedule changed it)
+    base_lr: float | None = None
+    #: where that learning rate was set (looked up when NaN/Inf showed in the loop)
+    lr_set: LrSetting | None = None
 
     @property
     def skipped(self) -> int:

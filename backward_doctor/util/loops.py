@@ -60,6 +60,49 @@ def loop_names(source: str) -> list[str]:
     return names
 
 
+@functools.lru_cache(maxsize=64)
+def steps_in(source: str, loop_line: int) -> bool:
+    """Whether the loop starting at ``loop_line`` calls ``x.step(...)`` in its body (a training loop, whose
+    iterations are optimizer steps).
+
+    >>> steps_in("for b in data:\\n    opt.step()\\n", 1), steps_in("for i in range(3):\\n    y = i\\n", 1)
+    (True, False)
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    return any(isinstance(node, (ast.For, ast.AsyncFor, ast.While)) and node.lineno == loop_line
+               and any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step"
+                       for n in ast.walk(node)) for node in ast.walk(tree))
+
+
+@functools.lru_cache(maxsize=64)
+def always_steps(source: str, step_line: int) -> bool:
+    """Whether the statement at ``step_line`` runs in every pass through the body of the loop around it: it
+    sits in the loop's body itself, or only inside ``with`` blocks there (not under an ``if``, a ``try`` or
+    an inner loop).
+
+    >>> always_steps("for b in d:\\n    with ctx:\\n        opt.step()\\n", 3)
+    True
+    >>> always_steps("for i in d:\\n    if i % 2:\\n        opt.step()\\n", 3)
+    False
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+
+    def holds(stmts: list[ast.stmt]) -> bool:
+        for stmt in stmts:
+            if stmt.lineno == step_line and isinstance(stmt, ast.Expr):
+                return True
+            if isinstance(stmt, (ast.With, ast.AsyncWith)) and holds(stmt.body):
+                return True
+        return False
+    return any(isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and holds(n.body) for n in ast.walk(tree))
+
+
 def _steps(node: ast.AST) -> bool:
     """Whether ``node`` holds an ``x.step(...)`` or ``x.backward(...)`` call."""
     return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("step", "backward")

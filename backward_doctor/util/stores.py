@@ -98,3 +98,46 @@ def store_line_in_file(filename: str, target: list[str], first: int = 0) -> int 
                    and first in [n.lineno] + [d.lineno for d in n.decorator_list]), None)
         last = getattr(fn, "end_lineno", last) or last
     return store_line_in(tree, target, first, last)
+
+
+def function_at(filename: str, line: int) -> str | None:
+    """The qualified name of the innermost function holding ``line`` in a source file (``Lit.training_step``).
+
+    >>> import linecache
+    >>> linecache.cache["<doc>"] = (0, None, ["class Lit:\\n", "    def step(self):\\n", "        x = 1\\n"], "<doc>")
+    >>> function_at("<doc>", 3)
+    'Lit.step'
+    """
+    tree = _parsed(filename)
+    if tree is None:
+        return None
+    best: list[str] | None = None
+
+    def visit(node: ast.AST, names: list[str]) -> None:
+        nonlocal best
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                    and child.lineno <= line <= (child.end_lineno or child.lineno):
+                inner = names + [child.name]
+                if not isinstance(child, ast.ClassDef):
+                    best = inner
+                visit(child, inner)
+    visit(tree, [])
+    return ".".join(best) if best else None
+
+
+def class_line(filename: str, name: str, inside: int) -> int | None:
+    """The line of the ``class name`` statement of a source file whose body holds line ``inside`` (a class
+    defined in a notebook cell, found from its methods' first lines).
+
+    >>> import linecache
+    >>> linecache.cache["<doc2>"] = (0, None, ["x = 1\\n", "class Lit:\\n", "    def f(self):\\n", "        pass\\n"], "<doc2>")
+    >>> class_line("<doc2>", "Lit", 3)
+    2
+    """
+    tree = _parsed(filename)
+    if tree is None:
+        return None
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name
+             and n.lineno <= inside <= (n.end_lineno or n.lineno)]
+    return max(lines) if lines else None

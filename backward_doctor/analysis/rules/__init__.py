@@ -12,7 +12,9 @@ from ..findings import Finding
 from ..loops import place_in_loops
 from ...trace.records import Trace
 from .autograd import backward_twice, inplace, no_grad_path
+from .evaluation import eval_without_no_grad
 from .failures import generic_exception, index_out_of_range, mismatch
+from .functions import invalid_gradient
 from .hang import hang
 from .loop_memory import loop_leak
 from .memory import oom
@@ -24,8 +26,8 @@ from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param,
 Rule = Callable[[Trace], list[Finding]]
 
 #: Rules that explain the cell's exception; the first that answers wins.
-EXCEPTION_RULES: list[Rule] = [hang, oom, inplace, backward_twice, left_frozen, no_grad_path, index_out_of_range,
-                               mismatch]
+EXCEPTION_RULES: list[Rule] = [hang, eval_without_no_grad, oom, inplace, backward_twice, left_frozen, no_grad_path, invalid_gradient,
+                               index_out_of_range, mismatch]
 #: Rules that look at the whole run, whether or not it raised.
 RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped, nonleaf_param]
 #: Rules for a run that completed without an exception.

@@ -14,7 +14,7 @@ import re
 
 from ..findings import Finding, at, source_line
 from ...trace.records import InplaceEvent, OpRecord, Trace, Where
-from .flow import differentiable, numel
+from .flow import differentiable, loss_roots, numel
 from .saved_writes import optimizer_finding, optimizer_write
 
 # A saved leaf (a conv weight) has no "which is output N of Node" part.
@@ -180,6 +180,11 @@ def backward_twice(trace: Trace) -> list[Finding]:
                evidence={"carriers": [c.variable for c in carriers]})]
 
 
+#: Ops that hand back a storage they were given without writing values into it (``torch.tensor(x,
+#: requires_grad=True)`` runs ``detach_`` on its fresh tensor under the native recorder).
+_NO_VALUES = ("aten::detach", "aten::alias", "aten::detach_")
+
+
 def _user_detach(trace: Trace, key: int, before: int, writer: OpRecord | None) -> OpRecord | None:
     """The user's ``.detach()`` that produced ``key``, if any.
 
@@ -202,14 +207,18 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
     writer: dict[int, int] = {}
     producers: dict[int, list[int]] = {}
     seen_rg: set[int] = set()
+    #: per op, its inputs read without requires_grad whose storage an earlier op read with it (as things
+    #: stood when it ran: a storage freed later may come back under the same key)
+    cut_inputs: dict[int, list[int]] = {}
     for op in trace.ops:
         producers[op.index] = [writer[k] for k in op.in_keys if k in writer]
         for k, m in zip(op.in_keys, op.inputs):
             if m.requires_grad:
                 seen_rg.add(k)
+        cut_inputs[op.index] = [k for k, m in zip(op.in_keys, op.inputs) if k in seen_rg and not m.requires_grad]
         # A freshly allocated output may reuse the key of a freed storage: forget what that one was.
         seen_rg.difference_update(k for k in op.out_keys if k not in op.in_keys)
-        if op.op not in ("aten::detach", "aten::alias"):  # views of a storage, not new values
+        if op.op not in _NO_VALUES:  # views of a storage, not new values
             for k in op.out_keys:
                 writer[k] = op.index
     queue, visited = [start], set()
@@ -234,11 +243,10 @@ def _cut(trace: Trace, start: int | None) -> tuple[OpRecord, str] | None:
             # argmax / a comparison / .long(): integers have no gradient. Only the answer when nothing
             # else cut the graph: labels made by an argmax are fine where a detach is the real cut.
             nondiff = nondiff or op
-        for k, r in zip(op.in_keys, rg):
-            if k in seen_rg and not r:
-                wrote = trace.op(_last_writer_before(trace, k, op.index))
-                detach = _user_detach(trace, k, op.index, wrote)
-                return (detach, "detach") if detach is not None else (_data_site(trace, k, op), "data")
+        for k in cut_inputs.get(idx, ()):
+            wrote = trace.op(_last_writer_before(trace, k, op.index))
+            detach = _user_detach(trace, k, op.index, wrote)
+            return (detach, "detach") if detach is not None else (_data_site(trace, k, op), "data")
         queue.extend(producers.get(idx, []))
     return (nondiff, "nondiff") if nondiff is not None else None
 
@@ -264,7 +272,7 @@ def _last_writer_before(trace: Trace, key: int, before: int) -> int | None:
     for op in trace.ops:
         if op.index >= before:
             break
-        if key in op.out_keys and op.op not in ("aten::detach", "aten::alias"):
+        if key in op.out_keys and op.op not in _NO_VALUES:
             last = op.index
     return last
 
@@ -281,21 +289,43 @@ _WHY = {
 }
 
 
+def _rebuilt_from_numbers(trace: Trace) -> OpRecord | None:
+    """The op that made a tensor from Python numbers (``torch.tensor(loss.item(), requires_grad=True)``) the
+    loss was computed from, when the forward used trainable parameters and none got a gradient: a library
+    that scales the loss first (a Trainer divides it by the accumulation steps) puts an op between the rebuilt
+    leaf and ``backward()``, so the walk starts at each backward's root and goes back. A tensor the user
+    made to differentiate (``torch.ones(2, requires_grad=True)``) is not one: no ``.item()`` came before."""
+    used = {k for op in trace.ops if op.phase == "forward" for k in op.in_keys}
+    if any(p.got_grad for p in trace.params) or not any(p.requires_grad and p.key in used for p in trace.params):
+        return None
+    for root in sorted(loss_roots(trace)):
+        found = _cut(trace, root)
+        if found is None or found[1] != "new_tensor" or found[0].op not in ("aten::lift_fresh", "aten::scalar_tensor"):
+            continue
+        if any(op.op == "aten::_local_scalar_dense" and op.index < found[0].index and op.inputs
+               and op.inputs[0].requires_grad for op in trace.ops):
+            return found[0]
+    return None
+
+
 def _leaf_loss(trace: Trace) -> list[Finding]:
     """backward() on a fresh leaf (``torch.tensor(loss.item(), requires_grad=True)``): silent, no grads."""
-    if "torch::autograd::AccumulateGrad" not in trace.backward_roots or not trace.parameters.trainable:
+    if not trace.parameters.trainable or not trace.backward_roots:
         return []
-    start = next((c for c, r in zip(trace.backward_calls, trace.backward_roots)
-                  if r == "torch::autograd::AccumulateGrad"), None)
-    first_bwd = next((op for op in trace.ops if op.phase == "backward" and op.where == start), None)
-    before = first_bwd.index if first_bwd else trace.op_count
     cut = None
-    for op in trace.ops:
-        if op.index >= before:
-            break
-        if op.phase == "forward" and (op.op in ("aten::lift_fresh", "aten::scalar_tensor", "aten::_local_scalar_dense")
-                                      or not op.inputs):
-            cut = op
+    if "torch::autograd::AccumulateGrad" in trace.backward_roots:
+        start = next((c for c, r in zip(trace.backward_calls, trace.backward_roots)
+                      if r == "torch::autograd::AccumulateGrad"), None)
+        first_bwd = next((op for op in trace.ops if op.phase == "backward" and op.where == start), None)
+        before = first_bwd.index if first_bwd else trace.op_count
+        for op in trace.ops:
+            if op.index >= before:
+                break
+            if op.phase == "forward" and (op.op in ("aten::lift_fresh", "aten::scalar_tensor",
+                                                    "aten::_local_scalar_dense") or not op.inputs):
+                cut = op
+    else:
+        cut = _rebuilt_from_numbers(trace)
     if cut is None:
         return []
     code = source_line(trace, cut.where.line, cut.where.file)
@@ -304,7 +334,7 @@ def _leaf_loss(trace: Trace) -> list[Finding]:
            "reaches any parameter and the optimizer step does nothing. Compute the loss with torch ops on the "
            "model outputs (`loss = loss_cls + 0.5 * loss_box`); use `.item()` only for logging.")
     return [at("no_grad_path", cut.where, msg, op=cut.op, title="The loss was rebuilt from numbers",
-               evidence={"cut": "new_tensor", "code": code})]
+               evidence={"cut": "new_tensor", "code": code, "op_index": cut.index})]
 
 
 def no_grad_path(trace: Trace) -> list[Finding]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..findings import Finding, at, forward_where, source_line
 from ..trends import history_before, lr_change, nan_pattern
+from .learning_rate import diverged_from_start
 from ...capture.stats import format_stats
 from ...trace.records import NonFiniteEvent, Trace, Where
 
@@ -118,6 +119,8 @@ def _with_history(trace: Trace, found: list[Finding]) -> list[Finding]:
                       f"{pattern['to']:.3g} in the iteration before): NaN/Inf came at once, from this "
                       "iteration's data or op, not from a slow divergence.")
         return found
+    if pattern.get("early"):  # diverged from the first steps: the learning rate
+        return [diverged_from_start(trace, f, pattern, k)] + found[1:]
     start = pattern["start"]
     shown = (f"`{f.op}` at line {f.line} made the first NaN/Inf" if f.op and f.line is not None
              else "the first NaN/Inf")

@@ -15,7 +15,7 @@ import math
 import os
 
 from ..findings import Finding, at, source_line
-from ...util.stores import store_line
+from ...util.stores import function_at, store_line
 from ...trace.queries import skipped_amp_steps
 from ...trace.parts import GraphHolder
 from ...trace.records import OpRecord, Trace, Where
@@ -46,7 +46,9 @@ def holder_place(trace: Trace, holder: GraphHolder) -> tuple[str, Where]:
     that made it, when this run did). Shared by the leaks across runs and across a loop's iterations."""
     var = _root(holder.path)
     if holder.store in ("module", "closure"):
-        return var, Where(line=holder.store_line, file=holder.store_file, module=holder.module)
+        function = function_at(holder.store_file, holder.store_line) if holder.store_file and holder.store_line \
+            else None
+        return var, Where(line=holder.store_line, file=holder.store_file, module=holder.module, function=function)
     line = store_line(trace.source, holder.target or [var])
     if line is not None:
         return var, Where(line=line, cell_line=line)
@@ -98,15 +100,16 @@ def stale_grad(trace: Trace) -> list[Finding]:
     """optimizer.step() on gradients that an earlier step already used: zero_grad() is missing."""
     out = []
     for s in trace.stale_steps[:1]:
-        where = Where(line=s.line, file=s.file, cell_line=s.cell_line)
+        where = Where(line=s.line, file=s.file, cell_line=s.cell_line, function=s.function)
         code = _code(trace, where.line, where.file)
+        earlier = "iteration of this loop" if s.since_run == trace.run_id else "run"
         msg = (f"`{code or 'optimizer.step()'}` used gradients that still contain the gradients of an earlier "
-               f"run ({s.params} parameters): `zero_grad()` was never called since the previous step, so "
+               f"{earlier} ({s.params} parameters): `zero_grad()` was never called since the previous step, so "
                "backward() keeps adding into `.grad` and every step follows the sum of all past gradients - "
                "gradient accumulation by accident. Call `optimizer.zero_grad()` at the start of the step "
                "(before `loss.backward()`), or right after `optimizer.step()`.")
         out.append(at("stale_grad", where, msg, title="Gradients were never zeroed", severity="error",
-                      evidence={"parameters": s.params, "since_run": s.since_run}))
+                      evidence={"parameters": s.params, "since_run": s.since_run, "op_index": s.index}))
     return out
 
 
@@ -172,9 +175,10 @@ def detached(trace: Trace) -> list[Finding]:
            f"but got no gradient, so the optimizer never updates them: line {op.where.line} (`{code}`) {how_text}, "
            "which cuts the graph between them and the loss. Remove the cut (keep `.detach()`/`no_grad` for "
            "logging and evaluation), or freeze them on purpose with `requires_grad_(False)`.")
-    where = Where(line=op.where.line, file=op.where.file, cell_line=op.where.cell_line, module=module)
+    where = Where(line=op.where.line, file=op.where.file, cell_line=op.where.cell_line, module=module,
+                  function=op.where.function)
     return [at("detached", where, msg, op=op.op, title="Parameters starved of gradient",
-               evidence={"parameters": names, "cut": how, "values": count})]
+               evidence={"parameters": names, "cut": how, "values": count, "op_index": op.index})]
 
 
 _TOWARD_LOSS = {"aten::pow", "aten::abs", "aten::mean", "aten::sum", "aten::mul", "aten::div", "aten::sqrt",
