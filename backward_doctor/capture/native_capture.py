@@ -22,8 +22,9 @@ and CUDA (not yet run on a GPU).
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -217,6 +218,16 @@ class NativeCapture(NativeRecords, Capture):
         self._stacks.append(key)
         return sid
 
+    @contextlib.contextmanager
+    def _quiet_ops(self) -> Iterator[None]:
+        """The doctor's own ops, not recorded by the native recorder either."""
+        self._ext.pause()
+        try:
+            with super()._quiet_ops():
+                yield
+        finally:
+            self._ext.resume()
+
     def _make_watch(self) -> LoopWatch:
         """Live bytes by the allocator's own count (what the ledger had at start plus the net bytes the
         CPU allocator handed out since: it counts while the recorder sleeps); gradients read in C++."""
@@ -229,7 +240,7 @@ class NativeCapture(NativeRecords, Capture):
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._asleep:  # an unsampled iteration: only its end is counted
             if self._opt_depth == 0:
-                self._watch.before_step(opt)
+                self._outer_step_began(opt, args, kwargs)
             self._opt_depth += 1
             return
         self._count = self._ext.op_count()

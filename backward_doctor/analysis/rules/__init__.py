@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..findings import Finding
 from ..loops import place_in_loops
+from .accumulation import grad_accumulation
 from ...trace.records import Trace
 from .autograd import backward_twice, inplace, no_grad_path
 from .failures import generic_exception, index_out_of_range, mismatch
@@ -27,7 +28,7 @@ Rule = Callable[[Trace], list[Finding]]
 EXCEPTION_RULES: list[Rule] = [hang, oom, inplace, backward_twice, left_frozen, no_grad_path, index_out_of_range,
                                mismatch]
 #: Rules that look at the whole run, whether or not it raised.
-RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped, nonleaf_param]
+RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped, nonleaf_param, grad_accumulation]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast]
 

@@ -1,0 +1,391 @@
+"""Gradient accumulation as it ran: ``backward()`` calls per optimizer step, where gradients were
+zeroed, how each loss was scaled on its way into ``backward()``, and, once per run, the measured
+equivalence of the accumulated gradient with one full batch (``trace.accumulation``).
+
+Counted from ``torch.autograd.backward`` (the loop watch's wrapper calls :meth:`AccumulationWatch.
+backward_began`), the optimizer step hooks and ``zero_grad`` (``Optimizer.zero_grad`` and
+``Module.zero_grad`` wrapped for the run), never from the ops' phases: a window runs from the end of one
+optimizer step to the end of the next, so the ``backward()`` a closure runs inside ``optimizer.step``
+(Lightning's automatic optimization, L-BFGS) counts with the step it feeds. A ``zero_grad`` inside a step
+(a closure evaluated again) starts the window afresh.
+
+What it costs a loop without accumulation: a counter per ``backward()``, a flag per ``zero_grad()``, a
+few dictionary reads per step; the first windows also record where each call was made. The measured
+check copies the gradients (on the host, only if twice their size fits in a quarter of the free RAM,
+at most 1 GiB) for one window, the first that accumulated, and frees them at its step.
+
+>>> import torch
+>>> from backward_doctor.trace.accumulation import Accumulation
+>>> w = AccumulationWatch(acc := Accumulation(), frames=None, iteration=lambda: 0, params=list)
+>>> w.backward_began(torch.tensor(2.0)); w.backward_began(torch.tensor(2.0))
+>>> w.step_began(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), (), {}); w.step_ended()
+>>> acc.per_step
+[0, 0, 1]
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import sys
+import threading
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..trace.accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWindow, ZeroGradCall
+from ..util.units import available_ram, format_bytes
+
+_DETAILED = 16      # windows recorded in detail (where each call was made), then only counted
+_ANOMALIES = 8      # further windows kept because they zeroed gradients inside or stepped off a library's sync
+_CALLS = 8          # backward() calls kept per window
+_BUCKETS = 33       # per_step[32] counts steps fed by 32 or more backward() calls
+_CHECK_CAP = 1 << 30
+_NUMBERS = {torch.int64: ctypes.c_int64, torch.int32: ctypes.c_int32, torch.float64: ctypes.c_double,
+            torch.float32: ctypes.c_float}
+
+
+class Patches:
+    """Attributes replaced for the run: installed, removed (while torch.compile compiles) and put back.
+
+    >>> class A:
+    ...     def f(self): return 1
+    >>> p = Patches(); p.add(A, "f", lambda real: lambda self: real(self) + 1); p.install()
+    >>> A().f(), p.remove(), A().f()
+    (2, None, 1)
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Any, str, Any, Any]] = []
+        self.installed = False
+
+    def add(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        real = getattr(owner, name)
+        self._items.append((owner, name, real, make(real)))
+
+    def install(self) -> None:
+        for owner, name, _, replacement in self._items:
+            setattr(owner, name, replacement)
+        self.installed = True
+
+    def remove(self) -> None:
+        for owner, name, real, _ in reversed(self._items):
+            setattr(owner, name, real)
+        self.installed = False
+
+
+def named_like(wrapper: Callable[..., Any], real: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapper`` named and documented as ``real`` (what ``help()`` and tracebacks show)."""
+    wrapper.__wrapped__ = real  # type: ignore[attr-defined]
+    wrapper.__doc__, wrapper.__name__ = real.__doc__, real.__name__
+    wrapper.__qualname__ = getattr(real, "__qualname__", real.__name__)
+    return wrapper
+
+
+def number(t: Any) -> float | None:
+    """A one-element CPU tensor's value read in place (nothing dispatched): a divisor a loss was scaled by.
+
+    >>> number(torch.tensor(4)), number(torch.tensor([0.5])), number(torch.zeros(2))
+    (4.0, 0.5, None)
+    """
+    kind = _NUMBERS.get(getattr(t, "dtype", None))
+    if kind is None or t.numel() != 1 or t.device.type != "cpu" or t.layout != torch.strided:
+        return None
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:  # no storage (a fake tensor)
+        return None
+    return float(kind.from_address(ptr).value) if ptr else None
+
+
+def divisor(t: Any) -> tuple[float, str]:
+    """What the loss ``t`` was divided by just before ``backward()`` (``loss / 4``, ``loss * 0.25``: 4.0),
+    read from the constant operands of the Div/Mul nodes at its root; a GradScaler's multiplication (a
+    power of two of at least 256) is not a division. Returns (divisor, the root node's name)."""
+    fn = getattr(t, "grad_fn", None)
+    root = type(fn).__name__ if fn is not None else ""
+    d = 1.0
+    for _ in range(4):
+        name = type(fn).__name__
+        if name not in ("DivBackward0", "MulBackward0"):
+            break
+        try:
+            other = fn._saved_other
+        except Exception:  # an operand that requires grad is not a constant: the loss itself
+            break
+        v = number(other) if isinstance(other, torch.Tensor) and not other.requires_grad else None
+        if not v or not math.isfinite(v):
+            break
+        if name == "MulBackward0" and v >= 256 and math.log2(v).is_integer():
+            pass  # the GradScaler's loss scale, not a division for accumulation
+        else:
+            d = d * v if name == "DivBackward0" else d / v
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    return d, root
+
+
+class _Check:
+    """The measured equivalence check over one window: ``full`` adds up what each backward() added to
+    ``.grad`` (``now - before``); after each backward() the dot products of the step's gradient (``.grad``
+    now) with it are kept, so a clip or an unscale before the step changes nothing."""
+
+    def __init__(self, params: list[torch.Tensor], iteration: int) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.iteration = iteration
+        self.full = [self._copy(p.grad, p) for p in self.params]  # the first micro-batch: what .grad holds
+        self.before = [f.clone() for f in self.full]
+        self.stats: tuple[float, float, float] | None = None
+        self.divisors: list[float] = []
+
+    @staticmethod
+    def _copy(g: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+        if g is None:
+            return torch.zeros(p.shape, dtype=torch.float32)
+        return g.detach().to("cpu", torch.float32, copy=True)
+
+    def began(self) -> None:
+        for b, p in zip(self.before, self.params):
+            b.copy_(p.grad.detach()) if p.grad is not None else b.zero_()
+
+    def ended(self) -> None:
+        dot = ss = ff = 0.0
+        for f, b, p in zip(self.full, self.before, self.params):
+            now = self._copy(p.grad, p)
+            f.add_(now - b)
+            dot += float(torch.dot(now.flatten().double(), f.flatten().double()))
+            ss += float(now.double().pow(2).sum())
+            ff += float(f.double().pow(2).sum())
+        self.stats = (dot, ss, ff)
+
+    def result(self, k: int) -> AccumulationCheck:
+        d = self.divisors[0] if self.divisors else 1.0
+        out = AccumulationCheck(iteration=self.iteration, micro_batches=k, divisor=d)
+        if self.stats is None or any(x != self.divisors[0] for x in self.divisors):
+            out.why_not = "the micro-batches' losses were scaled differently" if self.stats else "no backward() ended"
+            return out
+        dot, ss, ff = self.stats
+        if not all(map(math.isfinite, (dot, ss, ff))) or ff == 0:
+            out.why_not = "the gradients were zero or not finite"
+            return out
+        w = min(1.0, d / k)  # each micro-batch's share of the full batch (1: its loss already was one)
+        out.factor = dot / (w * ff)
+        out.rel_diff = math.sqrt(max(0.0, ss - 2 * w * dot + w * w * ff)) / (w * math.sqrt(ff))
+        out.norm_step, out.norm_full = math.sqrt(ss), w * math.sqrt(ff)
+        return out
+
+
+class AccumulationWatch:
+    """Writes ``record`` (see the module docstring). ``frames``: the capture's ``UserFrames``;
+    ``iteration()``: optimizer steps so far; ``params()``: the parameters the capture knows;
+    ``quiet``: a context in which the doctor's own ops are neither recorded nor counted."""
+
+    def __init__(self, record: Accumulation, *, frames: Any, iteration: Callable[[], int],
+                 params: Callable[[], list[torch.Tensor]],
+                 quiet: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 scalar: Callable[[Any], float | None] = lambda t: None) -> None:
+        self.record = record
+        self._frames, self._iteration, self._params, self._quiet, self._scalar = frames, iteration, params, quiet, scalar
+        self._thread = threading.get_ident()
+        self._depth = 0          # optimizer steps open (a closure's backward() runs inside one)
+        self._n_step = 0         # backward() calls of the window when its step began
+        self._check: _Check | None = None
+        self._checked = False    # the check ran (or was refused) once: never again this run
+        self._first_backward = True
+        self._new_window()
+        self.patches = Patches()
+        self.patches.add(torch.optim.Optimizer, "zero_grad", lambda real: self._wrap_zero(real, "optimizer"))
+        self.patches.add(torch.nn.Module, "zero_grad", lambda real: self._wrap_zero(real, "module"))
+
+    def _new_window(self) -> None:
+        self._n = 0
+        self._calls: list[BackwardCall] = []
+        self._zeros: list[tuple[ZeroGradCall, Any]] = []
+        self._zeroed = False
+        self._sites: set[int] = set()
+
+    def _detailed(self) -> bool:
+        return len(self.record.windows) < _DETAILED
+
+    def _where(self) -> Any:
+        """Where the user is: the innermost user frame outside torch and the doctor."""
+        return self._frames.where(sys._getframe(2)) if self._frames is not None else None
+
+    # ---------------------------------------------------------------- backward()
+    def backward_began(self, tensors: Any) -> None:
+        """``backward()`` is about to run on ``tensors`` (the loss)."""
+        if threading.get_ident() != self._thread:
+            return
+        self._n += 1
+        t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
+        if self._first_backward:  # the run's first window: gradients nobody zeroed may be None already
+            self._first_backward = False
+            self._zeroed = self._zeroed or all(p.grad is None for p in self._params())
+        if self._n <= _CALLS and (self._detailed() or self._check is not None):
+            call = self._call(t)
+            self._calls.append(call)
+            self._sites.add(call.site)
+        if self._n == 2 and not self._checked and self._zeroed and len(self._sites) == 1 and self._detailed():
+            self._start_check()
+        if self._check is not None:
+            d, _ = divisor(t) if isinstance(t, torch.Tensor) else (1.0, "")
+            self._check.divisors.append(d)
+            with self._quiet():
+                self._check.began()
+
+    def _call(self, t: Any) -> BackwardCall:
+        w = self._where()
+        d, root = divisor(t) if isinstance(t, torch.Tensor) else (1.0, "")
+        site = hash((w.file, w.line, w.lasti)) if w is not None else 0
+        return BackwardCall(line=getattr(w, "line", None), file=getattr(w, "file", None),
+                            cell_line=getattr(w, "cell_line", None), function=getattr(w, "function", None),
+                            site=site, loss=self._scalar(t), divisor=d, root=root)
+
+    def backward_ended(self) -> None:
+        if self._check is not None and threading.get_ident() == self._thread:
+            with self._quiet():
+                self._check.ended()
+
+    def _start_check(self) -> None:
+        """The second backward() of a window that began with zeroed gradients: what ``.grad`` holds now is
+        the first micro-batch's gradient. Measure this window (once per run)."""
+        self._checked = True
+        params = [p for p in self._params() if p.requires_grad]
+        need = 2 * 4 * sum(p.numel() for p in params)
+        avail = available_ram()
+        cap = min(_CHECK_CAP, avail // 4) if avail else _CHECK_CAP
+        if need > cap:
+            self.record.check = AccumulationCheck(
+                iteration=self._iteration(), micro_batches=0,
+                why_not=f"the check copies the gradients twice ({format_bytes(need)}): more than {format_bytes(cap)}")
+            return
+        try:
+            with self._quiet():
+                self._check = _Check(params, self._iteration())
+        except Exception as exc:  # a gradient that cannot be copied (a subclass): no measurement
+            self.record.check = AccumulationCheck(iteration=self._iteration(), micro_batches=0,
+                                                  why_not=f"{type(exc).__name__}: {exc}")
+        if self._check is not None and self._calls:
+            self._check.divisors.append(self._calls[0].divisor)
+
+    # ---------------------------------------------------------------- zero_grad()
+    def _wrap_zero(self, real: Callable[..., Any], target: str) -> Callable[..., Any]:
+        watch = self
+
+        def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+            watch.zeroing(self, target)
+            return real(self, *args, **kwargs)
+
+        return named_like(zero_grad, real)
+
+    def zeroing(self, obj: Any, target: str) -> None:
+        """``obj.zero_grad()`` is about to run."""
+        if threading.get_ident() != self._thread:
+            return
+        if self._n == 0:  # before the window's first backward()
+            self._zeroed = True
+            return
+        if self._depth > 0 and self._n > self._n_step:
+            # A closure evaluated again inside one step (L-BFGS): its earlier evaluation is dropped, not
+            # a micro-batch's gradient.
+            self._n = self._n_step
+            del self._calls[self._n:]
+            return
+        if len(self._zeros) < _CALLS:
+            w = self._where()
+            call = ZeroGradCall(after=self._n, target=target, type=type(obj).__name__, line=getattr(w, "line", None),
+                                file=getattr(w, "file", None), cell_line=getattr(w, "cell_line", None),
+                                function=getattr(w, "function", None))
+            self._zeros.append((call, weakref.ref(obj)))
+
+    # ---------------------------------------------------------------- optimizer.step()
+    def step_began(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """The outermost ``optimizer.step()`` begins (its closure's backward() still counts)."""
+        self._depth += 1
+        self._opt, self._n_step = opt, self._n
+        self._step_where = self._where() if self._detailed() or self._zeros else None
+
+    def step_ended(self) -> None:
+        """The outermost optimizer step returned: its window closes."""
+        self._depth = max(0, self._depth - 1)
+        opt, self._opt = getattr(self, "_opt", None), None
+        rec, n = self.record, self._n
+        while len(rec.per_step) <= min(n, _BUCKETS - 1):
+            rec.per_step.append(0)
+        rec.per_step[min(n, _BUCKETS - 1)] += 1
+        sync, num = _accelerate_state()
+        zeros = [self._stepped(z, ref, opt) for z, ref in self._zeros]
+        odd = n >= 2 and any(z.stepped for z in zeros) or sync is False
+        if self._detailed() or (odd and len(rec.windows) < _DETAILED + _ANOMALIES):
+            w = self._step_where
+            rec.windows.append(StepWindow(
+                iteration=self._iteration(), backward=n, calls=self._calls, zero_grads=zeros,
+                zeroed_first=self._zeroed, optimizer=type(opt).__name__ if opt is not None else "",
+                line=getattr(w, "line", None), file=getattr(w, "file", None), cell_line=getattr(w, "cell_line", None),
+                function=getattr(w, "function", None), accumulate=num, sync=sync))
+        if self._check is not None:
+            rec.check, self._check = self._check.result(n), None
+        self._new_window()
+
+    def skipped_step(self) -> None:
+        """A GradScaler skipped the optimizer step (inf/NaN gradients): the window ends without a step."""
+        self._check = None
+        self._new_window()
+
+    @staticmethod
+    def _stepped(call: ZeroGradCall, ref: Any, opt: Any) -> ZeroGradCall:
+        """Whether the zero_grad cleared gradients of the parameters ``opt`` then stepped."""
+        obj = ref()
+        if obj is None or opt is None:
+            return call
+        if call.target == "optimizer":
+            call.stepped = obj is opt
+        else:
+            ids = {id(p) for g in opt.param_groups for p in g["params"]}
+            call.stepped = any(id(p) in ids for p in obj.parameters())
+        return call
+
+    def finish(self, namespace: dict[str, Any]) -> None:
+        """After the run: backward() calls no step used, and the accumulation libraries were set up for."""
+        self.record.trailing = self._n
+        self._check = None
+        self.record.settings = list(_settings(namespace))
+
+
+def _accelerate_state() -> tuple[bool | None, int]:
+    """Accelerate's gradient state (a process-wide singleton), if Accelerate is in use: whether this is a
+    step to take (``sync_gradients``) and its accumulation steps."""
+    mod = sys.modules.get("accelerate.state")
+    if mod is None:
+        return None, 0
+    try:
+        state = mod.GradientState._shared_state
+        num = int((state.get("plugin_kwargs") or {}).get("num_steps", 0) or 0)
+        sync = state.get("sync_gradients")
+    except Exception:  # another version's layout: not worth failing the step for
+        return None, 0
+    return (bool(sync) if num > 1 and sync is not None else None), num
+
+
+def _settings(namespace: dict[str, Any]) -> Iterator[str]:
+    """Accumulation the namespace's library objects are configured for (more than one micro-batch)."""
+    for name, value in list(namespace.items()):
+        if name.startswith("_") or isinstance(value, (type, torch.Tensor, torch.nn.Module)):
+            continue
+        try:
+            kind = type(value).__name__
+            if kind.endswith("Trainer") and hasattr(value, "accumulate_grad_batches"):
+                n, what = value.accumulate_grad_batches, "accumulate_grad_batches"
+            elif hasattr(value, "args") and hasattr(value.args, "gradient_accumulation_steps"):
+                n, what = value.args.gradient_accumulation_steps, "args.gradient_accumulation_steps"
+            elif kind == "Accelerator":
+                n, what = value.gradient_accumulation_steps, "gradient_accumulation_steps"
+            else:
+                continue
+        except Exception:  # a property that raises: nothing to say about it
+            continue
+        if isinstance(n, int) and n > 1:
+            yield f"{name}.{what}={n}"
+
+
+__all__ = ["AccumulationWatch", "Patches", "divisor", "named_like", "number"]
