@@ -225,7 +225,7 @@ class AccumulationWatch:
             call = self._call(t)
             self._calls.append(call)
             self._sites.add(call.site)
-        if self._n == 2 and not self._checked and self._zeroed and len(self._sites) == 1 and self._detailed():
+        if self._n == 2 and self._may_check():
             self._start_check()
         if self._check is not None:
             d, _ = divisor(t) if isinstance(t, torch.Tensor) else (1.0, "")
@@ -246,9 +246,13 @@ class AccumulationWatch:
             with self._quiet():
                 self._check.ended()
 
+    def _may_check(self) -> bool:
+        return not self._checked and self._zeroed and len(self._sites) == 1 and self._detailed()
+
     def _start_check(self) -> None:
-        """The second backward() of a window that began with zeroed gradients: what ``.grad`` holds now is
-        the first micro-batch's gradient. Measure this window (once per run)."""
+        """The second backward() of a window that began with zeroed gradients, or a zero_grad() after its
+        first: what ``.grad`` holds now is what the backward() calls so far added. Measure this window (once
+        per run)."""
         self._checked = True
         params = [p for p in self._params() if p.requires_grad]
         need = 2 * 4 * sum(p.numel() for p in params)
@@ -291,6 +295,8 @@ class AccumulationWatch:
             self._n = self._n_step
             del self._calls[self._n:]
             return
+        if self._check is None and self._may_check():  # (before it throws away what is to be measured)
+            self._start_check()
         if len(self._zeros) < _CALLS:
             w = self._where()
             call = ZeroGradCall(after=self._n, target=target, type=type(obj).__name__, line=getattr(w, "line", None),
@@ -324,7 +330,11 @@ class AccumulationWatch:
                 line=getattr(w, "line", None), file=getattr(w, "file", None), cell_line=getattr(w, "cell_line", None),
                 function=getattr(w, "function", None), accumulate=num, sync=sync))
         if self._check is not None:
-            rec.check, self._check = self._check.result(n), None
+            if n >= 2:
+                rec.check = self._check.result(n)
+            else:  # one backward() after all: not an accumulating window, measure a later one
+                self._checked = False
+            self._check = None
         self._new_window()
 
     def skipped_step(self) -> None:
