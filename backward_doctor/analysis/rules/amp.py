@@ -25,7 +25,6 @@ import linecache
 import re
 
 from ..findings import Finding, at, same_exception, source_line
-from ...trace.precision import ClipCall, LowPrecisionUpdate
 from ...trace.records import OpRecord, Trace, Where
 from .failures import _DTYPE
 
