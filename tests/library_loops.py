@@ -98,6 +98,23 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
 
 
+class LMDataset(TokenDataset):
+    """``n`` random token sequences, each its own label (causal language modelling; the model shifts them)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.ids[i]}
+
+
+def tiny_gpt2_lm(seed: int = 0) -> nn.Module:
+    """A 2-layer GPT-2 language model (~50k parameters, no dropout) from a random config: its loss takes the
+    Trainer's ``num_items_in_batch`` (a sum over the accumulated batch's tokens divided by their count)."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    cfg = tf.GPT2Config(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return tf.GPT2LMHeadModel(cfg)
+
+
 def tiny_bert_classifier(seed: int = 0) -> nn.Module:
     """A 2-layer BERT for 3-class sequence classification (~60k parameters), from a random config."""
     tf = _transformers()
@@ -120,20 +137,21 @@ def hf_args(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5e-5, **
 
 
 def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
-               **args: Any) -> dict[str, Any]:
-    """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier), ``model``,
-    ``args``, ``train_ds``; run it with :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass
-    named *trainer_name* (e.g. with its own ``compute_loss``) via :func:`define`; its namespace has
-    ``Trainer``, ``torch`` and ``F``. *args* go to :func:`hf_args`."""
+               task: str = "classify", **args: Any) -> dict[str, Any]:
+    """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier, or with
+    ``task="lm"`` a tiny GPT-2 language model), ``model``, ``args``, ``train_ds``; run it with
+    :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass named *trainer_name* (e.g. with its own
+    ``compute_loss``) via :func:`define`; its namespace has ``Trainer``, ``torch`` and ``F``. *args* go to
+    :func:`hf_args`."""
     tf = _transformers()
     ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
                           "TrainingArguments": tf.TrainingArguments}
     cls = tf.Trainer
     if trainer_source is not None:
         cls = define(trainer_source, ns, name=trainer_name)[trainer_name]
-    ns["model"] = tiny_bert_classifier()
+    ns["model"] = tiny_gpt2_lm() if task == "lm" else tiny_bert_classifier()
     ns["args"] = hf_args(**args)
-    ns["train_ds"] = TokenDataset(n=n)
+    ns["train_ds"] = LMDataset(n=n) if task == "lm" else TokenDataset(n=n)
     ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"])
     return ns
 

@@ -173,47 +173,46 @@ class PrecisionWatch:
         return got[1]
 
     def step_began(self, opt: torch.optim.Optimizer) -> None:
-        """The outermost optimizer step begins: sample its low-precision weights that have a gradient."""
+        """The outermost optimizer step begins: sample its low-precision weights (which of them had a gradient
+        is read after the step: a closure computes the gradients inside it)."""
         if len(self.record.updates) >= _UPDATES or not self._low_params(opt):
             return
         total, pending = 0, []
         for ref in self._low_params(opt):
             p = ref()
-            if p is None or p.grad is None or total >= _SAMPLES:
-                continue
-            pv, gv = _view(p.detach()), _view(p.grad.detach())
-            if pv is None or gv is None or p.grad.numel() != p.numel():
+            view = _view(p.detach()) if p is not None and total < _SAMPLES else None
+            if view is None:
                 continue
             n = p.numel()
-            stride = max(1, n // _PER_PARAM)
-            (bits, _), (gbits, mask) = pv, gv
-            offsets = [i for i in range(0, n, stride)[:_PER_PARAM] if gbits[i] & mask]
-            pending.append((ref, offsets, [bits[i] for i in offsets]))
+            offsets = list(range(0, n, max(1, n // _PER_PARAM))[:_PER_PARAM])
+            pending.append((ref, offsets, [view[0][i] for i in offsets]))
             total += len(offsets)
         if not pending:
             return
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
-        first = pending[0][0]()
         self._pending = pending
         self._step = LowPrecisionUpdate(iteration=self._iteration(), optimizer=type(opt).__name__,
-                                        dtype=_LOW[first.dtype], lr=float(lr) if isinstance(lr, (int, float)) else None,
+                                        dtype=_LOW[pending[0][0]().dtype],
+                                        lr=float(lr) if isinstance(lr, (int, float)) else None,
                                         **self._place(self._where()))
 
     def step_ended(self) -> None:
-        """The step returned: which sampled values it left exactly as they were."""
+        """The step returned: of the sampled values whose gradient is not zero, which it left as they were."""
         step, pending, self._step, self._pending = self._step, self._pending, None, []
         if step is None:
             return
         for ref, offsets, before in pending:
             p = ref()
             view = _view(p.detach()) if p is not None else None
-            if view is None:
+            grad = _view(p.grad.detach()) if view is not None and p.grad is not None else None
+            if grad is None or p.grad.numel() != p.numel():
                 continue
-            bits = view[0]
-            same = sum(1 for i, b in zip(offsets, before) if bits[i] == b)
-            step.params.append(ParamUpdate(key=storage_key(p) or 0, numel=p.numel(), sampled=len(offsets),
+            (bits, _), (gbits, mask) = view, grad
+            moved = [(i, b) for i, b in zip(offsets, before) if gbits[i] & mask]
+            same = sum(1 for i, b in moved if bits[i] == b)
+            step.params.append(ParamUpdate(key=storage_key(p) or 0, numel=p.numel(), sampled=len(moved),
                                            unchanged=same))
-            step.sampled += len(offsets)
+            step.sampled += len(moved)
             step.unchanged += same
         if step.sampled:
             self.record.updates.append(step)

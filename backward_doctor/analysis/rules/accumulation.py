@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ast
 import linecache
-import re
 
 from ..findings import Finding, at, source_line
 from ...trace.accumulation import Accumulation, AccumulationCheck, StepWindow
@@ -73,24 +72,49 @@ def _library(trace: Trace, w: StepWindow) -> str:
     return ""
 
 
+def _scope(tree: ast.AST, line: int | None) -> ast.AST | None:
+    """The innermost loop holding ``line``, else the innermost function (a Lightning ``training_step``)."""
+    if line is None:
+        return None
+    holders = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While, ast.FunctionDef, ast.AsyncFunctionDef))
+               and n.lineno <= line <= (n.end_lineno or n.lineno)]
+    loops = [n for n in holders if isinstance(n, (ast.For, ast.While))]
+    return max(loops or holders, key=lambda n: n.lineno, default=None)
+
+
 def _modulo_name(source: str, line: int | None) -> tuple[str | None, ast.If | None]:
-    """The ``if ... % N == 0:`` of the loop holding ``line`` (the accumulation's guard), and ``N`` as written."""
+    """The ``if ... % N == 0:`` near ``line`` (in its loop, else its function): the accumulation's guard,
+    and ``N`` as written."""
     try:
-        tree = ast.parse(source)
+        scope = _scope(ast.parse(source), line)
     except SyntaxError:
         return None, None
-    for loop in ast.walk(tree):
-        if not isinstance(loop, (ast.For, ast.While)) or line is None:
-            continue
-        if not (loop.lineno <= line <= (loop.end_lineno or loop.lineno)):
-            continue
-        for node in ast.walk(loop):
-            if isinstance(node, ast.If):
-                mod = next((m for m in ast.walk(node.test) if isinstance(m, ast.BinOp) and isinstance(m.op, ast.Mod)),
-                           None)
-                if mod is not None:
-                    return ast.unparse(mod.right), node
+    for node in ast.walk(scope) if scope is not None else ():
+        if isinstance(node, ast.If):
+            mod = next((m for m in ast.walk(node.test) if isinstance(m, ast.BinOp) and isinstance(m.op, ast.Mod)), None)
+            if mod is not None:
+                return ast.unparse(mod.right), node
     return None, None
+
+
+def _divided(code: str, n: str) -> str | None:
+    """The backward() call of ``code`` with its loss divided by ``n``: ``loss.backward()`` ->
+    ``(loss / n).backward()``, ``self.manual_backward(loss)`` -> ``self.manual_backward(loss / n)``."""
+    try:
+        tree = ast.parse(code.strip())
+    except SyntaxError:
+        return None
+    for call in ast.walk(tree):
+        func = call.func if isinstance(call, ast.Call) else None
+        if not isinstance(func, ast.Attribute) or func.attr not in ("backward", "manual_backward"):
+            continue
+        owner = ast.unparse(func.value)
+        if call.args and (func.attr == "manual_backward" or owner in ("torch.autograd", "autograd", "accelerator")):
+            call.args[0] = ast.BinOp(call.args[0], ast.Div(), ast.Name(n))  # the loss is its first argument
+        else:
+            func.value = ast.BinOp(func.value, ast.Div(), ast.Name(n))     # ``loss.backward()``
+        return ast.unparse(tree)
+    return None
 
 
 def _one_line(fix: str) -> str:
@@ -194,9 +218,7 @@ def _not_divided(trace: Trace) -> list[Finding]:
                    "`num_items_in_batch` in `compute_loss`")
         else:
             name, _ = _modulo_name(_source(trace, w.calls[0].file), w.calls[0].line)
-            n = name or str(k)
-            m = re.match(r"^(.*?)([\w\.\[\]]+)\.backward\((.*)\)$", code)
-            fix = f"{m.group(1)}({m.group(2)} / {n}).backward({m.group(3)})" if m else f"(loss / {n}).backward()"
+            fix = _divided(code, name or str(k)) or f"(loss / {name or k}).backward()"
             how = f"divide each micro-batch's loss by the number of micro-batches: `{fix}`"
         msg = (f"{k} backward() calls feed each optimizer step (gradient accumulation over {k} micro-batches), "
                f"but each micro-batch's loss reaches backward() {scaled}: the gradients add up "

@@ -89,8 +89,10 @@ def _stuck(trace: Trace) -> list[Finding]:
     else:
         fix = ("keep the weights in float32 and run the forward under `torch.autocast(device_type, "
                "dtype=torch.bfloat16)` (fp32 master weights)")
+    step = _code(trace, u.line, u.file) or "optimizer.step()"
+    step = f"`{step}`" if "step(" in step else f"the optimizer step inside `{step}`"
     msg = (f"{100 * frac:.0f}% of the sampled {u.dtype} weight values whose gradient was not zero came out of "
-           f"`{_code(trace, u.line, u.file) or 'optimizer.step()'}` unchanged ({u.optimizer}{lr}): each update "
+           f"{step} unchanged ({u.optimizer}{lr}): each update "
            f"is smaller than half the spacing of {u.dtype} numbers around the weight ({u.dtype} keeps "
            f"{8 if u.dtype == 'bfloat16' else 11} bits of mantissa: a weight of 1.0 can only move in steps of "
            f"{2 ** -7 if u.dtype == 'bfloat16' else 2 ** -10:g}), so it rounds back to the same value and those "
