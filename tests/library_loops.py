@@ -218,9 +218,12 @@ def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier",
 
 
 # ----------------------------------------------------------------------------- Accelerate
-def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8) -> dict[str, Any]:
+def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, prepare_optimizer: bool = True,
+                    dtype: torch.dtype | None = None, lr: float = 0.1) -> dict[str, Any]:
     """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model``,
-    ``optimizer`` and ``loader`` it prepared; run it with :data:`ACCEL_LOOP` (or a cell of your own)."""
+    ``optimizer`` and ``loader`` it prepared; run it with :data:`ACCEL_LOOP` (or a cell of your own).
+    ``prepare_optimizer=False`` leaves the optimizer out of ``accelerator.prepare`` (a plain torch one);
+    ``dtype`` casts the model (and the loader's inputs) first; ``lr`` is the SGD learning rate."""
     acc = pytest.importorskip("accelerate", reason="accelerate is a test dependency (pyproject [test])")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -229,7 +232,15 @@ def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8) -> dict[str, An
     GradientState._reset_state()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    loader = xy_loader(n=n, batch=batch)
+    if dtype is not None:
+        model = model.to(dtype)
+        x, y = loader.dataset.tensors
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.to(dtype), y), batch_size=batch)
     accelerator = acc.Accelerator(cpu=True, gradient_accumulation_steps=accum)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, xy_loader(n=n, batch=batch))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    if prepare_optimizer:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        model, loader = accelerator.prepare(model, loader)
     return {"torch": torch, "accelerator": accelerator, "model": model, "optimizer": optimizer, "loader": loader}

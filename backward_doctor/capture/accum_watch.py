@@ -250,15 +250,17 @@ class AccumulationWatch:
 
     @staticmethod
     def _stepped(call: ZeroGradCall, ref: Any, opt: Any) -> ZeroGradCall:
-        """Whether the zero_grad cleared gradients of the parameters ``opt`` then stepped."""
+        """Whether the zero_grad cleared gradients of the parameters ``opt`` then stepped (a wrapper such as
+        Lightning's or Accelerate's optimizer zeroes the parameters of the one it wraps)."""
         obj = ref()
-        if obj is None or opt is None:
+        if obj is None or opt is None or obj is opt:
             return call
-        if call.target == "optimizer":
-            call.stepped = obj is opt
-        else:
+        try:
             ids = {id(p) for g in opt.param_groups for p in g["params"]}
-            call.stepped = any(id(p) in ids for p in obj.parameters())
+            params = obj.parameters() if call.target == "module" else (p for g in obj.param_groups for p in g["params"])
+            call.stepped = any(id(p) in ids for p in params)
+        except Exception:  # an object that does not list its parameters: assume it cleared them
+            pass
         return call
 
     def finish(self, namespace: dict[str, Any]) -> None:

@@ -181,16 +181,28 @@ def _zeroed_inside(trace: Trace) -> list[Finding]:
 
 
 # ---------------------------------------------------------------- the loss not divided
+_SCALING = ("aten::div", "aten::mul", "aten::div_", "aten::mul_", "aten::_to_copy", "aten::clone", "aten::alias")
+
+
 def _loss_place(trace: Trace, w: StepWindow) -> Where:
     """Where to fix the scaling: the backward() call, or (when backward() ran in a library called from the
-    cell) the user's own function that computed the loss (a Trainer's ``compute_loss``)."""
+    cell) the user's own function that computed the loss (a Trainer's ``compute_loss``): the forward op
+    behind backward()'s first node, followed back through the library's scalings (``loss / 1``)."""
     c = w.calls[0]
     where = Where(line=c.line, file=c.file, cell_line=c.cell_line, function=c.function)
-    if c.file is None:
-        root = next((op for op in trace.ops if op.phase == "backward" and op.fwd_index is not None), None)
-        fwd = trace.op(root.fwd_index) if root is not None else None
-        if fwd is not None and fwd.where.file is not None and fwd.where.line is not None:
+    if c.file is not None:
+        return where
+    root = next((op for op in trace.ops if op.phase == "backward" and op.fwd_index is not None), None)
+    fwd = trace.op(root.fwd_index) if root is not None else None
+    for _ in range(8):
+        if fwd is None:
+            break
+        if fwd.where.file is not None and fwd.where.line is not None:
             return fwd.where
+        if fwd.op not in _SCALING or not fwd.in_keys:
+            break
+        key = fwd.in_keys[0]
+        fwd = next((op for op in reversed(trace.ops[:fwd.index]) if op.phase == "forward" and key in op.out_keys), None)
     return where
 
 

@@ -195,14 +195,15 @@ def amp_crossing(trace: Trace) -> list[Finding]:
     if exc is None or failed is None or not _DTYPE.search(exc.message) or not same_exception(trace):
         return []
     low = [m for m in failed.inputs if m.dtype in _LOW]
-    if not low or not any(m.dtype == "float32" for m in failed.inputs) or failed.phase != "forward":
+    # (not backward: a library's training_step may run inside ``optimizer.step(closure)``, phase "optimizer")
+    if not low or not any(m.dtype == "float32" for m in failed.inputs) or failed.phase == "backward":
         return []
     use = failed.where
     if _block(trace, use.line, use.file) is not None:
         return []  # inside autocast itself: not this boundary
     made = None
     for op in reversed(trace.ops):
-        if op.index >= failed.index or op.phase != "forward":
+        if op.index >= failed.index or op.phase == "backward":
             continue
         if any(m.dtype == low[0].dtype for m in op.outputs) and _block(trace, op.where.line, op.where.file):
             made = op
