@@ -42,6 +42,7 @@ _ANOMALIES = 8      # further windows kept because they zeroed gradients inside 
 _CALLS = 8          # backward() calls kept per window
 _BUCKETS = 33       # per_step[32] counts steps fed by 32 or more backward() calls
 _CHECK_CAP = 1 << 30
+_graph_task_id = torch._C._current_graph_task_id
 
 
 class Patches:
@@ -98,6 +99,7 @@ class AccumulationWatch:
         self._check: EquivalenceCheck | None = None
         self._checked = False    # the check ran (or was refused) once: never again this run
         self._first_backward = True
+        self._nested: list[bool] = []  # per backward() running: whether it runs inside another one
         self._new_window()
         self.patches = Patches()
         self.patches.add(torch.optim.Optimizer, "zero_grad", lambda real: self._wrap_zero(real, "optimizer"))
@@ -119,9 +121,12 @@ class AccumulationWatch:
 
     # ---------------------------------------------------------------- backward()
     def backward_began(self, tensors: Any) -> None:
-        """``backward()`` is about to run on ``tensors`` (the loss)."""
-        if threading.get_ident() != self._thread:
+        """``backward()`` is about to run on ``tensors`` (the loss). A backward() run from inside another
+        (reentrant checkpointing recomputes and backpropagates a segment) is part of that one: not counted."""
+        if threading.get_ident() != self._thread or _graph_task_id() != -1:
+            self._nested.append(True)
             return
+        self._nested.append(False)
         self._n += 1
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         if self._first_backward:  # the run's first window: gradients nobody zeroed may be None already
@@ -136,8 +141,7 @@ class AccumulationWatch:
         if self._check is not None:
             d, _ = divisor(t) if isinstance(t, torch.Tensor) else (1.0, "")
             self._check.divisors.append(d)
-            with self._quiet():
-                self._check.began()
+            self._measure("began")
 
     def _call(self, t: Any) -> BackwardCall:
         w = self._where()
@@ -148,9 +152,20 @@ class AccumulationWatch:
                             site=site, loss=self._scalar(t), divisor=d, root=root)
 
     def backward_ended(self) -> None:
-        if self._check is not None and threading.get_ident() == self._thread:
+        """The backward() that began last returned (or raised)."""
+        nested = self._nested.pop() if self._nested else True
+        if self._check is not None and not nested:
+            self._measure("ended")
+
+    def _measure(self, when: str) -> None:
+        """The check's own work, never an error of the user's step (it is dropped, and says why)."""
+        try:
             with self._quiet():
-                self._check.ended()
+                getattr(self._check, when)()
+        except Exception as exc:  # a gradient of a subclass, a sparse one: no measurement this run
+            self.record.check = AccumulationCheck(iteration=self._check.iteration, micro_batches=0,
+                                                  why_not=f"{type(exc).__name__}: {exc}"[:200])
+            self._check = None
 
     def _may_check(self) -> bool:
         return not self._checked and self._zeroed and len(self._sites) == 1 and self._detailed()

@@ -53,9 +53,10 @@ class LoopHooks:
             tensors = args[0] if args else kwargs.get("tensors")
             watch.saw_backward(tensors)
             accum.backward_began(tensors)
-            out = real(*args, **kwargs)
-            accum.backward_ended()
-            return out
+            try:
+                return real(*args, **kwargs)
+            finally:
+                accum.backward_ended()
 
         torch.autograd.backward = backward
         self._precision = PrecisionWatch(self.trace.precision, frames=self._frames, on_skipped=accum.skipped_step,
