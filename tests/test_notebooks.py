@@ -52,7 +52,8 @@ def test_notebooks_exist():
     names = {p.name for p in NOTEBOOKS}
     for expected in ("00_tour.ipynb", "01_out_of_memory.ipynb", "02_hangs_and_async.ipynb",
                      "03_nan_and_device_asserts.ipynb", "04_inplace_and_graph_cuts.ipynb",
-                     "05_leaks_and_zero_grad.ipynb", "06_training_loops.ipynb", "07_distributed.ipynb"):
+                     "05_leaks_and_zero_grad.ipynb", "06_training_loops.ipynb", "07_distributed.ipynb",
+                     "08_accumulation_and_precision.ipynb"):
         assert expected in names
 
 
