@@ -291,3 +291,28 @@ def test_accelerate_bf16_weights_small_lr_vs_float32(engine):
 
     ok = bd.diagnose(cell, ll.accelerate_loop(accum=1, lr=1e-4), engine=engine)
     assert ok.findings == [], _describe(ok)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_accelerate_state_left_by_an_earlier_cell_flags_nothing_later(engine):
+    """Accelerate's gradient state is a process-wide singleton: a loop stopped on a micro-batch it holds
+    back leaves ``sync_gradients=False`` behind. A later plain loop (no ``accumulate()``) must not be read as
+    stepping off Accelerate's sync."""
+    _engine_or_skip(engine)
+    stopped = ll.ACCEL_LOOP.replace("for step, (x, y) in enumerate(loader):",
+                                    "for step, (x, y) in enumerate(loader):\n    if step == 3:\n        break")
+    exec(stopped, ll.accelerate_loop(accum=2))
+    from accelerate.state import GradientState
+
+    assert GradientState._shared_state.get("sync_gradients") is False  # what the next cell inherits
+    ns2 = {"torch": torch, "model": torch.nn.Linear(16, 5), "loader": ll.xy_loader(n=32, batch=8)}
+    ns2["optimizer"] = torch.optim.SGD(ns2["model"].parameters(), lr=0.1)
+    cell = """\
+for x, y in loader:
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y) / 2
+    loss.backward()
+    optimizer.step()
+"""
+    report = bd.diagnose(cell, ns2, engine=engine)
+    assert report.findings == [], _describe(report)

@@ -100,6 +100,7 @@ class AccumulationWatch:
         self._checked = False    # the check ran (or was refused) once: never again this run
         self._first_backward = True
         self._nested: list[bool] = []  # per backward() running: whether it runs inside another one
+        self._syncs: set[bool] = set()  # Accelerate's sync flag as backward() saw it (both: accumulate() ran)
         self._new_window()
         self.patches = Patches()
         self.patches.add(torch.optim.Optimizer, "zero_grad", lambda real: self._wrap_zero(real, "optimizer"))
@@ -128,6 +129,9 @@ class AccumulationWatch:
             return
         self._nested.append(False)
         self._n += 1
+        sync, _ = _accelerate_state()
+        if sync is not None:
+            self._syncs.add(sync)
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         if self._first_backward:  # the run's first window: gradients nobody zeroed may be None already
             self._first_backward = False
@@ -283,6 +287,9 @@ class AccumulationWatch:
         self.record.trailing = self._n
         self._check = None
         self.record.settings = list(_settings(namespace))
+        if len(self._syncs) < 2:  # Accelerate's process-wide state left from an earlier run, not this one's
+            for w in self.record.windows:
+                w.sync, w.accumulate = None, 0
 
 
 def _accelerate_state() -> tuple[bool | None, int]:

@@ -170,6 +170,19 @@ GRAD_ACCUMULATION_CORRECT = [
         _setup_accum(opt="lbfgs"),
     ),
     _silent(
+        "halved_loss_and_a_logging_guard",
+        """\
+        for step, (xb, yb) in enumerate(loader):
+            optimizer.zero_grad()
+            loss = 0.5 * F.cross_entropy(model(xb), yb)
+            loss.backward()
+            optimizer.step()
+            if step % 4 == 0:
+                print(f"step {step}: {loss.item():.3f}")
+        """,
+        _setup_accum(),
+    ),
+    _silent(
         "accumulation_helper_once_per_cell",
         """\
         optimizer.zero_grad()

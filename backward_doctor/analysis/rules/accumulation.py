@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import ast
 import linecache
+import re
 
-from ..findings import Finding, at, source_line
+from ..findings import Finding, at, code_at, placed
 from ...trace.accumulation import Accumulation, AccumulationCheck, StepWindow
 from ...trace.records import Trace, Where
 
 _TITLE = "Gradient accumulation written wrong"
-
-
-def _code(trace: Trace, line: int | None, file: str | None) -> str:
-    return source_line(trace, line, file).split("  #")[0].split(" # ")[0].strip()
 
 
 def _source(trace: Trace, file: str | None) -> str:
@@ -97,6 +94,17 @@ def _modulo_name(source: str, line: int | None) -> tuple[str | None, ast.If | No
     return None, None
 
 
+def _divides_by(source: str, name: str | None, d: float) -> bool:
+    """The guard's ``N`` is what the loss was divided by: the number ``d`` itself, or a name the source divides
+    by (``loss / accum_steps`` beside ``% accum_steps``)."""
+    if name is None:
+        return False
+    try:
+        return abs(float(name) - d) < 1e-6
+    except ValueError:
+        return re.search(r"/\s*\(?\s*" + re.escape(name) + r"\b", source) is not None
+
+
 def _divided(code: str, n: str) -> str | None:
     """The backward() call of ``code`` with its loss divided by ``n``: ``loss.backward()`` ->
     ``(loss / n).backward()``, ``self.manual_backward(loss)`` -> ``self.manual_backward(loss / n)``."""
@@ -149,14 +157,14 @@ def _zero_fix(source: str, zero_line: int | None, step_line: int | None, step: s
 # ---------------------------------------------------------------- zero_grad() between micro-batches
 def _zeroed_inside(trace: Trace) -> list[Finding]:
     acc = trace.accumulation
-    for w in _accumulating(acc) + [w for w in acc.windows if w.sync is None and w.backward >= 2]:
+    for w in _accumulating(acc):
         zeros = [z for z in w.zero_grads if z.stepped and 0 < z.after]
         if not zeros:
             continue
         z = zeros[0]
         k = w.backward
         lost = min(k, max(x.after for x in zeros))  # the last zero_grad before the step decides
-        what = f"`{_code(trace, z.line, z.file) or z.type + '.zero_grad()'}`"
+        what = f"`{code_at(trace, z.line, z.file) or z.type + '.zero_grad()'}`"
         if _library(trace, w) == "accelerate" and z.target == "module":
             fix = "optimizer.zero_grad()"
             advice = ("Call `optimizer.zero_grad()` instead (the optimizer `accelerator.prepare` returned): it "
@@ -165,15 +173,15 @@ def _zeroed_inside(trace: Trace) -> list[Finding]:
                    "`optimizer.zero_grad()` (the optimizer `accelerator.prepare` returned) until the step is taken, "
                    "but `model.zero_grad()` is a plain module call it cannot hold back")
         else:
-            step = _code(trace, w.line, w.file) or "optimizer.step()"
-            zero = _code(trace, z.line, z.file) or "optimizer.zero_grad()"
+            step = code_at(trace, w.line, w.file) or "optimizer.step()"
+            zero = code_at(trace, z.line, z.file) or "optimizer.zero_grad()"
             why = f"{what} runs between the micro-batches that feed one `{step}`"
             fix, advice = _zero_fix(_source(trace, z.file), z.line, w.line if w.file == z.file else None, step, zero)
         msg = (f"{why}: each call throws away the gradients the micro-batches before it accumulated, so the "
                f"step uses {'none of the' if lost >= k else f'{k - lost} of the'} {k} micro-batches' gradients "
                f"({lost} thrown away) - gradient accumulation that does not accumulate.{_measured(acc.check)} "
                f"{advice}.")
-        where = Where(line=z.line, file=z.file, cell_line=z.cell_line, function=z.function)
+        where = placed(z)
         return [at("grad_accumulation", where, msg, title=_TITLE, iteration=w.iteration,
                    evidence={"problem": "zero_grad_inside", "micro_batches": k, "thrown_away": lost,
                              "target": z.target, "fix_code": fix, **_check_evidence(acc.check)})]
@@ -189,7 +197,7 @@ def _loss_place(trace: Trace, w: StepWindow) -> Where:
     cell) the user's own function that computed the loss (a Trainer's ``compute_loss``): the forward op
     behind backward()'s first node, followed back through the library's scalings (``loss / 1``)."""
     c = w.calls[0]
-    where = Where(line=c.line, file=c.file, cell_line=c.cell_line, function=c.function)
+    where = placed(c)
     if c.file is not None:
         return where
     root = next((op for op in trace.ops if op.phase == "backward" and op.fwd_index is not None), None)
@@ -214,7 +222,7 @@ def _not_divided(trace: Trace) -> list[Finding]:
         if d >= 0.75 * k:
             continue
         where = _loss_place(trace, w)
-        code = _code(trace, w.calls[0].line, w.calls[0].file)
+        code = code_at(trace, w.calls[0].line, w.calls[0].file)
         lib = _library(trace, w)
         scaled = f"divided by {d:g}, not by {k}" if d > 1.01 else f"not divided by {k}"
         if lib == "accelerate":
@@ -252,7 +260,7 @@ def _step_every_micro_batch(trace: Trace) -> list[Finding]:
     off_sync = [w for w in singles if w.sync is False]
     w = off_sync[0] if off_sync else singles[0]
     d = w.calls[0].divisor
-    step = _code(trace, w.line, w.file) or "optimizer.step()"
+    step = code_at(trace, w.line, w.file) or "optimizer.step()"
     if off_sync:
         k = w.accumulate
         msg = (f"`{step}` ran on a micro-batch Accelerate's `accumulate()` holds back (gradient_accumulation_steps"
@@ -263,10 +271,13 @@ def _step_every_micro_batch(trace: Trace) -> list[Finding]:
     else:
         if d < 2 or any(abs(x.calls[0].divisor - d) > 1e-6 for x in singles):
             return []
-        name, guard = _modulo_name(_source(trace, w.file), w.line)
+        source = _source(trace, w.file)
+        name, guard = _modulo_name(source, w.line)
         if guard is None or (w.line is not None and guard.lineno <= w.line <= (guard.end_lineno or guard.lineno)):
             return []  # no accumulation guard in the loop, or the step is under it
-        zero = next((_code(trace, z.line, z.file) for x in singles for z in x.zero_grads), "") or "optimizer.zero_grad()"
+        if not _divides_by(source, name, d):
+            return []  # a guard for something else (``if step % 100 == 0: print(...)``), a loss scaled for its own sake
+        zero = next((code_at(trace, z.line, z.file) for x in singles for z in x.zero_grads), "") or "optimizer.zero_grad()"
         fix = f"if {ast.unparse(guard.test)}:\n    {step}\n    {zero}"
         msg = (f"Each micro-batch's loss is divided by {d:g} for accumulation (`{name}`), but `{step}` runs after "
                f"every backward(), outside `if {ast.unparse(guard.test)}:`: {len(singles)}+ steps each with 1/{d:g} "
@@ -274,7 +285,7 @@ def _step_every_micro_batch(trace: Trace) -> list[Finding]:
                f"in effect {d:g}x smaller and every step follows a single micro-batch. Step (and zero the gradients) "
                f"only when the micro-batches are complete: `{_one_line(fix)}`.")
         k = int(round(d))
-    where = Where(line=w.line, file=w.file, cell_line=w.cell_line, function=w.function)
+    where = placed(w)
     return [at("grad_accumulation", where, msg, title=_TITLE, iteration=w.iteration,
                evidence={"problem": "step_every_micro_batch", "micro_batches": k, "divisor": d, "fix_code": fix})]
 
@@ -287,8 +298,8 @@ def _check_disagrees(trace: Trace) -> list[Finding]:
     w = next((x for x in trace.accumulation.windows if x.iteration == check.iteration and x.backward >= 2), None)
     if w is None:
         return []
-    where = Where(line=w.line, file=w.file, cell_line=w.cell_line, function=w.function)
-    msg = (f"The gradient `{_code(trace, w.line, w.file) or 'optimizer.step()'}` used is not the sum of what its "
+    where = placed(w)
+    msg = (f"The gradient `{code_at(trace, w.line, w.file) or 'optimizer.step()'}` used is not the sum of what its "
            f"{check.micro_batches} micro-batches' backward() calls added to `.grad`.{_measured(check)} Something "
            "changed the gradients between the micro-batches (clipping or rescaling them before the last one, a "
            "hook, `p.grad = None`): do that once, after the last micro-batch and before the step.")

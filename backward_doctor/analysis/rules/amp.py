@@ -24,7 +24,7 @@ import functools
 import linecache
 import re
 
-from ..findings import Finding, at, same_exception, source_line
+from ..findings import Finding, at, code_at, placed, same_exception
 from ...trace.records import OpRecord, Trace, Where
 from .failures import _DTYPE
 
@@ -32,10 +32,6 @@ _TITLE = "Mixed precision misused"
 _LOW = ("bfloat16", "float16")
 COLLAPSE = 5              # skipped in a row: the scale keeps falling, not settling
 _STUCK = 0.2              # of the sampled values with a gradient, this many unchanged: updates round away
-
-
-def _code(trace: Trace, line: int | None, file: str | None) -> str:
-    return source_line(trace, line, file).split("  #")[0].split(" # ")[0].strip()
 
 
 def _names(trace: Trace) -> tuple[str, str]:
@@ -50,7 +46,7 @@ def _clip_before_unscale(trace: Trace) -> list[Finding]:
     if clip is None:
         return []
     scaler, opt = _names(trace)
-    code = _code(trace, clip.line, clip.file) or "clip_grad_norm_(...)"
+    code = code_at(trace, clip.line, clip.file) or "clip_grad_norm_(...)"
     scale = f"{clip.scale:g}" if clip.scale is not None else "the loss scale"
     limit = f"max_norm={clip.max_norm:g}" if clip.max_norm is not None else "its max_norm"
     if any("accelerator." in s for s in trace.accumulation.settings) or "accelerator" in trace.source:
@@ -64,7 +60,7 @@ def _clip_before_unscale(trace: Trace) -> list[Finding]:
            f"had not unscaled them yet (stage {clip.stage or 'READY'}), so their norm is {scale}x the true one and "
            f"{limit} cuts them to about 1/{scale} of the limit you meant; once `{scaler}.step` unscales them the "
            f"update is that much too small (with a large scale, almost nothing trains). Unscale first: {how}.")
-    where = Where(line=clip.line, file=clip.file, cell_line=clip.cell_line, function=clip.function)
+    where = placed(clip)
     return [at("amp_misuse", where, msg, title=_TITLE, iteration=clip.iteration,
                evidence={"problem": "clip_before_unscale", "scale": clip.scale, "stage": clip.stage,
                          "max_norm": clip.max_norm, "fix_code": fix})]
@@ -89,7 +85,7 @@ def _stuck(trace: Trace) -> list[Finding]:
     else:
         fix = ("keep the weights in float32 and run the forward under `torch.autocast(device_type, "
                "dtype=torch.bfloat16)` (fp32 master weights)")
-    step = _code(trace, u.line, u.file) or "optimizer.step()"
+    step = code_at(trace, u.line, u.file) or "optimizer.step()"
     step = f"`{step}`" if "step(" in step else f"the optimizer step inside `{step}`"
     msg = (f"{100 * frac:.0f}% of the sampled {u.dtype} weight values whose gradient was not zero came out of "
            f"{step} unchanged ({u.optimizer}{lr}): each update "
@@ -100,7 +96,7 @@ def _stuck(trace: Trace) -> list[Finding]:
            f"{'; not one value of ' + ', '.join(frozen[:3]) + ' moved' if frozen else ''}). Fix: {fix}; or a "
            "larger learning rate, or an optimizer that keeps the rounding error (Kahan summation / stochastic "
            "rounding).")
-    where = Where(line=u.line, file=u.file, cell_line=u.cell_line, function=u.function)
+    where = placed(u)
     return [at("amp_misuse", where, msg, title=_TITLE, severity="warning", iteration=u.iteration,
                evidence={"problem": "update_below_precision", "dtype": u.dtype, "lr": u.lr, "optimizer": u.optimizer,
                          "sampled": u.sampled, "unchanged": u.unchanged, "fraction": frac,
@@ -131,7 +127,7 @@ def _scale_collapse(trace: Trace) -> list[Finding]:
     if op is not None:
         w = op.where
         origin = (f"The first op that overflowed: `{op.op}` at {'line ' + str(w.line) if w.file is None else w.file + ':' + str(w.line)}"
-                  f" (`{_code(trace, w.line, w.file)}`){' in ' + w.module if w.module else ''}: fix that value "
+                  f" (`{code_at(trace, w.line, w.file)}`){' in ' + w.module if w.module else ''}: fix that value "
                   "(see the NaN/Inf finding), not the scale.")
     else:
         origin = "The step's gradients were inf/NaN at every scale: look for the op that makes them (run with "\
@@ -142,7 +138,7 @@ def _scale_collapse(trace: Trace) -> list[Finding]:
            f"the scale, so nothing trains and the scale heads for zero. A few skips while the scale settles are "
            f"normal; this many mean inf/NaN in the model or the loss. {origin} Compute the loss (and softmax/log) "
            "in float32, outside autocast, and clamp what can overflow.")
-    where = Where(line=start.line, file=start.file, cell_line=start.cell_line, function=start.function) \
+    where = placed(start) \
         if start is not None else Where()
     return [at("amp_misuse", where, msg, title=_TITLE, severity="warning",
                iteration=start.iteration if start is not None else None,
@@ -212,7 +208,7 @@ def amp_crossing(trace: Trace) -> list[Finding]:
         return []
     w = made.where
     block = _block(trace, w.line, w.file)
-    made_code, use_code = _code(trace, w.line, w.file), _code(trace, use.line, use.file)
+    made_code, use_code = code_at(trace, w.line, w.file), code_at(trace, use.line, use.file)
     var = made_code.split("=")[0].strip() if "=" in made_code and "==" not in made_code else "the output"
     cast = f"{var} = {var}.float()" if var != "the output" else ".float()"
     at_made = f"line {w.line}" if w.file == use.file else f"{w.file}:{w.line}"
