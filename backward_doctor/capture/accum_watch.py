@@ -100,18 +100,26 @@ class AccumulationWatch:
         self._checked = False    # the check ran (or was refused) once: never again this run
         self._first_backward = True
         self._nested: list[bool] = []  # per backward() running: whether it runs inside another one
+        self._calls: list[BackwardCall] = []
+        self._zeros: list[tuple[ZeroGradCall, Any]] = []
+        self._sites: set[int] = set()
         self._syncs: set[bool] = set()  # Accelerate's sync flag as backward() saw it (both: accumulate() ran)
+        self._accelerate = sys.modules.get("accelerate.state")  # (imported before the run, or not in use)
         self._new_window()
         self.patches = Patches()
         self.patches.add(torch.optim.Optimizer, "zero_grad", lambda real: self._wrap_zero(real, "optimizer"))
         self.patches.add(torch.nn.Module, "zero_grad", lambda real: self._wrap_zero(real, "module"))
 
     def _new_window(self) -> None:
+        """The next window; its lists are new only where the last one filled them (kept in a record)."""
         self._n = 0
-        self._calls: list[BackwardCall] = []
-        self._zeros: list[tuple[ZeroGradCall, Any]] = []
         self._zeroed = False
-        self._sites: set[int] = set()
+        if self._calls:
+            self._calls = []
+        if self._zeros:
+            self._zeros = []
+        if self._sites:
+            self._sites = set()
 
     def _detailed(self) -> bool:
         return len(self.record.windows) < _DETAILED
@@ -129,9 +137,10 @@ class AccumulationWatch:
             return
         self._nested.append(False)
         self._n += 1
-        sync, _ = _accelerate_state()
-        if sync is not None:
-            self._syncs.add(sync)
+        if self._accelerate is not None:
+            sync, _ = _accelerate_state(self._accelerate)
+            if sync is not None:
+                self._syncs.add(sync)
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         if self._first_backward:  # the run's first window: gradients nobody zeroed may be None already
             self._first_backward = False
@@ -244,8 +253,8 @@ class AccumulationWatch:
         while len(rec.per_step) <= min(n, _BUCKETS - 1):
             rec.per_step.append(0)
         rec.per_step[min(n, _BUCKETS - 1)] += 1
-        sync, num = _accelerate_state()
-        zeros = [self._stepped(z, ref, opt) for z, ref in self._zeros]
+        sync, num = _accelerate_state(self._accelerate) if self._accelerate is not None else (None, 0)
+        zeros = [self._stepped(z, ref, opt) for z, ref in self._zeros] if self._zeros else []
         odd = n >= 2 and any(z.stepped for z in zeros) or sync is False
         if self._detailed() or (odd and len(rec.windows) < _DETAILED + _ANOMALIES):
             w = self._step_where
@@ -292,12 +301,9 @@ class AccumulationWatch:
                 w.sync, w.accumulate = None, 0
 
 
-def _accelerate_state() -> tuple[bool | None, int]:
-    """Accelerate's gradient state (a process-wide singleton), if Accelerate is in use: whether this is a
-    step to take (``sync_gradients``) and its accumulation steps."""
-    mod = sys.modules.get("accelerate.state")
-    if mod is None:
-        return None, 0
+def _accelerate_state(mod: Any) -> tuple[bool | None, int]:
+    """Accelerate's gradient state (a process-wide singleton in ``accelerate.state``, ``mod``): whether this
+    is a step to take (``sync_gradients``) and its accumulation steps."""
     try:
         state = mod.GradientState._shared_state
         num = int((state.get("plugin_kwargs") or {}).get("num_steps", 0) or 0)

@@ -175,6 +175,9 @@ class PrecisionWatch:
     def step_began(self, opt: torch.optim.Optimizer) -> None:
         """The outermost optimizer step begins: sample its low-precision weights (which of them had a gradient
         is read after the step: a closure computes the gradients inside it)."""
+        got = self._low.get(id(opt))
+        if got is not None and not got[1] and got[0]() is opt:  # (the common case: no low-precision weights)
+            return
         if len(self.record.updates) >= _UPDATES or not self._low_params(opt):
             return
         total, pending = 0, []
@@ -198,9 +201,9 @@ class PrecisionWatch:
 
     def step_ended(self) -> None:
         """The step returned: of the sampled values whose gradient is not zero, which it left as they were."""
-        step, pending, self._step, self._pending = self._step, self._pending, None, []
-        if step is None:
+        if self._step is None:
             return
+        step, pending, self._step, self._pending = self._step, self._pending, None, []
         for ref, offsets, before in pending:
             p = ref()
             view = _view(p.detach()) if p is not None else None
