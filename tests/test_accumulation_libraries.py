@@ -163,9 +163,10 @@ class ManualAccumulation(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 """
 LIT_BUGS = {
-    "loss_not_divided": (MANUAL.replace("loss / self.accum)  # <-- backward", "loss)  # <-- backward"), "# <-- backward"),
-    "zero_grad_inside": (MANUAL.replace("            opt.zero_grad()  # <-- zero", "        opt.zero_grad()  # <-- zero"),
-                         "# <-- zero"),
+    "loss_not_divided": (MANUAL.replace("loss / self.accum)  # <-- backward", "loss)  # <-- backward"),
+                         "# <-- backward"),
+    "zero_grad_inside": (MANUAL.replace("            opt.zero_grad()  # <-- zero",
+                                        "        opt.zero_grad()  # <-- zero"), "# <-- zero"),
     "step_every_micro_batch": (MANUAL.replace("""        if (batch_idx + 1) % self.accum == 0:
             opt.step()  # <-- step
             opt.zero_grad()  # <-- zero""", """        if (batch_idx + 1) % self.accum == 0:
@@ -227,7 +228,8 @@ def test_lightning_bf16_true_vs_bf16_mixed(engine):
     assert ok.findings == [], _describe(ok)
 
 
-CROSSING = ll.LIT_MODULE.replace("""        logits = self.net(x)""", """        with torch.autocast("cpu", dtype=torch.bfloat16):
+CROSSING = ll.LIT_MODULE.replace("""        logits = self.net(x)""", """\
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             feats = self.net[:2](x)
         logits = self.net[2](feats)  # <-- head""")
 CAST_BACK = CROSSING.replace("self.net[2](feats)  # <-- head", "self.net[2](feats.float())")

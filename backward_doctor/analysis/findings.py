@@ -126,6 +126,16 @@ def placed(rec: Any) -> Where:
     return Where(line=rec.line, file=rec.file, cell_line=rec.cell_line, function=rec.function)
 
 
+def looped(trace: Trace, iteration: int | None) -> int | None:
+    """``iteration`` for a finding, when the run was a loop (more than one optimizer step, in the cell or in a
+    library's loop); None for a single step, where an iteration says nothing.
+
+    >>> looped(Trace(), 0) is None
+    True
+    """
+    return iteration if trace.iterations.steps > 1 or trace.precision.scaler.calls > 1 else None
+
+
 def code_at(trace: Trace, line: int | None, file: str | None = None) -> str:
     """A source line for a message, without its trailing comment ('' when unknown)."""
     return source_line(trace, line, file).split("  #")[0].split(" # ")[0].strip()

@@ -92,7 +92,8 @@ class AccumulationWatch:
                  quiet: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  scalar: Callable[[Any], float | None] = lambda t: None) -> None:
         self.record = record
-        self._frames, self._iteration, self._params, self._quiet, self._scalar = frames, iteration, params, quiet, scalar
+        self._frames, self._iteration, self._params = frames, iteration, params
+        self._quiet, self._scalar = quiet, scalar
         self._thread = threading.get_ident()
         self._depth = 0          # optimizer steps open (a closure's backward() runs inside one)
         self._n_step = 0         # backward() calls of the window when its step began

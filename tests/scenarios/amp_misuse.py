@@ -165,7 +165,8 @@ AMP_CROSSING = [
 AMP_CORRECT = [
     _silent(
         "amp_unscale_then_clip",
-        _AMP_LOOP.format(clip="    scaler.unscale_(optimizer)\n    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"),
+        _AMP_LOOP.format(clip="    scaler.unscale_(optimizer)\n"
+                              "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"),
         _setup_loader(),
     ),
     _silent(

@@ -26,7 +26,7 @@ import ast
 import linecache
 import re
 
-from ..findings import Finding, at, code_at, placed
+from ..findings import Finding, at, code_at, looped, placed
 from ...trace.accumulation import Accumulation, AccumulationCheck, StepWindow
 from ...trace.records import Trace, Where
 
@@ -182,7 +182,7 @@ def _zeroed_inside(trace: Trace) -> list[Finding]:
                f"({lost} thrown away) - gradient accumulation that does not accumulate.{_measured(acc.check)} "
                f"{advice}.")
         where = placed(z)
-        return [at("grad_accumulation", where, msg, title=_TITLE, iteration=w.iteration,
+        return [at("grad_accumulation", where, msg, title=_TITLE, iteration=looped(trace, w.iteration),
                    evidence={"problem": "zero_grad_inside", "micro_batches": k, "thrown_away": lost,
                              "target": z.target, "fix_code": fix, **_check_evidence(acc.check)})]
     return []
@@ -245,7 +245,8 @@ def _not_divided(trace: Trace) -> list[Finding]:
                f"to {k / d:.3g}x the gradient of one full batch, as if the learning rate were {k / d:.3g}x larger "
                f"(and gradient clipping, weight decay and the logged loss see it too).{_measured(acc.check)} "
                f"Fix: {how}.")
-        return [at("grad_accumulation", where, msg, title=_TITLE, severity="warning", iteration=w.iteration,
+        return [at("grad_accumulation", where, msg, title=_TITLE, severity="warning",
+                   iteration=looped(trace, w.iteration),
                    evidence={"problem": "loss_not_divided", "micro_batches": k, "divisor": d, "library": lib,
                              "fix_code": fix, **_check_evidence(acc.check)})]
     return []
@@ -277,7 +278,8 @@ def _step_every_micro_batch(trace: Trace) -> list[Finding]:
             return []  # no accumulation guard in the loop, or the step is under it
         if not _divides_by(source, name, d):
             return []  # a guard for something else (``if step % 100 == 0: print(...)``), a loss scaled for its own sake
-        zero = next((code_at(trace, z.line, z.file) for x in singles for z in x.zero_grads), "") or "optimizer.zero_grad()"
+        zeros = [ln.split("#")[0].strip() for ln in source.splitlines() if ".zero_grad(" in ln]
+        zero = zeros[0] if zeros else "optimizer.zero_grad()"
         fix = f"if {ast.unparse(guard.test)}:\n    {step}\n    {zero}"
         msg = (f"Each micro-batch's loss is divided by {d:g} for accumulation (`{name}`), but `{step}` runs after "
                f"every backward(), outside `if {ast.unparse(guard.test)}:`: {len(singles)}+ steps each with 1/{d:g} "
@@ -286,7 +288,7 @@ def _step_every_micro_batch(trace: Trace) -> list[Finding]:
                f"only when the micro-batches are complete: `{_one_line(fix)}`.")
         k = int(round(d))
     where = placed(w)
-    return [at("grad_accumulation", where, msg, title=_TITLE, iteration=w.iteration,
+    return [at("grad_accumulation", where, msg, title=_TITLE, iteration=looped(trace, w.iteration),
                evidence={"problem": "step_every_micro_batch", "micro_batches": k, "divisor": d, "fix_code": fix})]
 
 
@@ -303,7 +305,8 @@ def _check_disagrees(trace: Trace) -> list[Finding]:
            f"{check.micro_batches} micro-batches' backward() calls added to `.grad`.{_measured(check)} Something "
            "changed the gradients between the micro-batches (clipping or rescaling them before the last one, a "
            "hook, `p.grad = None`): do that once, after the last micro-batch and before the step.")
-    return [at("grad_accumulation", where, msg, title=_TITLE, severity="warning", iteration=w.iteration,
+    return [at("grad_accumulation", where, msg, title=_TITLE, severity="warning",
+                   iteration=looped(trace, w.iteration),
                evidence={"problem": "check_disagrees", **_check_evidence(check)})]
 
 

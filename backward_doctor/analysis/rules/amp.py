@@ -24,7 +24,7 @@ import functools
 import linecache
 import re
 
-from ..findings import Finding, at, code_at, placed, same_exception
+from ..findings import Finding, at, code_at, looped, placed, same_exception
 from ...trace.records import OpRecord, Trace, Where
 from .failures import _DTYPE
 
@@ -61,7 +61,7 @@ def _clip_before_unscale(trace: Trace) -> list[Finding]:
            f"{limit} cuts them to about 1/{scale} of the limit you meant; once `{scaler}.step` unscales them the "
            f"update is that much too small (with a large scale, almost nothing trains). Unscale first: {how}.")
     where = placed(clip)
-    return [at("amp_misuse", where, msg, title=_TITLE, iteration=clip.iteration,
+    return [at("amp_misuse", where, msg, title=_TITLE, iteration=looped(trace, clip.iteration),
                evidence={"problem": "clip_before_unscale", "scale": clip.scale, "stage": clip.stage,
                          "max_norm": clip.max_norm, "fix_code": fix})]
 
@@ -97,7 +97,8 @@ def _stuck(trace: Trace) -> list[Finding]:
            "larger learning rate, or an optimizer that keeps the rounding error (Kahan summation / stochastic "
            "rounding).")
     where = placed(u)
-    return [at("amp_misuse", where, msg, title=_TITLE, severity="warning", iteration=u.iteration,
+    return [at("amp_misuse", where, msg, title=_TITLE, severity="warning",
+               iteration=looped(trace, u.iteration),
                evidence={"problem": "update_below_precision", "dtype": u.dtype, "lr": u.lr, "optimizer": u.optimizer,
                          "sampled": u.sampled, "unchanged": u.unchanged, "fraction": frac,
                          "frozen": frozen[:8]})]
@@ -126,7 +127,8 @@ def _scale_collapse(trace: Trace) -> list[Finding]:
     op = _first_overflow(trace)
     if op is not None:
         w = op.where
-        origin = (f"The first op that overflowed: `{op.op}` at {'line ' + str(w.line) if w.file is None else w.file + ':' + str(w.line)}"
+        at_line = f"line {w.line}" if w.file is None else f"{w.file}:{w.line}"
+        origin = (f"The first op that overflowed: `{op.op}` at {at_line}"
                   f" (`{code_at(trace, w.line, w.file)}`){' in ' + w.module if w.module else ''}: fix that value "
                   "(see the NaN/Inf finding), not the scale.")
     else:
@@ -141,7 +143,7 @@ def _scale_collapse(trace: Trace) -> list[Finding]:
     where = placed(start) \
         if start is not None else Where()
     return [at("amp_misuse", where, msg, title=_TITLE, severity="warning",
-               iteration=start.iteration if start is not None else None,
+               iteration=looped(trace, start.iteration if start is not None else None),
                evidence={"problem": "scale_collapse", "skipped_in_a_row": s.longest_skipped, "skipped": s.skipped,
                          "calls": s.calls, "scale_first": first, "scale_last": last,
                          "first_overflow": op.op if op is not None else None,
