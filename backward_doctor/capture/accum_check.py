@@ -110,6 +110,7 @@ class EquivalenceCheck:
         out.factor = dot / (w * ff)
         out.rel_diff = math.sqrt(max(0.0, ss - 2 * w * dot + w * w * ff)) / (w * math.sqrt(ff))
         out.norm_step, out.norm_full = math.sqrt(ss), w * math.sqrt(ff)
+        out.sum_rel_diff = math.sqrt(max(0.0, ss - 2 * dot + ff)) / math.sqrt(ff)
         return out
 
 

@@ -83,6 +83,9 @@ class AccumulationCheck:
     rel_diff: float | None = None
     norm_step: float | None = None
     norm_full: float | None = None
+    #: |step - sum| / |sum| against the plain sum of what the backward() calls added, whatever their scaling:
+    #: not zero when something changed the gradients between the micro-batches (a zero_grad, a clip, a hook)
+    sum_rel_diff: float | None = None
     why_not: str = ""              # the check did not run, and why
 
 

@@ -54,7 +54,8 @@ def _check_evidence(check: AccumulationCheck | None) -> dict:
     if check is None:
         return {}
     return {"check": {"iteration": check.iteration, "micro_batches": check.micro_batches, "factor": check.factor,
-                      "rel_diff": check.rel_diff, "divisor": check.divisor, "why_not": check.why_not}}
+                      "rel_diff": check.rel_diff, "sum_rel_diff": check.sum_rel_diff, "divisor": check.divisor,
+                      "why_not": check.why_not}}
 
 
 def _library(trace: Trace, w: StepWindow) -> str:
@@ -295,8 +296,8 @@ def _step_every_micro_batch(trace: Trace) -> list[Finding]:
 # ---------------------------------------------------------------- the measured check, anything else
 def _check_disagrees(trace: Trace) -> list[Finding]:
     check = trace.accumulation.check
-    if check is None or check.rel_diff is None or check.rel_diff < 0.1:
-        return []
+    if check is None or check.sum_rel_diff is None or check.sum_rel_diff < 0.1:
+        return []  # (a loss divided by the wrong number is _not_divided's; this is what happened to .grad)
     w = next((x for x in trace.accumulation.windows if x.iteration == check.iteration and x.backward >= 2), None)
     if w is None:
         return []
@@ -305,8 +306,7 @@ def _check_disagrees(trace: Trace) -> list[Finding]:
            f"{check.micro_batches} micro-batches' backward() calls added to `.grad`.{_measured(check)} Something "
            "changed the gradients between the micro-batches (clipping or rescaling them before the last one, a "
            "hook, `p.grad = None`): do that once, after the last micro-batch and before the step.")
-    return [at("grad_accumulation", where, msg, title=_TITLE, severity="warning",
-                   iteration=looped(trace, w.iteration),
+    return [at("grad_accumulation", where, msg, title=_TITLE, severity="warning", iteration=looped(trace, w.iteration),
                evidence={"problem": "check_disagrees", **_check_evidence(check)})]
 
 
