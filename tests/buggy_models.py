@@ -376,6 +376,26 @@ class LongContextLM(nn.Module):
 
 
 # ---------------------------------------------------------------------------
+# amp_misuse: autocast's outputs used after the block
+# ---------------------------------------------------------------------------
+
+
+class HalfAutocastClassifier(nn.Module):
+    """Runs its backbone under bf16 autocast "to save memory" and its head after the block: the head's
+    float32 weights meet the backbone's bfloat16 features."""
+
+    def __init__(self, d_in: int = 12, hidden: int = 24, classes: int = 4):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            feats = self.backbone(x)
+        return self.head(feats)  # BUG:autocast_crossing
+
+
+# ---------------------------------------------------------------------------
 # hang
 # ---------------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ _PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # rules and renderers only read the trace once it is inert: an interrupt there leaves nothing behind).
 _SETUP = tuple(os.path.join(_PKG, m) for m in (
     "api.py", "run/engine.py", "run/step.py", "capture/runner.py", "capture/context.py", "capture/native_capture.py",
-    "capture/compile_watch.py", "capture/memory.py",
+    "capture/compile_watch.py", "capture/memory.py", "capture/loop_hooks.py", "capture/accum_watch.py",
+    "capture/precision_watch.py",
     "capture/namespace.py", "capture/history.py", "capture/process.py", "capture/mode.py", "native/__init__.py"))
 CELL = "opt.zero_grad()\nloss = (model(x) ** 2).mean()\nloss.backward()\nopt.step()\n"
 
@@ -61,7 +62,17 @@ def baseline() -> dict[str, Any]:
         "watchdog threads": sum(t.name == "backward_doctor-watchdog" and t.is_alive() for t in threading.enumerate()),
         "locks held": _held_locks(),
         "diagnosis marked running": getattr(sys.modules.get("backward_doctor.capture.process"), "_owner", None),
+        "wrapped functions": _wrapped(),
     }
+
+
+def _wrapped() -> tuple:
+    """The functions a capture wraps for the run (backward, zero_grad, GradScaler, clipping)."""
+    from torch.amp.grad_scaler import GradScaler
+    from torch.nn.utils import clip_grad
+
+    return (torch.autograd.backward, torch.optim.Optimizer.zero_grad, nn.Module.zero_grad, GradScaler.scale,
+            GradScaler.step, GradScaler.update, clip_grad._clip_grads_with_norm_)
 
 
 def _held_locks() -> list[str]:

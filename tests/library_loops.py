@@ -104,6 +104,23 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
 
 
+class LMDataset(TokenDataset):
+    """``n`` random token sequences, each its own label (causal language modelling; the model shifts them)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.ids[i]}
+
+
+def tiny_gpt2_lm(seed: int = 0) -> nn.Module:
+    """A 2-layer GPT-2 language model (~50k parameters, no dropout) from a random config: its loss takes the
+    Trainer's ``num_items_in_batch`` (a sum over the accumulated batch's tokens divided by their count)."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    cfg = tf.GPT2Config(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return tf.GPT2LMHeadModel(cfg)
+
+
 def tiny_bert_classifier(seed: int = 0) -> nn.Module:
     """A 2-layer BERT for 3-class sequence classification (~60k parameters), from a random config."""
     tf = _transformers()
@@ -131,27 +148,28 @@ def hf_args_kwargs(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5
 
 def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
                callbacks: list | None = None, args_source: str | None = None, eval_n: int = 0,
-               **args: Any) -> dict[str, Any]:
-    """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier), ``model``,
-    ``args``, ``train_ds``; run it with :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass
-    named *trainer_name* (e.g. with its own ``compute_loss``) via :func:`define`; its namespace has
-    ``Trainer``, ``torch`` and ``F``. *callbacks* go to the ``Trainer``; *args* to :func:`hf_args`;
-    *args_source*, when given, is the user's code that binds ``args`` (defined like a cell), from
-    ``base_args``: those keyword arguments without the learning rate (``args = TrainingArguments(**base_args, learning_rate=5e5)``). *eval_n*: an ``eval_ds`` of
-    that many examples for the trainer to evaluate on (with ``eval_strategy`` in *args*)."""
+               task: str = "classify", **args: Any) -> dict[str, Any]:
+    """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier, or with
+    ``task="lm"`` a tiny GPT-2 language model), ``model``, ``args``, ``train_ds``; run it with
+    :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass named *trainer_name* (e.g. with its own
+    ``compute_loss``) via :func:`define`; its namespace has ``Trainer``, ``torch`` and ``F``. *callbacks* go
+    to the ``Trainer``; *args* to :func:`hf_args`; *args_source*, when given, is the user's code that binds
+    ``args`` (defined like a cell), from ``base_args``: those keyword arguments without the learning rate
+    (``args = TrainingArguments(**base_args, learning_rate=5e5)``). *eval_n*: an ``eval_ds`` of that many
+    examples for the trainer to evaluate on (with ``eval_strategy`` in *args*)."""
     tf = _transformers()
     ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
                           "TrainingArguments": tf.TrainingArguments}
     cls = tf.Trainer
     if trainer_source is not None:
         cls = define(trainer_source, ns, name=trainer_name)[trainer_name]
-    ns["model"] = tiny_bert_classifier()
+    ns["model"] = tiny_gpt2_lm() if task == "lm" else tiny_bert_classifier()
     if args_source is not None:
         ns["base_args"] = {k: v for k, v in hf_args_kwargs(**args).items() if k != "learning_rate"}
         define(args_source, ns, name="training_args")
     else:
         ns["args"] = hf_args(**args)
-    ns["train_ds"] = TokenDataset(n=n)
+    ns["train_ds"] = LMDataset(n=n) if task == "lm" else TokenDataset(n=n)
     ns["eval_ds"] = TokenDataset(n=eval_n, seed=1) if eval_n else None
     ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"],
                        eval_dataset=ns["eval_ds"], callbacks=callbacks)
@@ -247,11 +265,13 @@ def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier",
 
 
 # ----------------------------------------------------------------------------- Accelerate
-def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, lr: float = 0.1,
+def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, prepare_optimizer: bool = True,
+                    dtype: torch.dtype | None = None, lr: float = 0.1,
                     model: nn.Module | None = None) -> dict[str, Any]:
     """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model`` (16 features in,
     5 classes out; a small MLP unless given), ``optimizer`` (SGD, *lr*) and ``loader`` it prepared; run it with
-    :data:`ACCEL_LOOP` (or a cell of your own)."""
+    :data:`ACCEL_LOOP` (or a cell of your own). ``prepare_optimizer=False`` leaves the optimizer out of
+    ``accelerator.prepare`` (a plain torch one); ``dtype`` casts the model (and the loader's inputs) first."""
     acc = pytest.importorskip("accelerate", reason="accelerate is a test dependency (pyproject [test])")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -260,7 +280,15 @@ def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, lr: float = 0.1
     GradientState._reset_state()
     torch.manual_seed(0)
     model = model if model is not None else nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    loader = xy_loader(n=n, batch=batch)
+    if dtype is not None:
+        model = model.to(dtype)
+        x, y = loader.dataset.tensors
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.to(dtype), y), batch_size=batch)
     accelerator = acc.Accelerator(cpu=True, gradient_accumulation_steps=accum)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, xy_loader(n=n, batch=batch))
+    if prepare_optimizer:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        model, loader = accelerator.prepare(model, loader)
     return {"torch": torch, "accelerator": accelerator, "model": model, "optimizer": optimizer, "loader": loader}

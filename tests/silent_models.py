@@ -300,6 +300,29 @@ def amp_train_step(model, optimizer, scaler, x, y):
     return loss.item()
 
 
+def train_accumulating(model, optimizer, loader, accum_steps):
+    """A project's accumulation loop (``train.py``): ``accum_steps`` micro-batches per optimizer step."""
+    for i, (x, y) in enumerate(loader):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()  # BUG:accum_loss_not_divided
+        if (i + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def amp_clip_step(model, optimizer, scaler, x, y, max_norm=1.0):
+    """A mixed-precision step with gradient clipping, as a project's ``train.py`` defines it."""
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float(), y)
+    scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # BUG:amp_clip_before_unscale
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.item()
+
+
 # ---------------------------------------------------------------------------
 # correct reference models (no BUG markers)
 # ---------------------------------------------------------------------------

@@ -42,7 +42,8 @@ CELL = "<cell>"
 # Kinds whose PyTorch exception is raised by the root-cause op itself, so the
 # traceback must already point at the expected line.  (inplace-on-saved-tensor
 # and no_grad_path raise later, in backward.)
-RAISED_AT_ROOT = {"device_mismatch", "dtype_mismatch", "shape_mismatch", "index_out_of_range", "backward_twice"}
+RAISED_AT_ROOT = {"device_mismatch", "dtype_mismatch", "shape_mismatch", "index_out_of_range", "backward_twice",
+                  "amp_misuse"}
 
 
 def run_cell(sc: S.Scenario, ns: dict) -> None:

@@ -121,6 +121,32 @@ def at(kind: str, where: Where, message: str, **kw: Any) -> Finding:
                    cell_line=where.cell_line, module=where.module, **kw)
 
 
+def placed(rec: Any) -> Where:
+    """The ``Where`` of a record that keeps its own place (``line``, ``file``, ``cell_line``, ``function``:
+    a step window, a zero_grad or clip call).
+
+    >>> from backward_doctor.trace.precision import ClipCall
+    >>> placed(ClipCall(iteration=0, line=7)).line
+    7
+    """
+    return Where(line=rec.line, file=rec.file, cell_line=rec.cell_line, function=rec.function)
+
+
+def looped(trace: Trace, iteration: int | None) -> int | None:
+    """``iteration`` for a finding, when the run was a loop (more than one optimizer step, in the cell or in a
+    library's loop); None for a single step, where an iteration says nothing.
+
+    >>> looped(Trace(), 0) is None
+    True
+    """
+    return iteration if trace.iterations.steps > 1 or trace.precision.scaler.calls > 1 else None
+
+
+def code_at(trace: Trace, line: int | None, file: str | None = None) -> str:
+    """A source line for a message, without its trailing comment ('' when unknown)."""
+    return source_line(trace, line, file).split("  #")[0].split(" # ")[0].strip()
+
+
 def source_line(trace: Trace, line: int | None, file: str | None = None) -> str:
     """The text of a cell line (or of a file line), stripped; '' when unknown."""
     if line is None:

@@ -166,9 +166,11 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         doctor steps aside, so that it compiles exactly what it would compile without the doctor.
         Global module hooks would be traced into the graph (graph breaks: other kernels)."""
         self._remove_global_hooks()
+        self._unpatch_training()
 
     def _compile_ended(self) -> None:
         self._add_global_hooks()
+        self._patch_training()
 
     def stop(self) -> None:
         """Undo everything ``start`` installed, newest first; safe to call twice. A Ctrl-C meanwhile is
@@ -228,6 +230,8 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
 
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         outermost = self._opt_depth == 0
+        if outermost:
+            self._outer_step_began(opt, args, kwargs)
         self._opt_depth += 1
         self._where_cache.clear()
         for group in opt.param_groups:
@@ -375,4 +379,5 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         """Resolve names, downsample the timeline, decide what NaN/Inf reached; returns the trace."""
         from .finish import finish
 
+        self._accum.finish(self.namespace)
         return finish(self)

@@ -11,14 +11,17 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from . import namespace as ns_mod
+from .accum_watch import AccumulationWatch
 from .loop_watch import LoopWatch, python_sumsq
+from .precision_watch import PrecisionWatch
 
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
@@ -37,16 +40,59 @@ class LoopHooks:
                          on_nonfinite=self._went_nonfinite)
 
     def _watch_backward(self) -> None:
-        """``torch.autograd.backward`` (what ``Tensor.backward`` calls) tells the watch the loss first."""
+        """``torch.autograd.backward`` (what ``Tensor.backward`` calls) tells the watches the loss first (the
+        accumulation watch counts the calls per optimizer step there, whatever phase the ops get)."""
         real, watch = torch.autograd.backward, self._watch
         self._undo.push("torch.autograd.backward", lambda: setattr(torch.autograd, "backward", real))
+        accum = self._accum = AccumulationWatch(self.trace.accumulation, frames=self._frames, params=self.parameters,
+                                                iteration=lambda: self.trace.iterations.steps, quiet=self._quiet_ops,
+                                                scalar=watch._scalar)
 
         @functools.wraps(real)
         def backward(*args: Any, **kwargs: Any) -> Any:
-            watch.saw_backward(args[0] if args else kwargs.get("tensors"))
-            return real(*args, **kwargs)
+            tensors = args[0] if args else kwargs.get("tensors")
+            watch.saw_backward(tensors)
+            accum.backward_began(tensors)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                accum.backward_ended()
 
         torch.autograd.backward = backward
+        self._precision = PrecisionWatch(self.trace.precision, frames=self._frames, on_skipped=accum.skipped_step,
+                                         iteration=lambda: self.trace.iterations.steps)
+        self._undo.push("zero_grad, GradScaler and clipping wrappers", lambda: self._unpatch_training(final=True))
+        self._patch_training()
+
+    def _patch_training(self) -> None:
+        """``zero_grad``, ``GradScaler`` and gradient clipping wrapped for the watches (not while torch.compile
+        compiles: it would trace the wrappers; never again once the capture stopped)."""
+        if self._accum is None or self._training_closed:
+            return
+        for patches in (self._accum.patches, self._precision.patches):
+            if not patches.installed:
+                patches.install()
+
+    def _unpatch_training(self, final: bool = False) -> None:
+        self._training_closed = self._training_closed or final
+        for patches in (self._precision.patches, self._accum.patches) if self._accum is not None else ():
+            if patches.installed:
+                patches.remove()
+
+    @contextlib.contextmanager
+    def _quiet_ops(self) -> Iterator[None]:
+        """The doctor's own ops (the accumulation check's copies): not seen by the dispatch mode, no graph."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes(), torch.no_grad():
+            yield
+
+    def _outer_step_began(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The outermost ``optimizer.step()`` is about to run (recorded iteration or not): before its closure,
+        if it has one, so that the closure's ``backward()`` counts in this step's window. (The loop watch reads
+        the gradients later, in ``_before_update``: after the closure made them.)"""
+        self._accum.step_began(opt, args, kwargs)
+        self._precision.step_began(opt)
 
     def _went_nonfinite(self, iteration: int, what: str) -> None:
         """NaN/Inf in this iteration's loss or gradients, seen before its optimizer step: a run-level
@@ -64,6 +110,8 @@ class LoopHooks:
         if not self._asleep:  # the iteration that ended was recorded: what its loop variables were
             self._note_loop_values(its.steps)
         self._watch.iteration_ended()
+        self._precision.step_ended()
+        self._accum.step_ended()
         its.steps += 1
         self._iter_seq.append(_sequence_nr())
         if self.rollback is not None:

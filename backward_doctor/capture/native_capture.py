@@ -22,8 +22,9 @@ and CUDA (not yet run on a GPU).
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -219,6 +220,16 @@ class NativeCapture(NativeRecords, Capture):
         self._stacks.append(key)
         return sid
 
+    @contextlib.contextmanager
+    def _quiet_ops(self) -> Iterator[None]:
+        """The doctor's own ops, not recorded by the native recorder either."""
+        self._ext.pause()
+        try:
+            with super()._quiet_ops():
+                yield
+        finally:
+            self._ext.resume()
+
     def _make_watch(self) -> LoopWatch:
         """Live bytes by the allocator's own count (what the ledger had at start plus the net bytes the
         CPU allocator handed out since: it counts while the recorder sleeps); gradients read in C++."""
@@ -231,6 +242,8 @@ class NativeCapture(NativeRecords, Capture):
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         if self._asleep:  # an unsampled iteration: only its end is counted (and its numbers read)
             outermost = self._opt_depth == 0
+            if outermost:
+                self._outer_step_began(opt, args, kwargs)
             self._opt_depth += 1
             wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, None, outermost))
             if wrapped is None:

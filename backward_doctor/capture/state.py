@@ -125,6 +125,9 @@ class CaptureState:
         #: shows in one the recorder did not record, so that iteration can be replayed from its state
         self.rollback: Any = None
         self._watch: Any = None  # the per-iteration LoopWatch (installed with the hooks)
+        self._accum: Any = None      # the AccumulationWatch (capture/accum_watch.py), with the backward wrapper
+        self._precision: Any = None  # the PrecisionWatch (capture/precision_watch.py)
+        self._training_closed = False  # the watches' wrappers were put back for good (the capture stopped)
 
 
     def _op_clock(self) -> int:

@@ -76,6 +76,9 @@ def render_text(report: "Report") -> str:
         if f.fixes:
             out.append(f"    fixes: {', '.join(f.fixes)}  (re-run with fix=NAME / --fix NAME)")
         ev = f.evidence
+        if isinstance(ev.get("fix_code"), str) and "\n" in ev["fix_code"]:  # a fix of several lines, as code
+            out.append("    fix:")
+            out.extend("      " + line for line in ev["fix_code"].splitlines())
         if f.kind == "oom" and ev.get("predicted_peak_text"):
             preds = ", ".join(f"{k} {v}" for k, v in ev["predicted_peak_text"].items())
             bound = " (lower bounds: the step failed before its peak)" if ev.get("lower_bound") else ""

@@ -22,7 +22,6 @@ optimizer objects the user holds stay the same objects.
 """
 from __future__ import annotations
 
-import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any, Iterable
 import torch
 
 from ..capture import namespace as ns_mod
+from ..util.units import available_ram
 
 _MISSING = object()
 
@@ -56,14 +56,6 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 
 def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def available_ram() -> int | None:
-    """Bytes of RAM available now (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _schedulers(namespace: dict[str, Any]) -> Iterable[tuple[str, Any]]:

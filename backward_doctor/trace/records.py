@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..util.serde import from_dict, to_dict
+from .accumulation import Accumulation
+from .precision import Precision
 from .parts import (Carrier, Compilation, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
                     OptimizerSummary, ParameterTotals, RunHistory, StaleStep, StorageEvents)
 
@@ -262,6 +264,10 @@ class Trace:
     history: RunHistory = field(default_factory=RunHistory)  # earlier runs of this cell, in numbers
     #: torch.compile compilations during the step: not recorded as ops
     compiles: list[Compilation] = field(default_factory=list)
+    #: backward() calls per optimizer step, where gradients were zeroed, the measured equivalence check
+    accumulation: Accumulation = field(default_factory=Accumulation)
+    #: gradient clipping against the GradScaler's state, its skipped steps, low-precision weight updates
+    precision: Precision = field(default_factory=Precision)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 
 _UNITS = {
@@ -85,3 +86,10 @@ def scale_unit(n: float) -> tuple[float, str]:
             return float(scale), name
     return 1.0, "B"
 
+
+def available_ram() -> int | None:
+    """Bytes of RAM available now (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

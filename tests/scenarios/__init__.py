@@ -22,6 +22,7 @@ from scenario_kit import (
     module_params,
 )
 
+from .amp_misuse import AMP_CROSSING
 from .backward_twice import BACKWARD_TWICE, BACKWARD_TWICE_ERR
 from .correct import CORRECT
 from .device import DEVICE, DEVICE_ERR
@@ -45,14 +46,16 @@ KINDS = (
     "no_grad_path",
     "oom",
     "hang",
+    "amp_misuse",
 )
 
-FAILING: list[Scenario] = NONFINITE + INPLACE + DEVICE + DTYPE + SHAPE + INDEX + BACKWARD_TWICE + NO_GRAD + OOM + HANG
+FAILING: list[Scenario] = (NONFINITE + INPLACE + DEVICE + DTYPE + SHAPE + INDEX + BACKWARD_TWICE + NO_GRAD + OOM + HANG
+                           + AMP_CROSSING)
 ALL: list[Scenario] = FAILING + CORRECT
 BY_NAME: dict[str, Scenario] = {s.name: s for s in ALL}
 
 __all__ = [
-    "ALL", "BACKWARD_TWICE", "BACKWARD_TWICE_ERR", "BUGGY_MODELS_FILE", "BY_NAME", "CORRECT", "DEVICE", "DEVICE_ERR",
+    "ALL", "AMP_CROSSING", "BACKWARD_TWICE", "BACKWARD_TWICE_ERR", "BUGGY_MODELS_FILE", "BY_NAME", "CORRECT", "DEVICE", "DEVICE_ERR",
     "DTYPE", "FAILING", "HANG", "INDEX", "INPLACE", "KINDS", "LEAF_INPLACE", "NONFINITE", "NO_GRAD", "NO_GRAD_FN",
     "OOM", "ROOT_MARKER", "SAVED_INPLACE", "SHAPE", "Scenario", "bug_line", "cell_line", "module_params",
 ]

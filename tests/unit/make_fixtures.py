@@ -245,6 +245,25 @@ SCENARIOS: list[Scenario] = [
         optimizer.step()
         """), lambda: {**_regressor(), "y": __import__("torch").randn(6)},
              doc="[6, 1] predictions against [6] targets broadcast to [6, 6]"),
+    Scenario("accumulation_zero_grad_every_micro_batch", "grad_accumulation", _d("""\
+        accum_steps = 2
+        for i in range(2):
+            loss = F.cross_entropy(model(x), y) / accum_steps
+            loss.backward()
+            if (i + 1) % accum_steps == 0:
+                optimizer.step()
+            optimizer.zero_grad()  # <-- root cause
+        """), _classifier, doc="zero_grad() one indent too far out: each micro-batch wipes the one before it"),
+    Scenario("amp_clip_before_unscale", "amp_misuse", _d("""\
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # <-- root cause
+        scaler.step(optimizer)
+        scaler.update()
+        """), lambda: _classifier(scaler=__import__("torch").amp.GradScaler("cpu")),
+             doc="gradients clipped while they still carry the GradScaler's loss scale"),
     Scenario("script_in_source", "shape_mismatch", _d("""\
         note = "</script><script>alert(1)</script>"
         out = torch.ones(2) + torch.ones(3)  # <-- root cause

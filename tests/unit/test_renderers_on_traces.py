@@ -124,7 +124,8 @@ def test_text_verdict_names_the_root_cause_and_its_line(name):
     top = build(name).findings[0]
     assert top.kind == exp["first_kind"]
     # The verdict in plain words (the finding's title), not the kind's identifier (STALE_GRAD, NONFINITE)
-    assert lines[0] == f"backward_doctor: PROBLEM - {finding_title(top)} at {location(exp)}"
+    when = f", {top.when()}" if top.iteration is not None else ""  # a loop's iteration (grad_accumulation)
+    assert lines[0] == f"backward_doctor: PROBLEM - {finding_title(top)} at {location(exp)}{when}"
     assert finding_title(top) != top.kind
     code = cell_line(name, exp["first_line"]).strip()
     assert f"    > {exp['first_line']:>4} | {code}" in lines  # the root-cause line of the cell, quoted

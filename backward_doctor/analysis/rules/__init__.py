@@ -10,6 +10,8 @@ from typing import Callable
 
 from ..findings import Finding
 from ..loops import place_in_loops
+from .accumulation import grad_accumulation
+from .amp import amp_crossing, amp_misuse
 from ...trace.records import Trace
 from .autograd import backward_twice, inplace, no_grad_path
 from .evaluation import eval_without_no_grad
@@ -26,10 +28,11 @@ from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param,
 Rule = Callable[[Trace], list[Finding]]
 
 #: Rules that explain the cell's exception; the first that answers wins.
-EXCEPTION_RULES: list[Rule] = [hang, eval_without_no_grad, oom, inplace, backward_twice, left_frozen, no_grad_path, invalid_gradient,
-                               index_out_of_range, mismatch]
+EXCEPTION_RULES: list[Rule] = [hang, eval_without_no_grad, oom, inplace, backward_twice, left_frozen, no_grad_path,
+                               invalid_gradient, index_out_of_range, amp_crossing, mismatch]
 #: Rules that look at the whole run, whether or not it raised.
-RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped, nonleaf_param]
+RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped, nonleaf_param, grad_accumulation,
+                         amp_misuse]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast]
 

@@ -20,6 +20,7 @@ from ...trace.queries import skipped_amp_steps
 from ...trace.parts import GraphHolder
 from ...trace.records import OpRecord, Trace, Where
 from ...util.units import format_bytes
+from .amp import collapsed
 from .autograd import _data_site, _user_detach
 from .flow import differentiable, joins_graph, loss_roots
 from .params import orphans
@@ -247,7 +248,7 @@ def broadcast(trace: Trace) -> list[Finding]:
 def amp_skipped(trace: Trace) -> list[Finding]:
     """Informational: GradScaler skipped optimizer.step() because gradients were inf/NaN."""
     skipped = skipped_amp_steps(trace)
-    if not skipped:
+    if not skipped or collapsed(trace):  # a scale that keeps falling is amp_misuse's (rules/amp.py)
         return []
     total = sum(trace.history.amp_skipped) or len(skipped)
     where = skipped[0].where

@@ -1,0 +1,338 @@
+"""Gradient accumulation as it ran: ``backward()`` calls per optimizer step, where gradients were
+zeroed, how each loss was scaled on its way into ``backward()``, and, once per run, the measured
+equivalence of the accumulated gradient with one full batch (``trace.accumulation``).
+
+Counted from ``torch.autograd.backward`` (the loop watch's wrapper calls :meth:`AccumulationWatch.
+backward_began`), the optimizer step hooks and ``zero_grad`` (``Optimizer.zero_grad`` and
+``Module.zero_grad`` wrapped for the run), never from the ops' phases: a window runs from the end of one
+optimizer step to the end of the next, so the ``backward()`` a closure runs inside ``optimizer.step``
+(Lightning's automatic optimization, L-BFGS) counts with the step it feeds. A ``zero_grad`` inside a step
+(a closure evaluated again) starts the window afresh.
+
+What it costs a loop without accumulation: a counter per ``backward()``, a flag per ``zero_grad()``, a
+few dictionary reads per step; the first windows also record where each call was made. The measured
+check copies the gradients (on the host, only if twice their size fits in a quarter of the free RAM,
+at most 1 GiB) for one window, the first that accumulated, and frees them at its step.
+
+>>> import torch
+>>> from backward_doctor.trace.accumulation import Accumulation
+>>> w = AccumulationWatch(acc := Accumulation(), frames=None, iteration=lambda: 0, params=list)
+>>> w.backward_began(torch.tensor(2.0)); w.backward_began(torch.tensor(2.0))
+>>> w.step_began(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), (), {}); w.step_ended()
+>>> acc.per_step
+[0, 0, 1]
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import weakref
+import zlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..trace.accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWindow, ZeroGradCall
+from .accum_check import EquivalenceCheck, divisor, number
+from ..util.units import available_ram, format_bytes
+
+_DETAILED = 16      # windows recorded in detail (where each call was made), then only counted
+_ANOMALIES = 8      # further windows kept because they zeroed gradients inside or stepped off a library's sync
+_CALLS = 8          # backward() calls kept per window
+_BUCKETS = 33       # per_step[32] counts steps fed by 32 or more backward() calls
+_CHECK_CAP = 1 << 30
+_graph_task_id = torch._C._current_graph_task_id
+
+
+class Patches:
+    """Attributes replaced for the run: installed, removed (while torch.compile compiles) and put back.
+
+    >>> class A:
+    ...     def f(self): return 1
+    >>> p = Patches(); p.add(A, "f", lambda real: lambda self: real(self) + 1); p.install()
+    >>> A().f(), p.remove(), A().f()
+    (2, None, 1)
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Any, str, Any, Any]] = []
+        self.installed = False
+
+    def add(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        real = getattr(owner, name)
+        self._items.append((owner, name, real, make(real)))
+
+    def install(self) -> None:
+        for owner, name, _, replacement in self._items:
+            setattr(owner, name, replacement)
+        self.installed = True
+
+    def remove(self) -> None:
+        for owner, name, real, _ in reversed(self._items):
+            setattr(owner, name, real)
+        self.installed = False
+
+
+def named_like(wrapper: Callable[..., Any], real: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapper`` named and documented as ``real`` (what ``help()`` and tracebacks show)."""
+    wrapper.__wrapped__ = real  # type: ignore[attr-defined]
+    wrapper.__doc__, wrapper.__name__ = real.__doc__, real.__name__
+    wrapper.__qualname__ = getattr(real, "__qualname__", real.__name__)
+    return wrapper
+
+
+class AccumulationWatch:
+    """Writes ``record`` (see the module docstring). ``frames``: the capture's ``UserFrames``;
+    ``iteration()``: optimizer steps so far; ``params()``: the parameters the capture knows;
+    ``quiet``: a context in which the doctor's own ops are neither recorded nor counted."""
+
+    def __init__(self, record: Accumulation, *, frames: Any, iteration: Callable[[], int],
+                 params: Callable[[], list[torch.Tensor]],
+                 quiet: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 scalar: Callable[[Any], float | None] = lambda t: None) -> None:
+        self.record = record
+        self._frames, self._iteration, self._params = frames, iteration, params
+        self._quiet, self._scalar = quiet, scalar
+        self._thread = threading.get_ident()
+        self._depth = 0          # optimizer steps open (a closure's backward() runs inside one)
+        self._n_step = 0         # backward() calls of the window when its step began
+        self._check: EquivalenceCheck | None = None
+        self._checked = False    # the check ran (or was refused) once: never again this run
+        self._first_backward = True
+        self._nested: list[bool] = []  # per backward() running: whether it runs inside another one
+        self._calls: list[BackwardCall] = []
+        self._zeros: list[tuple[ZeroGradCall, Any]] = []
+        self._sites: set[int] = set()
+        self._syncs: set[bool] = set()  # Accelerate's sync flag as backward() saw it (both: accumulate() ran)
+        self._accelerate = sys.modules.get("accelerate.state")  # (imported before the run, or not in use)
+        self._new_window()
+        self.patches = Patches()
+        self.patches.add(torch.optim.Optimizer, "zero_grad", lambda real: self._wrap_zero(real, "optimizer"))
+        self.patches.add(torch.nn.Module, "zero_grad", lambda real: self._wrap_zero(real, "module"))
+
+    def _new_window(self) -> None:
+        """The next window; its lists are new only where the last one filled them (kept in a record)."""
+        self._n = 0
+        self._zeroed = False
+        if self._calls:
+            self._calls = []
+        if self._zeros:
+            self._zeros = []
+        if self._sites:
+            self._sites = set()
+
+    def _detailed(self) -> bool:
+        return len(self.record.windows) < _DETAILED
+
+    def _where(self) -> Any:
+        """Where the user is: the innermost user frame outside torch and the doctor."""
+        return self._frames.where(sys._getframe(2)) if self._frames is not None else None
+
+    # ---------------------------------------------------------------- backward()
+    def backward_began(self, tensors: Any) -> None:
+        """``backward()`` is about to run on ``tensors`` (the loss). A backward() run from inside another
+        (reentrant checkpointing recomputes and backpropagates a segment) is part of that one: not counted."""
+        if threading.get_ident() != self._thread or _graph_task_id() != -1:
+            self._nested.append(True)
+            return
+        self._nested.append(False)
+        self._n += 1
+        if self._accelerate is not None:
+            sync, _ = _accelerate_state(self._accelerate)
+            if sync is not None:
+                self._syncs.add(sync)
+        t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
+        if self._first_backward:  # the run's first window: gradients nobody zeroed may be None already
+            self._first_backward = False
+            self._zeroed = self._zeroed or all(p.grad is None for p in self._params())
+        if self._n <= _CALLS and (self._detailed() or self._check is not None):
+            call = self._call(t)
+            self._calls.append(call)
+            self._sites.add(call.site)
+        if self._n == 2 and self._may_check():
+            self._start_check()
+        if self._check is not None:
+            d, _ = divisor(t) if isinstance(t, torch.Tensor) else (1.0, "")
+            self._check.divisors.append(d)
+            self._measure("began")
+
+    def _call(self, t: Any) -> BackwardCall:
+        w = self._where()
+        d, root = divisor(t) if isinstance(t, torch.Tensor) else (1.0, "")
+        site = zlib.crc32(f"{w.file}:{w.line}:{w.lasti}".encode()) if w is not None else 0  # (stable in the JSON)
+        return BackwardCall(line=getattr(w, "line", None), file=getattr(w, "file", None),
+                            cell_line=getattr(w, "cell_line", None), function=getattr(w, "function", None),
+                            site=site, loss=self._scalar(t), divisor=d, root=root)
+
+    def backward_ended(self) -> None:
+        """The backward() that began last returned (or raised)."""
+        nested = self._nested.pop() if self._nested else True
+        if self._check is not None and not nested:
+            self._measure("ended")
+
+    def _measure(self, when: str) -> None:
+        """The check's own work, never an error of the user's step (it is dropped, and says why)."""
+        try:
+            with self._quiet():
+                getattr(self._check, when)()
+        except Exception as exc:  # a gradient of a subclass, a sparse one: no measurement this run
+            self.record.check = AccumulationCheck(iteration=self._check.iteration, micro_batches=0,
+                                                  why_not=f"{type(exc).__name__}: {exc}"[:200])
+            self._check = None
+
+    def _may_check(self) -> bool:
+        return not self._checked and self._zeroed and len(self._sites) == 1 and self._detailed()
+
+    def _start_check(self) -> None:
+        """The second backward() of a window that began with zeroed gradients, or a zero_grad() after its
+        first: what ``.grad`` holds now is what the backward() calls so far added. Measure this window (once
+        per run)."""
+        self._checked = True
+        params = [p for p in self._params() if p.requires_grad]
+        need = 2 * 4 * sum(p.numel() for p in params)
+        avail = available_ram()
+        cap = min(_CHECK_CAP, avail // 4) if avail else _CHECK_CAP
+        if need > cap:
+            self.record.check = AccumulationCheck(
+                iteration=self._iteration(), micro_batches=0,
+                why_not=f"the check copies the gradients twice ({format_bytes(need)}): more than {format_bytes(cap)}")
+            return
+        try:
+            with self._quiet():
+                self._check = EquivalenceCheck(params, self._iteration())
+        except Exception as exc:  # a gradient that cannot be copied (a subclass): no measurement
+            self.record.check = AccumulationCheck(iteration=self._iteration(), micro_batches=0,
+                                                  why_not=f"{type(exc).__name__}: {exc}")
+        if self._check is not None and self._calls:
+            self._check.divisors.append(self._calls[0].divisor)
+
+    # ---------------------------------------------------------------- zero_grad()
+    def _wrap_zero(self, real: Callable[..., Any], target: str) -> Callable[..., Any]:
+        watch = self
+
+        def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+            watch.zeroing(self, target)
+            return real(self, *args, **kwargs)
+
+        return named_like(zero_grad, real)
+
+    def zeroing(self, obj: Any, target: str) -> None:
+        """``obj.zero_grad()`` is about to run."""
+        if threading.get_ident() != self._thread:
+            return
+        if self._n == 0:  # before the window's first backward()
+            self._zeroed = True
+            return
+        if self._depth > 0 and self._n > self._n_step:
+            # A closure evaluated again inside one step (L-BFGS): its earlier evaluation is dropped, not
+            # a micro-batch's gradient.
+            self._n = self._n_step
+            del self._calls[self._n:]
+            return
+        if self._check is None and self._may_check():  # (before it throws away what is to be measured)
+            self._start_check()
+        if len(self._zeros) < _CALLS:
+            w = self._where()
+            call = ZeroGradCall(after=self._n, target=target, type=type(obj).__name__, line=getattr(w, "line", None),
+                                file=getattr(w, "file", None), cell_line=getattr(w, "cell_line", None),
+                                function=getattr(w, "function", None))
+            self._zeros.append((call, weakref.ref(obj)))
+
+    # ---------------------------------------------------------------- optimizer.step()
+    def step_began(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """The outermost ``optimizer.step()`` begins (its closure's backward() still counts)."""
+        self._depth += 1
+        self._opt, self._n_step = opt, self._n
+        self._step_where = self._where() if self._detailed() or self._zeros else None
+
+    def step_ended(self) -> None:
+        """The outermost optimizer step returned: its window closes."""
+        self._depth = max(0, self._depth - 1)
+        opt, self._opt = getattr(self, "_opt", None), None
+        rec, n = self.record, self._n
+        while len(rec.per_step) <= min(n, _BUCKETS - 1):
+            rec.per_step.append(0)
+        rec.per_step[min(n, _BUCKETS - 1)] += 1
+        sync, num = _accelerate_state(self._accelerate) if self._accelerate is not None else (None, 0)
+        zeros = [self._stepped(z, ref, opt) for z, ref in self._zeros] if self._zeros else []
+        odd = n >= 2 and any(z.stepped for z in zeros) or sync is False
+        if self._detailed() or (odd and len(rec.windows) < _DETAILED + _ANOMALIES):
+            w = self._step_where
+            rec.windows.append(StepWindow(
+                iteration=self._iteration(), backward=n, calls=self._calls, zero_grads=zeros,
+                zeroed_first=self._zeroed, optimizer=type(opt).__name__ if opt is not None else "",
+                line=getattr(w, "line", None), file=getattr(w, "file", None), cell_line=getattr(w, "cell_line", None),
+                function=getattr(w, "function", None), accumulate=num, sync=sync))
+        if self._check is not None:
+            if n >= 2:
+                rec.check = self._check.result(n)
+            else:  # one backward() after all: not an accumulating window, measure a later one
+                self._checked = False
+            self._check = None
+        self._new_window()
+
+    def skipped_step(self) -> None:
+        """A GradScaler skipped the optimizer step (inf/NaN gradients): the window ends without a step."""
+        self._check = None
+        self._new_window()
+
+    @staticmethod
+    def _stepped(call: ZeroGradCall, ref: Any, opt: Any) -> ZeroGradCall:
+        """Whether the zero_grad cleared gradients of the parameters ``opt`` then stepped (a wrapper such as
+        Lightning's or Accelerate's optimizer zeroes the parameters of the one it wraps)."""
+        obj = ref()
+        if obj is None or opt is None or obj is opt:
+            return call
+        try:
+            ids = {id(p) for g in opt.param_groups for p in g["params"]}
+            params = obj.parameters() if call.target == "module" else (p for g in obj.param_groups for p in g["params"])
+            call.stepped = any(id(p) in ids for p in params)
+        except Exception:  # an object that does not list its parameters: assume it cleared them
+            pass
+        return call
+
+    def finish(self, namespace: dict[str, Any]) -> None:
+        """After the run: backward() calls no step used, and the accumulation libraries were set up for."""
+        self.record.trailing = self._n
+        self._check = None
+        self.record.settings = list(_settings(namespace))
+        if len(self._syncs) < 2:  # Accelerate's process-wide state left from an earlier run, not this one's
+            for w in self.record.windows:
+                w.sync, w.accumulate = None, 0
+
+
+def _accelerate_state(mod: Any) -> tuple[bool | None, int]:
+    """Accelerate's gradient state (a process-wide singleton in ``accelerate.state``, ``mod``): whether this
+    is a step to take (``sync_gradients``) and its accumulation steps."""
+    try:
+        state = mod.GradientState._shared_state
+        num = int((state.get("plugin_kwargs") or {}).get("num_steps", 0) or 0)
+        sync = state.get("sync_gradients")
+    except Exception:  # another version's layout: not worth failing the step for
+        return None, 0
+    return (bool(sync) if num > 1 and sync is not None else None), num
+
+
+def _settings(namespace: dict[str, Any]) -> Iterator[str]:
+    """Accumulation the namespace's library objects are configured for (more than one micro-batch)."""
+    for name, value in list(namespace.items()):
+        if name.startswith("_") or isinstance(value, (type, torch.Tensor, torch.nn.Module)):
+            continue
+        try:
+            kind = type(value).__name__
+            if kind.endswith("Trainer") and hasattr(value, "accumulate_grad_batches"):
+                n, what = value.accumulate_grad_batches, "accumulate_grad_batches"
+            elif hasattr(value, "args") and hasattr(value.args, "gradient_accumulation_steps"):
+                n, what = value.args.gradient_accumulation_steps, "args.gradient_accumulation_steps"
+            elif kind == "Accelerator":
+                n, what = value.gradient_accumulation_steps, "gradient_accumulation_steps"
+            else:
+                continue
+        except Exception:  # a property that raises: nothing to say about it
+            continue
+        if isinstance(n, int) and n > 1:
+            yield f"{name}.{what}={n}"
+
+
+__all__ = ["AccumulationWatch", "Patches", "divisor", "named_like", "number"]

@@ -1,0 +1,224 @@
+"""Mixed precision as it ran (``trace.precision``): each gradient clip against the GradScaler's state at
+that moment, the scaler's steps (taken or skipped, with the scale), and how much of an optimizer step on
+bf16/fp16 weights survived rounding.
+
+For the run, ``GradScaler.scale``/``step``/``update`` and ``torch.nn.utils.clip_grad._clip_grads_with_norm_``
+(what ``clip_grad_norm_`` calls, however the user imported it) are wrapped, and put back afterwards
+(and while torch.compile compiles). Nothing is dispatched: the scale is read from its CPU storage in
+place, and weights are sampled the same way, a few hundred values per low-precision parameter, before
+and after the first steps that update such weights. A loop without a scaler or low-precision weights
+pays one dictionary read per optimizer step.
+
+>>> import torch
+>>> from backward_doctor.trace.precision import Precision
+>>> w = PrecisionWatch(rec := Precision(), frames=None, iteration=lambda: 0)
+>>> p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16)); p.grad = torch.ones_like(p)
+>>> opt = torch.optim.SGD([p], lr=1e-4)
+>>> w.step_began(opt); opt.step(); w.step_ended()
+>>> rec.updates[0].sampled, rec.updates[0].unchanged   # 1 - 1e-4 rounds back to 1.0 in bfloat16
+(8, 8)
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from .accum_watch import Patches, named_like, number
+from .memory import storage_key
+from ..trace.precision import ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep
+
+_LOW = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_BITS = {torch.bfloat16: (ctypes.c_uint16, 0x7FFF), torch.float16: (ctypes.c_uint16, 0x7FFF),
+         torch.float32: (ctypes.c_uint32, 0x7FFFFFFF)}
+_PER_PARAM = 256      # values sampled per low-precision parameter
+_SAMPLES = 16384      # at most, per step
+_UPDATES = 3          # steps sampled per run
+_STEPS_KEPT = 64
+_CLIPS_KEPT = 16
+
+
+def _view(t: torch.Tensor) -> tuple[Any, int] | None:
+    """The bits of a contiguous CPU tensor as a ctypes array over its memory (nothing copied), and the
+    mask that keeps all but the sign (a value is zero when its bits under the mask are)."""
+    kind = _BITS.get(t.dtype)
+    if kind is None or t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
+        return None
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:  # no storage (a fake tensor)
+        return None
+    if not ptr or t.numel() == 0:
+        return None
+    return (kind[0] * t.numel()).from_address(ptr), kind[1]
+
+
+class PrecisionWatch:
+    """Writes ``record`` (see the module docstring). ``on_skipped()``: a GradScaler skipped the optimizer
+    step (the accumulation watch's window ends there)."""
+
+    def __init__(self, record: Precision, *, frames: Any, iteration: Callable[[], int],
+                 on_skipped: Callable[[], None] = lambda: None) -> None:
+        self.record = record
+        self._frames, self._iteration, self._on_skipped = frames, iteration, on_skipped
+        self._thread = threading.get_ident()
+        self._scalers: dict[int, tuple[Any, bool]] = {}  # id -> (weakref, a loss scaled since its update)
+        self._run = 0                                    # scaler.step calls skipped in a row
+        self._run_start: ScalerStep | None = None
+        self._low: dict[int, tuple[Any, list[Any]]] = {}  # optimizer id -> (weakref, its low-precision params)
+        self._pending: list[tuple[Any, list[int], list[int]]] = []
+        self._step: LowPrecisionUpdate | None = None
+        self.patches = Patches()
+        from torch.amp.grad_scaler import GradScaler
+        from torch.nn.utils import clip_grad
+
+        self.patches.add(GradScaler, "scale", self._wrap_scale)
+        self.patches.add(GradScaler, "step", self._wrap_step)
+        self.patches.add(GradScaler, "update", self._wrap_update)
+        self.patches.add(clip_grad, "_clip_grads_with_norm_", self._wrap_clip)
+
+    def _mine(self) -> bool:
+        return threading.get_ident() == self._thread
+
+    def _where(self) -> Any:
+        return self._frames.where(sys._getframe(2)) if self._frames is not None else None
+
+    @staticmethod
+    def _place(w: Any) -> dict[str, Any]:
+        return {"line": getattr(w, "line", None), "file": getattr(w, "file", None),
+                "cell_line": getattr(w, "cell_line", None), "function": getattr(w, "function", None)}
+
+    # ---------------------------------------------------------------- GradScaler
+    def _wrap_scale(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def scale(scaler: Any, outputs: Any) -> Any:
+            if self._mine():
+                self._scalers[id(scaler)] = (weakref.ref(scaler), True)
+            return real(scaler, outputs)
+        return named_like(scale, real)
+
+    def _wrap_update(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real(scaler, *args, **kwargs)
+            if self._mine():
+                self._scalers[id(scaler)] = (weakref.ref(scaler), False)
+                self.record.scaler.scale_last = number(scaler._scale) if scaler._scale is not None else None
+            return out
+        return named_like(update, real)
+
+    def _wrap_step(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self._mine():
+                return real(scaler, *args, **kwargs)
+            before = self._iteration()
+            scale = number(scaler._scale) if getattr(scaler, "_scale", None) is not None else None
+            out = real(scaler, *args, **kwargs)
+            self.scaler_stepped(skipped=scaler.is_enabled() and self._iteration() == before, scale=scale)
+            return out
+        return named_like(step, real)
+
+    def scaler_stepped(self, *, skipped: bool, scale: float | None) -> None:
+        """``scaler.step(optimizer)`` returned; ``skipped``: the optimizer step did not run."""
+        rec = self.record.scaler
+        call = rec.calls
+        rec.calls += 1
+        self._run = self._run + 1 if skipped else 0
+        entry = None
+        if call < _STEPS_KEPT or skipped:
+            entry = ScalerStep(call=call, iteration=self._iteration(), skipped=skipped, scale=scale,
+                               **self._place(self._where()))
+            if call < _STEPS_KEPT:
+                rec.steps.append(entry)
+        if skipped:
+            rec.skipped += 1
+            if self._run == 1:
+                self._run_start = entry
+            if self._run > rec.longest_skipped:
+                rec.longest_skipped, rec.run_start, rec.run_end = self._run, self._run_start, entry
+            self._on_skipped()
+
+    # ---------------------------------------------------------------- clipping
+    def _wrap_clip(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def _clip_grads_with_norm_(*args: Any, **kwargs: Any) -> Any:
+            if self._mine() and len(self.record.clips) < _CLIPS_KEPT:
+                max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+                self.clipping(float(max_norm) if isinstance(max_norm, (int, float)) else None)
+            return real(*args, **kwargs)
+        return named_like(_clip_grads_with_norm_, real)
+
+    def clipping(self, max_norm: float | None) -> None:
+        """Gradients are about to be clipped: did a GradScaler scale them, and unscale them since?"""
+        for ref, pending in list(self._scalers.values()):
+            scaler = ref()
+            if scaler is None or not pending or not scaler.is_enabled():
+                continue
+            stages = [st.get("stage") for st in scaler._per_optimizer_states.values()]
+            unscaled = any(getattr(s, "name", "") == "UNSCALED" for s in stages)
+            self.record.clips.append(ClipCall(
+                iteration=self._iteration(), scaled=not unscaled, stage="UNSCALED" if unscaled else "READY",
+                scale=number(scaler._scale) if scaler._scale is not None else None, max_norm=max_norm,
+                **self._place(self._where())))
+            return
+
+    # ---------------------------------------------------------------- low-precision weights
+    def _low_params(self, opt: torch.optim.Optimizer) -> list[Any]:
+        got = self._low.get(id(opt))
+        if got is None or got[0]() is not opt:
+            params = [weakref.ref(p) for g in opt.param_groups for p in g["params"]
+                      if p.dtype in _LOW and p.requires_grad]
+            got = self._low[id(opt)] = (weakref.ref(opt), params)
+        return got[1]
+
+    def step_began(self, opt: torch.optim.Optimizer) -> None:
+        """The outermost optimizer step begins: sample its low-precision weights (which of them had a gradient
+        is read after the step: a closure computes the gradients inside it)."""
+        got = self._low.get(id(opt))
+        if got is not None and not got[1] and got[0]() is opt:  # (the common case: no low-precision weights)
+            return
+        if len(self.record.updates) >= _UPDATES or not self._low_params(opt):
+            return
+        total, pending = 0, []
+        for ref in self._low_params(opt):
+            p = ref()
+            view = _view(p.detach()) if p is not None and total < _SAMPLES else None
+            if view is None:
+                continue
+            n = p.numel()
+            offsets = list(range(0, n, max(1, n // _PER_PARAM))[:_PER_PARAM])
+            pending.append((ref, offsets, [view[0][i] for i in offsets]))
+            total += len(offsets)
+        if not pending:
+            return
+        lr = opt.param_groups[0].get("lr") if opt.param_groups else None
+        self._pending = pending
+        self._step = LowPrecisionUpdate(iteration=self._iteration(), optimizer=type(opt).__name__,
+                                        dtype=_LOW[pending[0][0]().dtype],
+                                        lr=float(lr) if isinstance(lr, (int, float)) else None,
+                                        **self._place(self._where()))
+
+    def step_ended(self) -> None:
+        """The step returned: of the sampled values whose gradient is not zero, which it left as they were."""
+        if self._step is None:
+            return
+        step, pending, self._step, self._pending = self._step, self._pending, None, []
+        for ref, offsets, before in pending:
+            p = ref()
+            view = _view(p.detach()) if p is not None else None
+            grad = _view(p.grad.detach()) if view is not None and p.grad is not None else None
+            if grad is None or p.grad.numel() != p.numel():
+                continue
+            (bits, _), (gbits, mask) = view, grad
+            moved = [(i, b) for i, b in zip(offsets, before) if gbits[i] & mask]
+            same = sum(1 for i, b in moved if bits[i] == b)
+            step.params.append(ParamUpdate(key=storage_key(p) or 0, numel=p.numel(), sampled=len(moved),
+                                           unchanged=same))
+            step.sampled += len(moved)
+            step.unchanged += same
+        if step.sampled:
+            self.record.updates.append(step)
+
+
+__all__ = ["PrecisionWatch"]

@@ -1,0 +1,96 @@
+"""What mixed precision did during a run: gradient clipping and the GradScaler's state at that moment,
+the scaler's steps (taken or skipped, and its scale), and whether updates to low-precision weights
+survived rounding. The capture writes them (``capture/precision_watch.py``); the ``amp_misuse`` rule
+reads them (``analysis/rules/amp.py``).
+
+>>> from backward_doctor.util.serde import from_dict, to_dict
+>>> p = Precision(clips=[ClipCall(iteration=0, scaled=True, scale=65536.0)])
+>>> from_dict(Precision, to_dict(p)) == p
+True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ClipCall:
+    """A ``clip_grad_norm_`` call, and whether the gradients it clipped still carried a GradScaler's
+    loss scale (the scaler had scaled a loss and not yet unscaled this optimizer's gradients)."""
+
+    iteration: int
+    scaled: bool = False
+    scale: float | None = None       # the scale they carried (CPU scalers; None: not read)
+    stage: str = ""                  # the scaler's stage for its optimizers then ("READY", "UNSCALED")
+    max_norm: float | None = None
+    line: int | None = None
+    file: str | None = None
+    cell_line: int | None = None
+    function: str | None = None
+
+
+@dataclass
+class ScalerStep:
+    """One ``scaler.step(optimizer)``: whether the optimizer step ran, and the scale it was taken with."""
+
+    call: int                        # 0-based count of scaler.step calls in the run
+    iteration: int                   # the loop's iteration (optimizer steps taken before it)
+    skipped: bool = False
+    scale: float | None = None       # the scale the gradients carried (CPU scalers; None: not read)
+    line: int | None = None
+    file: str | None = None
+    cell_line: int | None = None
+    function: str | None = None
+
+
+@dataclass
+class ScalerSteps:
+    """Every ``scaler.step`` of the run in counts, the first ones and the longest run of skips in detail."""
+
+    calls: int = 0
+    skipped: int = 0
+    longest_skipped: int = 0           # the most skipped in a row
+    steps: list[ScalerStep] = field(default_factory=list)  # the first 64 calls
+    run_start: ScalerStep | None = None  # the first call of the longest run of skips
+    run_end: ScalerStep | None = None    # its last call
+    scale_last: float | None = None      # the scale after the run's last update
+
+
+@dataclass
+class ParamUpdate:
+    """One low-precision parameter in an optimizer step: sampled values with a non-zero gradient, and
+    how many of them the step left exactly as they were (the update rounded away)."""
+
+    key: int                         # its storage key (``ParamInfo.key`` names it)
+    numel: int
+    sampled: int
+    unchanged: int
+
+
+@dataclass
+class LowPrecisionUpdate:
+    """An optimizer step on weights stored in bf16/fp16: how much of it survived rounding."""
+
+    iteration: int
+    optimizer: str
+    dtype: str
+    lr: float | None = None
+    sampled: int = 0                 # sampled values (of the low-precision parameters) with a non-zero gradient
+    unchanged: int = 0               # of them, exactly equal after the step
+    params: list[ParamUpdate] = field(default_factory=list)
+    line: int | None = None          # where the step was called
+    file: str | None = None
+    cell_line: int | None = None
+    function: str | None = None
+
+
+@dataclass
+class Precision:
+    """Mixed precision in one run (empty when the run used none of it)."""
+
+    clips: list[ClipCall] = field(default_factory=list)        # the first 16
+    scaler: ScalerSteps = field(default_factory=ScalerSteps)
+    updates: list[LowPrecisionUpdate] = field(default_factory=list)  # the first steps on low-precision weights
+
+
+__all__ = ["ClipCall", "LowPrecisionUpdate", "ParamUpdate", "Precision", "ScalerStep", "ScalerSteps"]

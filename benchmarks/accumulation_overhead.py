@@ -1,0 +1,198 @@
+"""What the accumulation and mixed-precision watches cost, same run: ``diagnose()`` with them against
+``diagnose()`` without them (the loop watch's ``backward`` wrapper and step hook as they were before
+them), and the plain cell, interleaved round by round in one process.
+
+    python benchmarks/accumulation_overhead.py            # 9 rounds
+    python benchmarks/accumulation_overhead.py --rounds 3 --only loop_200
+
+Workloads: the whole-path ones without these patterns (``benchmarks/whole_path.py``: one step of an MLP, a
+CNN, a transformer; a 200- and a 2,000-iteration loop), and one with them (a 2,000-micro-batch loop
+accumulating 4 per step under a GradScaler: the watches' cost when they have something to watch, the
+measured check included). Times are process CPU time, one torch thread, medians after a warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import backward_doctor as bd  # noqa: E402
+from backward_doctor.capture import loop_hooks  # noqa: E402
+from backward_doctor.capture.native_capture import native_available  # noqa: E402
+import whole_path as W  # noqa: E402
+
+ACCUM = ("for i in range({n}):\n    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+         "        loss = F.cross_entropy(model(x), y) / 4\n    scaler.scale(loss).backward()\n"
+         "    if (i + 1) % 4 == 0:\n        scaler.unscale_(opt)\n"
+         "        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+         "        scaler.step(opt)\n        scaler.update()\n        opt.zero_grad()\n")
+
+
+def accumulating(n: int) -> Callable[[], tuple[dict, str]]:
+    def build() -> tuple[dict, str]:
+        ns = W.small_mlp()
+        ns.update(torch=torch, scaler=torch.amp.GradScaler("cpu"))
+        return ns, ACCUM.format(n=n)
+    build.__name__ = f"accumulating_{n}"
+    return build
+
+
+WORKLOADS = {"mlp": W.mlp, "cnn": W.cnn, "transformer": W.transformer, "loop_200": W.loop(200),
+             "loop_2000": W.loop(2000), "accumulating_2000": accumulating(2000)}
+
+
+class _Idle:
+    """Stands in for a watch: every hook does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+def _without_watches(self: Any) -> None:
+    """``LoopHooks._watch_backward`` as it was before the accumulation and precision watches."""
+    real, watch = torch.autograd.backward, self._watch
+    self._undo.push("torch.autograd.backward", lambda: setattr(torch.autograd, "backward", real))
+
+    @functools.wraps(real)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        watch.saw_backward(args[0] if args else kwargs.get("tensors"))
+        return real(*args, **kwargs)
+
+    torch.autograd.backward = backward
+    self._accum = self._precision = _Idle()  # (finish() and the compile callbacks still ask them)
+
+
+def _iteration_ended_before(self: Any) -> None:
+    """``LoopHooks._iteration_ended`` as it was before the watches (no step_ended for them)."""
+    its = self.trace.iterations
+    if not its.recorded:
+        its.recorded.append(0)
+        its.starts.append(0)
+    if not self._asleep:
+        self._note_loop_values(its.steps)
+    self._watch.iteration_ended()
+    its.steps += 1
+    self._iter_seq.append(loop_hooks._sequence_nr())
+    if self.rollback is not None:
+        self.rollback.iteration_began(its.steps)
+    self._begin_iteration(its.steps)
+
+
+class Before:
+    """The capture without the watches, for the duration of a ``with`` (put back after)."""
+
+    def __enter__(self) -> "Before":
+        self.saved = (loop_hooks.LoopHooks._watch_backward, loop_hooks.LoopHooks._outer_step_began,
+                      loop_hooks.LoopHooks._iteration_ended, loop_hooks.LoopHooks._patch_training,
+                      loop_hooks.LoopHooks._unpatch_training)
+        loop_hooks.LoopHooks._watch_backward = _without_watches
+        loop_hooks.LoopHooks._outer_step_began = lambda cap, opt, a, k: cap._watch.before_step(opt)
+        loop_hooks.LoopHooks._iteration_ended = _iteration_ended_before
+        loop_hooks.LoopHooks._patch_training = lambda cap: None
+        loop_hooks.LoopHooks._unpatch_training = lambda cap, final=False: None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        (loop_hooks.LoopHooks._watch_backward, loop_hooks.LoopHooks._outer_step_began,
+         loop_hooks.LoopHooks._iteration_ended, loop_hooks.LoopHooks._patch_training,
+         loop_hooks.LoopHooks._unpatch_training) = self.saved
+
+
+def measure(name: str, build: Callable[[], tuple[dict, str]], rounds: int) -> dict[str, Any]:
+    spaces = {m: build() for m in ("plain", "before", "after")}
+    cell = spaces["plain"][1]
+    code = compile(cell, "<bench-cell>", "exec")
+    times: dict[str, list[float]] = {m: [] for m in spaces}
+    for r in range(rounds + 1):
+        for mode in ("plain", "before", "after") if r % 2 else ("plain", "after", "before"):
+            ns = spaces[mode][0]
+            t0 = time.process_time()
+            if mode == "plain":
+                exec(code, ns)
+            elif mode == "before":
+                with Before():
+                    report = bd.diagnose(cell, ns)
+            else:
+                report = bd.diagnose(cell, ns)
+            if r:
+                times[mode].append(time.process_time() - t0)
+            if mode != "plain":
+                assert report.exception is None, report.exception
+                findings = [f.kind for f in report.findings]
+                assert not findings, findings
+    med = {m: statistics.median(v) for m, v in times.items()}
+    return {"workload": name, "plain_ms": med["plain"] * 1e3, "before_x": med["before"] / med["plain"],
+            "after_x": med["after"] / med["plain"], "after_over_before": med["after"] / med["before"]}
+
+
+def hooks_cost(n: int = 200_000) -> tuple[float, float]:
+    """The watches' own work per iteration of a loop without accumulation or low-precision weights (a
+    zero_grad, a backward(), a step), called directly: (best of 5, median) microseconds. A bound of what
+    they add that does not depend on the machine's load the way whole runs do."""
+    from backward_doctor.capture.accum_watch import AccumulationWatch
+    from backward_doctor.capture.frames import UserFrames
+    from backward_doctor.capture.precision_watch import PrecisionWatch
+    from backward_doctor.trace.accumulation import Accumulation
+    from backward_doctor.trace.precision import Precision
+
+    ns = W.small_mlp()
+    model, opt = ns["model"], ns["opt"]
+    loss = model(ns["x"]).sum()
+    acc = AccumulationWatch(Accumulation(), frames=UserFrames("<cell>"), iteration=lambda: 0,
+                            params=lambda: list(model.parameters()))
+    pre = PrecisionWatch(Precision(), frames=UserFrames("<cell>"), iteration=lambda: 0)
+
+    def one() -> None:
+        acc.zeroing(opt, "optimizer")
+        acc.backward_began(loss)
+        acc.backward_ended()
+        acc.step_began(opt, (), {})
+        pre.step_began(opt)
+        pre.step_ended()
+        acc.step_ended()
+
+    for _ in range(100):  # past the first windows, which are kept in detail
+        one()
+    runs = []
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(n):
+            one()
+        runs.append((time.process_time() - t0) / n * 1e6)
+    return min(runs), statistics.median(runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--hooks", action="store_true", help="only the watches' own work per iteration, called directly")
+    args = ap.parse_args(argv)
+    if args.hooks:
+        best, med = hooks_cost()
+        print(f"the watches' work per loop iteration (zero_grad, backward, step): best {best:.2f} us, median {med:.2f} us")
+        return 0
+    torch.set_num_threads(1)
+    native_available(build=True)
+    print(f"# diagnose() with the accumulation/precision watches vs without, same run: torch {torch.__version__}, "
+          f"1 thread, {args.rounds} rounds, native recorder {'on' if native_available() else 'off'}")
+    print(f"{'workload':<20}{'plain ms':>10}{'before x':>10}{'after x':>10}{'after/before':>14}")
+    for name in args.only or list(WORKLOADS):
+        row = measure(name, WORKLOADS[name], args.rounds)
+        print(f"{name:<20}{row['plain_ms']:>10.1f}{row['before_x']:>10.3f}{row['after_x']:>10.3f}"
+              f"{row['after_over_before']:>14.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The measured equivalence check of gradient accumulation and what the accumulation watch counts, on both
+engines: exact factors where the arithmetic says what they must be, a gradient changed between the
+micro-batches, the check refused when the gradients would not fit, backward() calls that are not
+micro-batches (a reentrant checkpoint's, a second loss's), and the counts per optimizer step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import backward_doctor as bd
+from backward_doctor.capture import accum_watch
+from backward_doctor.capture.native_capture import native_available
+
+ENGINES = ["native", "python"]
+
+
+def _engine_or_skip(engine: str) -> None:
+    if engine == "native" and not native_available(build=True):
+        pytest.skip("native recorder unavailable")
+
+
+def _ns() -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    data = [(torch.randn(5, 6), torch.randint(0, 3, (5,))) for _ in range(6)]
+    return {"torch": torch, "F": F, "model": model, "loader": data,
+            "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+LOOP = """\
+k = 3
+for i, (xb, yb) in enumerate(loader):
+    loss = F.cross_entropy(model(xb), yb){scale}
+    loss.backward(){clip}
+    if (i + 1) % k == 0:
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("scale, factor", [(" / k", 1.0), ("", 3.0), (" / 2", 1.5)])
+def test_the_measured_factor_is_what_the_scaling_makes_it(engine, scale, factor):
+    _engine_or_skip(engine)
+    report = bd.diagnose(LOOP.format(scale=scale, clip=""), _ns(), engine=engine)
+    check = report.trace.accumulation.check
+    assert check is not None and check.micro_batches == 3 and check.why_not == "", check
+    assert abs(check.factor - factor) < 1e-6 and check.sum_rel_diff < 1e-6, check
+    assert report.trace.accumulation.per_step[3] == 2
+    kinds = [f.kind for f in report.findings]
+    assert kinds == ([] if factor == 1.0 else ["grad_accumulation"]), kinds
+    if factor != 1.0:
+        assert report.findings[0].evidence["divisor"] == (2.0 if "2" in scale else 1.0)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_gradient_changed_between_micro_batches_is_measured(engine):
+    """Clipping after every micro-batch clips partial sums: the step's gradient is not what the micro-batches
+    added up to, and only the measurement can say so."""
+    _engine_or_skip(engine)
+    clip = "\n    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)"
+    cell = LOOP.format(scale=" / k", clip=clip)
+    report = bd.diagnose(cell, _ns(), engine=engine)
+    f = report.findings[0]
+    step = cell.splitlines().index("        optimizer.step()") + 1
+    assert (f.kind, f.evidence["problem"], f.line) == ("grad_accumulation", "check_disagrees", step), f.message
+    assert f.evidence["check"]["sum_rel_diff"] > 0.1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_check_is_refused_when_the_gradients_would_not_fit(engine, monkeypatch):
+    _engine_or_skip(engine)
+    monkeypatch.setattr(accum_watch, "available_ram", lambda: 4096)
+    report = bd.diagnose(LOOP.format(scale="", clip=""), _ns(), engine=engine)
+    check = report.trace.accumulation.check
+    assert check.factor is None and "copies the gradients twice" in check.why_not, check
+    f = report.findings[0]  # the structural finding stands without the measurement
+    assert f.evidence["problem"] == "loss_not_divided" and "Measured" not in f.message
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reentrant_checkpointing_backward_is_not_a_micro_batch(engine):
+    _engine_or_skip(engine)
+    ns = _ns()
+    ns["checkpoint"] = torch.utils.checkpoint.checkpoint
+    cell = """\
+for xb, yb in loader[:3]:
+    optimizer.zero_grad()
+    h = checkpoint(model[0], xb.requires_grad_(), use_reentrant=True)
+    loss = F.cross_entropy(model[2](model[1](h)), yb)
+    loss.backward()
+    optimizer.step()
+"""
+    report = bd.diagnose(cell, ns, engine=engine)
+    assert report.findings == [] and report.trace.accumulation.per_step == [0, 3], report.trace.accumulation
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_windows_say_where_each_call_was_made(engine):
+    _engine_or_skip(engine)
+    report = bd.diagnose(LOOP.format(scale=" / k", clip=""), _ns(), engine=engine)
+    acc = report.trace.accumulation
+    w = acc.windows[0]
+    assert (w.iteration, w.backward, w.zeroed_first, w.optimizer, w.line) == (0, 3, True, "SGD", 6)
+    assert [c.line for c in w.calls] == [4, 4, 4] and {c.divisor for c in w.calls} == {3.0}
+    assert len({c.site for c in w.calls}) == 1 and all(c.loss is not None for c in w.calls)
+    assert acc.trailing == 0 and acc.settings == []
+
+
+def test_the_wrappers_are_put_back():
+    from torch.amp.grad_scaler import GradScaler
+    from torch.nn.utils import clip_grad
+
+    before = (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad, GradScaler.step, clip_grad._clip_grads_with_norm_,
+              torch.autograd.backward)
+    bd.diagnose(LOOP.format(scale=" / k", clip=""), _ns())
+    after = (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad, GradScaler.step, clip_grad._clip_grads_with_norm_,
+             torch.autograd.backward)
+    assert before == after
