@@ -28,6 +28,7 @@ from torch.nn.modules import module as _nn_module
 
 from . import namespace as ns_mod
 from .compile_watch import CompileWatch
+from .worker_watch import WorkerWatch
 from .loop_hooks import LoopHooks
 from .process import complete, interrupts_deferred
 from .mode import _DoctorMode
@@ -65,6 +66,7 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
                          max_ops=max_ops, tail_ops=tail_ops, check_indices=check_indices, history=history,
                          detail=detail, cuda_history=cuda_history)
         self._compile_watch = CompileWatch(self._compile_started, self._compile_ended)
+        self._workers = WorkerWatch(self)
         self._mode: _DoctorMode | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -126,6 +128,7 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         self._add_global_hooks()
         self._undo.push("compile callbacks", self._compile_watch.remove)
         self._compile_watch.install()
+        self._workers.install(self._undo)
         self._watch = self._make_watch()
         self._watch_backward()
 
@@ -305,6 +308,14 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
             if self._stack_key:
                 self._where_stacks.append((w, self._stack_key))
         return got
+
+    def photograph_workers(self, exc: BaseException | None = None) -> None:
+        """A hang: the stacks of the DataLoader workers started in the run, before the main thread is
+        interrupted (the watchdog), or after a Ctrl-C or a loader's own timeout ended it (``exc``)."""
+        if exc is None:
+            self._workers.photograph()
+        else:
+            self._workers.after_run(exc)
 
     # ---------------------------------------------------------------- results
     def record_exception(self, exc: BaseException) -> None:

@@ -31,8 +31,10 @@ _RETRIES, _RETRY_S = 60, 0.5  # after the timeout: interrupt again every 0.5 s, 
 class Watchdog:
     """Interrupt the calling thread after ``timeout`` seconds (None: never)."""
 
-    def __init__(self, timeout: float | None, frames: UserFrames) -> None:
+    def __init__(self, timeout: float | None, frames: UserFrames,
+                 before_interrupt: Callable[[], None] | None = None) -> None:
         self.timeout = timeout
+        self._before_interrupt = before_interrupt  # more photographs (DataLoader workers' stacks)
         self.fired = False
         self.stacks: list = []
         self._frames = frames
@@ -72,6 +74,8 @@ class Watchdog:
                 return
             self.stacks = self._frames.thread_stacks()
             self.fired = True
+            if self._before_interrupt is not None:
+                self._before_interrupt()
             self._interrupt()
         # A KeyboardInterrupt can be swallowed (raised inside a weakref callback or a `__del__`,
         # or by a bare `except:` in the user's loop): keep interrupting until the run ends.
@@ -184,13 +188,15 @@ def run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
 
 def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture,
                        timeout: float | None) -> Trace:
-    watchdog = Watchdog(timeout, capture._frames)
+    watchdog = Watchdog(timeout, capture._frames, capture.photograph_workers)
     exc: BaseException | None = None
     try:
         # Capture first: its start-up (a one-time torch import) is not the cell's time.
         with capture:
             with watchdog:
                 exc = _run_disarmed_after(run, watchdog)
+            if exc is not None and not watchdog.fired:
+                capture.photograph_workers(exc)
     except KeyboardInterrupt as e:  # the interrupt landed after the cell ended
         exc = exc or e
     trace = capture.trace

@@ -12,6 +12,7 @@ from ..findings import Finding
 from ..loops import place_in_loops
 from ...trace.records import Trace
 from .autograd import backward_twice, inplace, no_grad_path
+from .dataloader import dataloader_worker
 from .failures import generic_exception, index_out_of_range, mismatch
 from .hang import hang
 from .loop_memory import loop_leak
@@ -24,7 +25,7 @@ from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param,
 Rule = Callable[[Trace], list[Finding]]
 
 #: Rules that explain the cell's exception; the first that answers wins.
-EXCEPTION_RULES: list[Rule] = [hang, oom, inplace, backward_twice, left_frozen, no_grad_path, index_out_of_range,
+EXCEPTION_RULES: list[Rule] = [dataloader_worker, hang, oom, inplace, backward_twice, left_frozen, no_grad_path, index_out_of_range,
                                mismatch]
 #: Rules that look at the whole run, whether or not it raised.
 RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped, nonleaf_param]
