@@ -120,11 +120,12 @@ def hf_args(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5e-5, **
 
 
 def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
-               **args: Any) -> dict[str, Any]:
+               train_ds: Any = None, **args: Any) -> dict[str, Any]:
     """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier), ``model``,
     ``args``, ``train_ds``; run it with :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass
     named *trainer_name* (e.g. with its own ``compute_loss``) via :func:`define`; its namespace has
-    ``Trainer``, ``torch`` and ``F``. *args* go to :func:`hf_args`."""
+    ``Trainer``, ``torch`` and ``F``. *train_ds*: a dataset of your own (default :class:`TokenDataset`).
+    *args* go to :func:`hf_args` (``dataloader_num_workers=2`` for worker processes)."""
     tf = _transformers()
     ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
                           "TrainingArguments": tf.TrainingArguments}
@@ -133,7 +134,7 @@ def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer
         cls = define(trainer_source, ns, name=trainer_name)[trainer_name]
     ns["model"] = tiny_bert_classifier()
     ns["args"] = hf_args(**args)
-    ns["train_ds"] = TokenDataset(n=n)
+    ns["train_ds"] = TokenDataset(n=n) if train_ds is None else train_ds
     ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"])
     return ns
 
@@ -177,11 +178,13 @@ def lit_trainer(steps: int = 4, **extra: Any) -> Any:
     return pl.Trainer(**kw)
 
 
-def xy_loader(n: int = 64, d_in: int = 16, classes: int = 5, batch: int = 8, **extra: Any) -> Any:
-    """A DataLoader of ``n`` random (x, y) pairs, seeded, not shuffled unless *extra* says so."""
+def xy_loader(n: int = 64, d_in: int = 16, classes: int = 5, batch: int = 8, dataset: Any = None,
+              **extra: Any) -> Any:
+    """A DataLoader of ``n`` random (x, y) pairs, seeded, not shuffled unless *extra* says so (``num_workers=2``:
+    worker processes); *dataset*: one of your own instead."""
     g = torch.Generator().manual_seed(0)
     ds = torch.utils.data.TensorDataset(torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g))
-    return torch.utils.data.DataLoader(ds, batch_size=batch, **extra)
+    return torch.utils.data.DataLoader(ds if dataset is None else dataset, batch_size=batch, **extra)
 
 
 def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier", steps: int = 4,
@@ -200,9 +203,11 @@ def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier",
 
 
 # ----------------------------------------------------------------------------- Accelerate
-def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8) -> dict[str, Any]:
+def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8,
+                    loader_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model``,
-    ``optimizer`` and ``loader`` it prepared; run it with :data:`ACCEL_LOOP` (or a cell of your own)."""
+    ``optimizer`` and ``loader`` it prepared (*loader_kwargs* go to :func:`xy_loader`); run it with
+    :data:`ACCEL_LOOP` (or a cell of your own)."""
     acc = pytest.importorskip("accelerate", reason="accelerate is a test dependency (pyproject [test])")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -213,5 +218,6 @@ def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8) -> dict[str, An
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
     accelerator = acc.Accelerator(cpu=True, gradient_accumulation_steps=accum)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, xy_loader(n=n, batch=batch))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, xy_loader(n=n, batch=batch,
+                                                                                **(loader_kwargs or {})))
     return {"torch": torch, "accelerator": accelerator, "model": model, "optimizer": optimizer, "loader": loader}

@@ -326,7 +326,8 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         if self.trace.iterations.starts:  # stopped inside the loop: the iteration that was running
             self._note_loop_values(self.trace.iterations.steps)
         if self.rollback is not None and self._asleep and isinstance(exc, Exception) \
-                and not self.trace.timed_out and "out of memory" not in str(exc).lower():
+                and not self.trace.timed_out and "out of memory" not in str(exc).lower() \
+                and "DataLoader worker" not in str(exc):  # (the loader's next batch: not the body's to replay)
             # An error in an iteration the recorder did not record: that iteration can be replayed
             # (its weights are still those it began with unless its optimizer step already ran).
             self.rollback.went_wrong(self.trace.iterations.steps)

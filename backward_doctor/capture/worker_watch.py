@@ -91,7 +91,7 @@ def _qualnames(*objs: Any) -> dict[tuple[str, str], str]:
         if hasattr(obj, "__code__"):
             fns.append(obj)
         for klass in (type(obj).__mro__ if not isinstance(obj, type) else obj.__mro__):
-            if klass.__module__.startswith(("torch.", "builtins")):
+            if klass is object or klass.__module__.startswith("torch."):
                 continue
             fns.extend(v for v in vars(klass).values() if hasattr(getattr(v, "__func__", v), "__code__"))
         for fn in fns:
@@ -281,7 +281,7 @@ class WorkerWatch:
                 rec.state, rec.exitcode = "exited", code
                 rec.task = rec.task or _task(next((ix for w, ix in seen.sent.values() if w == wid), None))
                 workers[wid] = rec
-            for err in _errors(error_path(folder, pid)):
+            for err in _errors(error_path(folder, pid))[:1]:  # its first: the task the main process reached first
                 rec.state = "could not send" if err.get("kind") == "send" else "raised"
                 rec.error = err.get("error", "")
                 rec.task = _task(err.get("index") if err.get("index") is not None else err.get("indices")) or \

@@ -5,8 +5,8 @@ Three ways a worker shows up in the main process, each hiding where it happened:
 
 - its error re-raised as ``Caught ValueError in DataLoader worker process 1.`` with the worker's traceback
   flattened into the message: the finding is placed at the worker's own line, with the index it loaded;
-- ``DataLoader worker (pid(s) N) exited unexpectedly``: which worker, what it was loading, how it ended
-  (a signal, a crash's stack);
+- ``DataLoader worker (pid(s) N) exited unexpectedly`` (or ``is killed by signal``): which worker, what it
+  was loading, how it ended (a signal, a crash's stack);
 - a hang whose main thread waits in the iterator's ``_get_data``: the worker it waits for is stuck in the
   user's code (a lock copied locked by ``fork``), or its batch never came (a tensor requiring grad cannot
   be sent to another process). A hang elsewhere in the main process stays the ``hang`` rule's.
@@ -23,14 +23,17 @@ from ..findings import Finding, at
 from ...trace.records import FrameInfo, LoaderRecord, Trace, Where, WorkerRecord
 
 _RERAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)\.")
-_EXITED = re.compile(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly")
+#: a worker gone: seen by the main process's periodic check, or by its SIGCHLD handler (a signal, an exit code)
+_EXITED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (?:exited unexpectedly|is killed by signal)")
 _GRAD = re.compile(r"requires_grad|requires grad|automatic differentiation|autograd does not support", re.I)
 _FORK_AUTOGRAD = re.compile(r"autograd's threading in combination with fork", re.I)
 _CUDA_FORK = re.compile(r"re-initialize CUDA in forked subprocess|CUDA.*forked", re.I)
+#: samples of different sizes in one batch: ``default_collate`` in a worker stacks into shared memory sized for
+#: the first sample, which fails as a resize of that storage
 _SIZES = re.compile(r"stack expects each tensor to be equal size|each element in list of batch should be of equal "
-                    r"size|Sizes of tensors must match", re.I)
+                    r"size|Sizes of tensors must match|resize storage that is not resizable", re.I)
 _SIGNALS = {9: "SIGKILL", 6: "SIGABRT", 11: "SIGSEGV", 7: "SIGBUS", 15: "SIGTERM", 8: "SIGFPE"}
-_TITLE = "A DataLoader worker failed"
+_OWN_LINE = "; this is the worker's own line"
 
 
 def dataloader_worker(trace: Trace) -> list[Finding]:
@@ -122,7 +125,9 @@ def _advice(w: WorkerRecord, frame: FrameInfo | None) -> str:
                 "batch in the loop (`x = x.to(device, non_blocking=True)`, with `pin_memory=True`), or start the "
                 "workers with `multiprocessing_context='spawn'`.")
     if _SIZES.search(error):
-        return (" The samples of one batch have different sizes, and `default_collate` stacks them. Pad them "
+        return (" The samples of one batch have different sizes, and `default_collate` stacks them (in a worker "
+                "it stacks into shared memory sized for the first sample, hence a storage that cannot be resized). "
+                "Pad them "
                 "in a `collate_fn`: `def pad_collate(batch): xs, ys = zip(*batch); return "
                 "torch.nn.utils.rnn.pad_sequence(xs, batch_first=True), torch.stack(ys)`, then "
                 "`DataLoader(..., collate_fn=pad_collate)` (a function defined at top level, so workers can "
@@ -142,7 +147,7 @@ def _raised(trace: Trace, rec: LoaderRecord, w: WorkerRecord) -> Finding:
     msg = (f"DataLoader worker {w.worker} raised {exc_type} while {_loading(rec, w)}{there}: "
            f"{w.error.split(': ', 1)[-1]}. The main process re-raised it as `Caught {exc_type} in DataLoader "
            f"worker process {w.worker}`, with the worker's traceback flattened into that message"
-           f"{'; this is the worker's own line' if place is not None else ''}.{made_text}{_advice(w, made or frame)}")
+           f"{_OWN_LINE if place is not None else ''}.{made_text}{_advice(w, made or frame)}")
     return at("dataloader_worker", _where(trace, made or frame), msg, title=f"{exc_type} in DataLoader worker {w.worker}",
               evidence=_evidence(rec, w, error=w.error))
 
