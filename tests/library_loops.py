@@ -204,10 +204,10 @@ def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier",
 
 # ----------------------------------------------------------------------------- Accelerate
 def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8,
-                    loader_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                    loader_kwargs: dict[str, Any] | None = None, model: nn.Module | None = None) -> dict[str, Any]:
     """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model``,
-    ``optimizer`` and ``loader`` it prepared (*loader_kwargs* go to :func:`xy_loader`); run it with
-    :data:`ACCEL_LOOP` (or a cell of your own)."""
+    ``optimizer`` and ``loader`` it prepared (*loader_kwargs* go to :func:`xy_loader`; *model*: one of your
+    own, 16 features in, 5 classes out); run it with :data:`ACCEL_LOOP` (or a cell of your own)."""
     acc = pytest.importorskip("accelerate", reason="accelerate is a test dependency (pyproject [test])")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -215,7 +215,7 @@ def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8,
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5)) if model is None else model
     accelerator = acc.Accelerator(cpu=True, gradient_accumulation_steps=accum)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, xy_loader(n=n, batch=batch,

@@ -34,6 +34,7 @@ import weakref
 from typing import Any
 
 from ..trace.records import FrameInfo, LoaderRecord, WorkerRecord
+from .code_names import CodeNames
 from .worker_side import DUMP_SIGNAL, WorkerInit, dump_path, error_path
 
 _WRAPPED = ("__init__", "_next_index", "_try_put_index")
@@ -65,7 +66,7 @@ class _Watched:
         self.loader = f"{type(loader).__name__}({self.dataset}, {', '.join(kw)})"
         self.pids: list[int] = []
         self.sent: dict[int, tuple[int, Any]] = {}  # task -> (worker, indices)
-        self.names = _qualnames(ds, getattr(loader, "collate_fn", None), getattr(loader, "worker_init_fn", None))
+        self.names = CodeNames([ds, getattr(loader, "collate_fn", None), getattr(loader, "worker_init_fn", None)])
         self.photos: dict[int, list[tuple[str, int, str]]] = {}  # worker -> its stack, innermost first
         self.doing: dict[int, Any] = {}  # worker -> the indices of the oldest task it had not delivered
         self.waiting: int | None = None   # the worker the main process waited for when photographed
@@ -78,26 +79,6 @@ def _default_context() -> str:
     import multiprocessing
 
     return multiprocessing.get_start_method(allow_none=True) or "fork"
-
-
-def _qualnames(*objs: Any) -> dict[tuple[str, str], str]:
-    """(file, function name) -> class-qualified name, for the user's dataset methods and functions (the
-    stacks faulthandler writes name functions only)."""
-    out: dict[tuple[str, str], str] = {}
-    for obj in objs:
-        if obj is None:
-            continue
-        fns = []
-        if hasattr(obj, "__code__"):
-            fns.append(obj)
-        for klass in (type(obj).__mro__ if not isinstance(obj, type) else obj.__mro__):
-            if klass is object or klass.__module__.startswith("torch."):
-                continue
-            fns.extend(v for v in vars(klass).values() if hasattr(getattr(v, "__func__", v), "__code__"))
-        for fn in fns:
-            code = getattr(fn, "__func__", fn).__code__
-            out[(code.co_filename, code.co_name)] = getattr(code, "co_qualname", code.co_name)
-    return out
 
 
 class WorkerWatch:
@@ -254,7 +235,7 @@ class WorkerWatch:
         rows = [(m.group(1), int(m.group(2)), m.group(3)) for m in _TB_FRAME.finditer(text)]
         last = [ln for ln in text.strip().splitlines() if ln and not ln.startswith(" ")]
         rec = WorkerRecord(worker=worker, state="raised", error=last[-1] if last else "")
-        rec.frames = self._frames({}, rows)
+        rec.frames = self._frames(CodeNames([]), rows)
         self.loaders.append(LoaderRecord(loader="a DataLoader whose workers were started before this run",
                                          workers=[rec]))
 
@@ -296,9 +277,9 @@ class WorkerWatch:
                             context=seen.context, workers=[workers[k] for k in sorted(workers)],
                             photographed=bool(seen.photos))
 
-    def _frames(self, names: dict[tuple[str, str], str], rows: list[tuple]) -> list[FrameInfo]:
-        """(file, line, function) rows, outermost first, as the capture's frame records (``names``: qualified
-        names of the user's functions, see :func:`_qualnames`); a forked worker's
+    def _frames(self, names: CodeNames, rows: list[tuple]) -> list[FrameInfo]:
+        """(file, line, function) rows, outermost first, as the capture's frame records (``names``: the user's
+        functions' class-qualified names); a forked worker's
         stack starts where its process did (the frames above are the parent's, copied by the fork)."""
         frames = getattr(self._capture, "_frames", None)
         start = [i for i, (file, _, fn) in enumerate(rows) if fn.endswith("_bootstrap") and
@@ -306,7 +287,7 @@ class WorkerWatch:
         rows = rows[start[-1] + 1:] if start else rows
         out = []
         for file, line, fn in rows:
-            name = names.get((file, fn.rsplit(".", 1)[-1]), fn) if "." not in fn else fn
+            name = names.qualname(file, fn, int(line)) if "." not in fn else fn
             code = linecache.getline(file, int(line)).strip()
             if frames is not None:
                 out.append(frames.frame_info(file, int(line), name, code))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..util.serde import from_dict, to_dict
-from .parts import (Carrier, Compilation, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
+from .parts import (Carrier, Compilation, CompileCheck, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
                     OptimizerSummary, ParameterTotals, RunHistory, StaleStep)
 
 #: Memory categories, in the order they are stacked in reports and plots.
@@ -286,6 +286,8 @@ class Trace:
     compiles: list[Compilation] = field(default_factory=list)
     #: DataLoaders whose worker processes raised, died or were waited on in a hang (``capture/worker_watch.py``)
     loaders: list[LoaderRecord] = field(default_factory=list)
+    #: a compiled step that went NaN/Inf or raised, replayed eagerly (``run/compile_replay.py``)
+    compile_check: CompileCheck | None = None
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""
