@@ -61,7 +61,16 @@ def baseline() -> dict[str, Any]:
         "watchdog threads": sum(t.name == "backward_doctor-watchdog" and t.is_alive() for t in threading.enumerate()),
         "locks held": _held_locks(),
         "diagnosis marked running": getattr(sys.modules.get("backward_doctor.capture.process"), "_owner", None),
+        "DataLoader iterator methods": _loader_iter_methods(),
     }
+
+
+def _loader_iter_methods() -> tuple:
+    """The multiprocessing DataLoader iterator's own methods the worker watch wraps during a run."""
+    from torch.utils.data import dataloader
+
+    cls = dataloader._MultiProcessingDataLoaderIter
+    return tuple(cls.__dict__.get(name) for name in ("__init__", "_next_index", "_try_put_index"))
 
 
 def _held_locks() -> list[str]:

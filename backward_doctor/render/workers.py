@@ -28,11 +28,14 @@ def _frames(w: WorkerRecord) -> list[FrameInfo]:
 
 
 def _head(w: WorkerRecord) -> str:
+    """``worker 1 (pid 42), raised loading dataset[13]``."""
     what = {"fetching": "fetching", "idle": "idle, waiting for its next task", "raised": "raised",
-            "could not send": "could not send its batch", "exited": "exited", "crashed": "crashed"}
+            "could not send": "could not send", "exited": "exited", "crashed": "crashed"}
     head = f"worker {w.worker}" + (f" (pid {w.pid})" if w.pid else "") + f", {what.get(w.state, w.state)}"
-    if w.task:
-        head += f" {w.task}" if w.state in ("fetching", "could not send") else f" loading {w.task}"
+    if w.state in ("fetching", "could not send"):
+        head += f" {w.task}" if w.task else " its batch"
+    elif w.task:
+        head += f" loading {w.task}"
     if w.waited_on:
         head += " (the main process waited for this batch)"
     return head

@@ -83,7 +83,22 @@ def _where(trace: Trace, frame: FrameInfo | None) -> Where:
 
 
 def _code(frame: FrameInfo | None) -> str:
-    return f" (`{frame.code}`)" if frame is not None and frame.code else ""
+    return f" (`{_statement(frame)}`)" if frame is not None and frame.code else ""
+
+
+def _statement(frame: FrameInfo | None) -> str:
+    """The frame's line of code without its trailing comment."""
+    return (frame.code.split("  #", 1)[0].strip() if frame is not None else "") or "..."
+
+
+def _at(frame: FrameInfo) -> str:
+    """``in `Samples.__getitem__`, line 24``: the place names the file (``Cell In[1]``, ``data.py``)."""
+    return f"in `{frame.function}`, line {frame.line}"
+
+
+def _first_sentence(error: str, limit: int = 160) -> str:
+    text = error.split(": ", 1)[-1].split(". ", 1)[0].split(", since ", 1)[0]
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _loading(rec: LoaderRecord, w: WorkerRecord) -> str:
@@ -102,16 +117,15 @@ def _grad_made(w: WorkerRecord) -> tuple[FrameInfo | None, str]:
     made = _user_frame(w.made_at)
     if made is None:
         return None, ""
-    return made, (f" It got its autograd graph at {made.file.rsplit('/', 1)[-1]}:{made.line} in "
-                  f"`{made.function}`{_code(made)}: the dataset ran a module (or a tensor with "
-                  "requires_grad) with gradients on, in the worker.")
+    return made, (f" It got its autograd graph {_at(made)}{_code(made)}: the dataset ran a module (or a "
+                  "tensor with requires_grad) with gradients on, in the worker.")
 
 
 def _advice(w: WorkerRecord, frame: FrameInfo | None) -> str:
     """What to do, for the errors a worker commonly dies of."""
     error = w.error
     if _GRAD.search(error):
-        code = frame.code if frame is not None and frame.code else "..."
+        code = _statement(frame)
         return (" A DataLoader worker must hand over plain data: a tensor with an autograd graph cannot be "
                 "sent to the main process (and `default_collate` refuses to stack one). Compute it without "
                 f"gradients: `with torch.no_grad(): {code}` (or return `.detach()`ed tensors).")
@@ -142,7 +156,7 @@ def _raised(trace: Trace, rec: LoaderRecord, w: WorkerRecord) -> Finding:
     made, made_text = _grad_made(w) if _GRAD.search(w.error) else (None, "")
     place = frame or made
     exc_type = w.error.split(":", 1)[0] or (trace.exception.type if trace.exception else "an error")
-    there = (f" in `{place.function}` ({place.file.rsplit('/', 1)[-1]}:{place.line}){_code(place)}"
+    there = (f" {_at(place)}{_code(place)}"
              if place is not None else " inside PyTorch's own code (no line of yours was on its stack)")
     msg = (f"DataLoader worker {w.worker} raised {exc_type} while {_loading(rec, w)}{there}: "
            f"{w.error.split(': ', 1)[-1]}. The main process re-raised it as `Caught {exc_type} in DataLoader "
@@ -164,8 +178,7 @@ def _exited(trace: Trace, rec: LoaderRecord, w: WorkerRecord) -> Finding:
     else:
         how = f"exited with status {code}" if code is not None else "ended"
     if w.state == "crashed":
-        how = "crashed" + (f" at `{frame.function}` ({frame.file.rsplit('/', 1)[-1]}:{frame.line}){_code(frame)}"
-                           if frame else "") + (f" ({_SIGNALS.get(-code, '')})" if code and code < 0 else "")
+        how = "crashed" + (f" {_at(frame)}{_code(frame)}" if frame else "") + (f" ({_SIGNALS.get(-code, '')})" if code and code < 0 else "")
     msg = (f"DataLoader worker {w.worker} (pid {w.pid}) {how} while {_loading(rec, w)}. The main process only "
            "saw it gone (`exited unexpectedly`); the worker's own output (above the error) says more. "
            "`DataLoader(..., num_workers=0)` runs the same code in the main process, where an error has a "
@@ -179,7 +192,7 @@ def _stuck(trace: Trace, rec: LoaderRecord, w: WorkerRecord) -> Finding:
     if w.state == "could not send":
         made, made_text = _grad_made(w)
         msg = (f"The main process waits for a batch that never comes: DataLoader worker {w.worker} computed it "
-               f"({w.task or 'its batch'}) but could not send it ({w.error.split(': ', 1)[-1][:120]}). "
+               f"({w.task or 'its batch'}) but could not send it ({_first_sentence(w.error)}). "
                "multiprocessing printed that error in the worker and dropped the batch; the main process then "
                f"waits in `_get_data` forever.{made_text}{_advice(w, made)}")
         return at("dataloader_worker", _where(trace, made or frame), msg, title="A DataLoader batch was lost",
@@ -191,8 +204,8 @@ def _stuck(trace: Trace, rec: LoaderRecord, w: WorkerRecord) -> Finding:
         return at("dataloader_worker", _where(trace, None), msg, title="A DataLoader batch was lost",
                   evidence=_evidence(rec, w))
     locked = any(k in frame.code for k in ("with ", "acquire", "Lock", "lock"))
-    msg = (f"DataLoader worker {w.worker} (pid {w.pid}) is stuck in `{frame.function}` at "
-           f"{frame.file.rsplit('/', 1)[-1]}:{frame.line}{_code(frame)}, {_loading(rec, w)}; the main process is not "
+    msg = (f"DataLoader worker {w.worker} (pid {w.pid}) is stuck {_at(frame)}{_code(frame)}, "
+           f"{_loading(rec, w)}; the main process is not "
            "the one that hangs: it waits for that batch in the iterator's `_get_data`.")
     if locked:
         msg += (" A lock in a forked worker is a copy of the main process's lock as it was at the fork: if another "
@@ -203,7 +216,7 @@ def _stuck(trace: Trace, rec: LoaderRecord, w: WorkerRecord) -> Finding:
     else:
         msg += " Its stack below says what it waits for."
     return at("dataloader_worker", _where(trace, frame), msg, title=f"DataLoader worker {w.worker} is stuck",
-              evidence=_evidence(rec, w, code=frame.code))
+              evidence=_evidence(rec, w, code=_statement(frame)))
 
 
 __all__ = ["dataloader_worker"]
