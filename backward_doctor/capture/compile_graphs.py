@@ -193,7 +193,8 @@ def _values(eager: torch.Tensor, compiled: torch.Tensor) -> tuple[str, float | N
         return (f"compiled: {bad_c} of {n} values NaN/Inf; eager: {bad_e}"), None
     both = eager.isfinite() & compiled.isfinite()
     diff = float((eager[both].double() - compiled[both].double()).abs().max()) if both.any() else 0.0
-    return f"largest difference {diff:.3g} (eager max |x| {float(eager[both].abs().max()) if both.any() else 0:.3g})", diff
+    scale = float(eager[both].abs().max()) if both.any() else 0.0
+    return f"largest difference {diff:.3g} (eager max |x| {scale:.3g})", diff
 
 
 def _dropped_before(gm: torch.fx.GraphModule, upto: int) -> str:

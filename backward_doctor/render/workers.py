@@ -54,7 +54,8 @@ def worker_lines(trace: Trace, places: dict[str, str] | None = None) -> list[str
                 out.append(f"    {frame_label(fi, places)} in {fi.function}: {fi.code}")
             made = [f for f in w.made_at if f.user][-1:]
             for fi in made:
-                out.append(f"    (its tensor's graph was made at {frame_label(fi, places)} in {fi.function}: {fi.code})")
+                out.append(f"    (its tensor's graph was made at {frame_label(fi, places)} in {fi.function}: "
+                           f"{fi.code})")
     return out
 
 

@@ -26,10 +26,11 @@ from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param,
 Rule = Callable[[Trace], list[Finding]]
 
 #: Rules that explain the cell's exception; the first that answers wins.
-EXCEPTION_RULES: list[Rule] = [dataloader_worker, compile_failure, hang, oom, inplace, backward_twice, left_frozen, no_grad_path, index_out_of_range,
-                               mismatch]
+EXCEPTION_RULES: list[Rule] = [dataloader_worker, compile_failure, hang, oom, inplace, backward_twice, left_frozen,
+                               no_grad_path, index_out_of_range, mismatch]
 #: Rules that look at the whole run, whether or not it raised.
-RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped, nonleaf_param]
+RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped,
+                         nonleaf_param]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast]
 

@@ -49,9 +49,11 @@ def dataloader_worker(trace: Trace) -> list[Finding]:
         pids = {int(p) for p in m.group(1).replace(" ", "").split(",") if p}
         found = _worker(trace, lambda w: w.pid in pids)
         return [_exited(trace, *found)] if found else []
-    hung = trace.timed_out or (exc is not None and (exc.type == "KeyboardInterrupt" or "DataLoader timed out" in message))
+    hung = trace.timed_out or (exc is not None and (exc.type == "KeyboardInterrupt"
+                                                    or "DataLoader timed out" in message))
     if hung and _main_waits_on_loader(trace):
-        found = _worker(trace, lambda w: w.waited_on) or _worker(trace, lambda w: w.state in ("fetching", "could not send"))
+        found = _worker(trace, lambda w: w.waited_on) or \
+            _worker(trace, lambda w: w.state in ("fetching", "could not send"))
         if found:
             return [_stuck(trace, *found)]
     return []
@@ -62,11 +64,12 @@ def _worker(trace: Trace, match) -> tuple[LoaderRecord, WorkerRecord] | None:
 
 
 def _main_waits_on_loader(trace: Trace) -> bool:
-    """The main thread was inside a DataLoader iterator's fetch (waiting for a worker's batch)."""
-    frames = next((s.frames for s in trace.threads if s.is_main), []) or \
-        (trace.exception.frames if trace.exception is not None else [])
+    """The main thread was inside a DataLoader iterator's fetch, waiting for a worker's batch (its stack
+    at the timeout, or the interrupt's traceback)."""
+    frames = [f for s in trace.threads if s.is_main for f in s.frames]
+    frames += trace.exception.frames if trace.exception is not None else []
     return any(f.file.endswith("dataloader.py") and f.function in ("_next_data", "_get_data", "_try_get_data")
-               for f in frames) or any(rec.photographed for rec in trace.loaders)
+               for f in frames)
 
 
 def _user_frame(frames: list[FrameInfo]) -> FrameInfo | None:
@@ -162,7 +165,8 @@ def _raised(trace: Trace, rec: LoaderRecord, w: WorkerRecord) -> Finding:
            f"{w.error.split(': ', 1)[-1]}. The main process re-raised it as `Caught {exc_type} in DataLoader "
            f"worker process {w.worker}`, with the worker's traceback flattened into that message"
            f"{_OWN_LINE if place is not None else ''}.{made_text}{_advice(w, made or frame)}")
-    return at("dataloader_worker", _where(trace, made or frame), msg, title=f"{exc_type} in DataLoader worker {w.worker}",
+    return at("dataloader_worker", _where(trace, made or frame), msg,
+              title=f"{exc_type} in DataLoader worker {w.worker}",
               evidence=_evidence(rec, w, error=w.error))
 
 
@@ -178,7 +182,8 @@ def _exited(trace: Trace, rec: LoaderRecord, w: WorkerRecord) -> Finding:
     else:
         how = f"exited with status {code}" if code is not None else "ended"
     if w.state == "crashed":
-        how = "crashed" + (f" {_at(frame)}{_code(frame)}" if frame else "") + (f" ({_SIGNALS.get(-code, '')})" if code and code < 0 else "")
+        how = "crashed" + (f" {_at(frame)}{_code(frame)}" if frame else "") + \
+            (f" ({_SIGNALS.get(-code, '')})" if code and code < 0 else "")
     msg = (f"DataLoader worker {w.worker} (pid {w.pid}) {how} while {_loading(rec, w)}. The main process only "
            "saw it gone (`exited unexpectedly`); the worker's own output (above the error) says more. "
            "`DataLoader(..., num_workers=0)` runs the same code in the main process, where an error has a "
