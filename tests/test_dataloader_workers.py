@@ -215,6 +215,29 @@ def test_worker_stuck_on_a_lock_copied_at_fork_is_named_in_the_worker(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_ctrl_c_on_a_stuck_worker_photographs_it_after_the_interrupt(engine):
+    """No timeout: the user interrupts the cell (Jupyter's stop button). The workers are still alive after
+    the interrupt (the traceback holds the iterator), so they are asked for their stacks then."""
+    _engine_or_skip(engine)
+    import _thread
+
+    d = _datasets()
+    lock, release = _held_lock()
+    timer = threading.Timer(3.0, _thread.interrupt_main)
+    try:
+        ns = {"torch": torch, "loader": _loader(d["Numbers"](lock=lock), num_workers=1)}
+        timer.start()
+        report = bd.diagnose(LOOP, ns, engine=engine)
+    finally:
+        timer.cancel()
+        release.set()
+    f = report.findings[0]
+    assert report.exception.startswith("KeyboardInterrupt") and not report.trace.timed_out
+    assert f.kind == "dataloader_worker" and f.line == _line("# <-- waits"), str(report)
+    assert report.trace.loaders[0].photographed
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_the_same_lock_in_the_main_process_is_a_main_process_hang(engine):
     """num_workers=0: the dataset runs in the main process, and the hang is the main thread's."""
     _engine_or_skip(engine)

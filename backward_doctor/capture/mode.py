@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from torch._ops import HigherOrderOperator
+from torch._ops import HigherOrderOperator, OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -38,6 +38,6 @@ class _DoctorMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D401 - torch API
         __tracebackhide__ = True  # IPython hides frames that set this: the user's traceback stays theirs
-        if isinstance(func, HigherOrderOperator):
+        if type(func) is not OpOverload and isinstance(func, HigherOrderOperator):  # (aten ops: one `is`)
             return func(*args, **(kwargs or {}))
         return self._recorder.dispatch(func, args, kwargs or {})

@@ -94,7 +94,7 @@ class WorkerWatch:
         self._saved: dict[str, Any] = {}
         self._cls: Any = None
         self._reraised: tuple[int, str] | None = None
-        self._pid = os.getpid()
+        self._pid = os.getpid()  # (a forked worker undoing its copy is another process: it leaves the folder)
         self.loaders: list[LoaderRecord] = []
 
     # ---------------------------------------------------------------- install / remove
@@ -102,7 +102,6 @@ class WorkerWatch:
         from torch.utils.data import dataloader
 
         cls = dataloader._MultiProcessingDataLoaderIter
-        self._pid = os.getpid()
         undo.push("DataLoader workers", self.remove)
         self._cls = cls
         self._saved = {name: cls.__dict__.get(name, _MISSING) for name in _WRAPPED}

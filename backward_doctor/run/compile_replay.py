@@ -3,7 +3,7 @@ state (torch's accuracy minifier and compiler bisector are the model; nothing is
 
 Before a cell that uses ``torch.compile`` (a compiled module or function in the namespace, or
 ``compile(`` in the cell), :func:`plan` takes the rollback snapshot. After the run, when the compiled
-step went NaN/Inf (its loss, a gradient, a weight) or raised, :meth:`CompilePlan.check`:
+step went NaN/Inf (its loss, a gradient, a weight), diverged or raised, :meth:`CompilePlan.check`:
 
 1. keeps the state the run ended with, restores the snapshot and runs the same cell again under
    ``torch.compiler.set_stance("force_eager")`` (every compiled region runs its original Python: the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import types
 from typing import Any, Callable
 
 import torch
@@ -37,9 +38,11 @@ from .snapshot import Snapshot, take_if_it_fits
 _replaying = [False]  # the eager replay itself is not checked again
 
 
-def _is_compiled(value: Any) -> bool:
-    return isinstance(value, torch.nn.Module) and hasattr(value, "_orig_mod") and hasattr(value, "dynamo_ctx") \
-        or callable(value) and hasattr(value, "_torchdynamo_orig_callable")
+def _is_compiled(value: Any, compiled_module: type) -> bool:
+    """A module or function ``torch.compile`` returned (checked without attribute lookups that raise: this
+    runs before every step)."""
+    return isinstance(value, compiled_module) or \
+        isinstance(value, types.FunctionType) and "_torchdynamo_orig_callable" in value.__dict__
 
 
 def compiled_in(namespace: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -49,14 +52,17 @@ def compiled_in(namespace: dict[str, Any]) -> list[tuple[str, Any]]:
     >>> compiled_in({"f": torch.compile(lambda x: x)})[0][0]
     'f'
     """
+    from torch._dynamo.eval_frame import OptimizedModule
+
     found = []
     for name, value in list(namespace.items()):
         if name.startswith("_"):
             continue
-        if _is_compiled(value):
+        if _is_compiled(value, OptimizedModule):
             found.append((name, value))
         elif isinstance(value, torch.nn.Module):
-            found.extend((f"{name}.{child}", m) for child, m in value._modules.items() if _is_compiled(m))
+            found.extend((f"{name}.{child}", m) for child, m in value._modules.items()
+                         if _is_compiled(m, OptimizedModule))
     return found
 
 
@@ -77,7 +83,13 @@ def plan(source: str, namespace: dict[str, Any], rollback: bool, snapshot: Snaps
 
 def trouble(trace: Trace) -> str | None:
     """What makes a compiled step worth replaying eagerly: ``"nonfinite"`` (NaN/Inf reached the loss, a
-    gradient or a weight) or ``"exception"``; None for a step that ran fine, hung or was interrupted."""
+    gradient or a weight), ``"exception"``, or ``"diverged"`` (a loop whose loss ended over 10x both its
+    first and its lowest value); None for a step that ran fine, hung or was interrupted.
+
+    >>> from backward_doctor.trace.parts import Iterations
+    >>> trouble(Trace(iterations=Iterations(steps=6, loss=[1.0, 0.8, 0.9, 3.0, 20.0, 90.0])))
+    'diverged'
+    """
     if trace.timed_out or (trace.exception is not None and trace.exception.type == "KeyboardInterrupt"):
         return None
     if trace.exception is not None:
@@ -85,6 +97,9 @@ def trouble(trace: Trace) -> str | None:
     if trace.iterations.first_nonfinite is not None or any(trace.nonfinite_reached.values()) \
             or any(e.reached for e in trace.nonfinite) or trace.nonfinite_hint is not None:
         return "nonfinite"
+    losses = [v for v in trace.iterations.loss if v is not None]
+    if len(losses) >= 5 and losses[-1] > 10 * max(losses[0], min(losses), 1e-12):
+        return "diverged"
     return None
 
 
@@ -97,8 +112,11 @@ def _ending(trace: Trace, trigger: str) -> str:
         where = f" in iteration {its.first_nonfinite}'s {its.first_nonfinite_in}" if its.first_nonfinite is not None \
             else ""
         return f"went NaN/Inf{where}"
-    last = next((v for v in reversed(its.loss) if v is not None), None)
-    return ("stayed finite" if trigger == "nonfinite" else "ran without an error") + \
+    losses = [v for v in its.loss if v is not None]
+    if trouble(trace) == "diverged":
+        return f"diverged (loss {losses[0]:.4g} at first, {losses[-1]:.4g} at the end)"
+    last = losses[-1] if losses else None
+    return {"nonfinite": "stayed finite", "diverged": "did not diverge"}.get(trigger, "ran without an error") + \
         (f" (last loss {last:.6g})" if last is not None else "")
 
 
@@ -158,7 +176,11 @@ class CompilePlan:
         finally:
             _replaying[0] = False
             end.restore(self.namespace)
-        if why == "nonfinite" and eager.exception is None and eager.iterations.steps < first.iterations.steps:
+        if eager.timed_out or (eager.exception is not None and eager.exception.type == "KeyboardInterrupt"):
+            first.notes.append("torch.compile: the eager replay (to compare with the compiled step) was interrupted "
+                               "or timed out: no verdict on compiled vs eager")
+            return first
+        if why != "exception" and eager.exception is None and eager.iterations.steps < first.iterations.steps:
             first.notes.append(f"torch.compile: the step was replayed eagerly to compare, but the replay ran "
                                f"{eager.iterations.steps} optimizer steps where the compiled run ran "
                                f"{first.iterations.steps} (a trainer that keeps its progress between calls?): "
@@ -168,7 +190,7 @@ class CompilePlan:
         check = CompileCheck(trigger=why, eager_agrees=agrees, compiled=_ending(first, why), eager=_ending(eager, why))
         if agrees:
             return _from_eager(first, eager, check)
-        if why == "nonfinite":  # (an error only the compiled step raises is its own answer: nothing to bisect)
+        if why != "exception":  # (an error only the compiled step raises is its own answer: nothing to bisect)
             _bisect(check, compiled, calls.calls, first.cell_file)
         first.compile_check = check
         first.notes.append("torch.compile: the step was replayed eagerly from the state saved before it (the same "

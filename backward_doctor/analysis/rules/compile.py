@@ -38,9 +38,10 @@ def _fix(check, error: str) -> str:
 
 
 def compile_divergence(trace: Trace) -> list[Finding]:
-    """The compiled step went NaN/Inf where eager from the same state did not: where, and what to do."""
+    """The compiled step went NaN/Inf (or diverged) where eager from the same state did not: where, and what
+    to do."""
     check = trace.compile_check
-    if check is None or check.eager_agrees or check.trigger != "nonfinite":
+    if check is None or check.eager_agrees or check.trigger == "exception":
         return []
     return [_finding(trace, check)]
 
@@ -69,13 +70,13 @@ def _finding(trace: Trace, check) -> Finding:
                 "AOTAutograd) gives other gradients.")
         where = exc.where if exc is not None else Where()
     else:
-        msg += f" No single op was isolated: {check.why_not}." if check.why_not and check.trigger == "nonfinite" else ""
+        msg += f" No single op was isolated: {check.why_not}." if check.why_not and check.trigger != "exception" else ""
         where = exc.where if exc is not None else Where()
         if _DOUBLE_BACKWARD in error:  # the root cause: the gradient that is differentiated again
             line = next((k for k, text in enumerate(trace.source.splitlines(), 1) if "create_graph=True" in text), None)
             where = Where(line=line, cell_line=line) if line is not None else where
     msg += _fix(check, error)
-    title = "Compiled code differs from eager" if check.trigger == "nonfinite" else "Fails only when compiled"
+    title = "Fails only when compiled" if check.trigger == "exception" else "Compiled code differs from eager"
     return at("compile_divergence", where, msg, op=check.op or None, title=title,
               evidence={"eager_agrees": False, "compiled": check.compiled, "eager": check.eager,
                         "region": check.region, "op": check.op, "stage": check.stage, "dropped": check.dropped})
