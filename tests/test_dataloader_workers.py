@@ -223,17 +223,25 @@ def test_ctrl_c_on_a_stuck_worker_photographs_it_after_the_interrupt(engine):
 
     d = _datasets()
     lock, release = _held_lock()
-    timer = threading.Timer(3.0, _thread.interrupt_main)
+    done = threading.Event()
+
+    def press_stop() -> None:
+        """Ctrl-C once the loader's worker exists and the cell has waited on it for a while."""
+        while not multiprocessing.active_children() and not done.wait(0.05):
+            pass
+        if not done.wait(1.5):
+            _thread.interrupt_main()
+    presser = threading.Thread(target=press_stop, daemon=True)
     try:
         ns = {"torch": torch, "loader": _loader(d["Numbers"](lock=lock), num_workers=1)}
-        timer.start()
+        presser.start()
         report = bd.diagnose(LOOP, ns, engine=engine)
     finally:
-        timer.cancel()
+        done.set()
         release.set()
     f = report.findings[0]
     assert report.exception.startswith("KeyboardInterrupt") and not report.trace.timed_out
-    assert f.kind == "dataloader_worker" and f.line == _line("# <-- waits"), str(report)
+    assert f.kind == "dataloader_worker" and f.line == _line(d, "# <-- waits"), str(report)
     assert report.trace.loaders[0].photographed
 
 
