@@ -194,16 +194,22 @@ def _held_lock():
     return lock, release
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_worker_stuck_on_a_lock_copied_at_fork_is_named_in_the_worker(engine):
-    _engine_or_skip(engine)
+def _diagnose_on_held_lock(engine: str, num_workers: int, before=lambda: None, **kw):
+    """The loop over a dataset that takes a lock another thread holds: (the datasets' namespace, report)."""
     d = _datasets()
     lock, release = _held_lock()
     try:
-        ns = {"torch": torch, "loader": _loader(d["Numbers"](lock=lock), num_workers=1)}
-        report = bd.diagnose(LOOP, ns, engine=engine, timeout=3)
+        ns = {"torch": torch, "loader": _loader(d["Numbers"](lock=lock), num_workers=num_workers)}
+        before()
+        return d, bd.diagnose(LOOP, ns, engine=engine, **kw)
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_worker_stuck_on_a_lock_copied_at_fork_is_named_in_the_worker(engine):
+    _engine_or_skip(engine)
+    d, report = _diagnose_on_held_lock(engine, 1, timeout=3)
     f = report.findings[0]
     assert report.trace.timed_out
     assert f.kind == "dataloader_worker", str(report)
@@ -221,8 +227,6 @@ def test_ctrl_c_on_a_stuck_worker_photographs_it_after_the_interrupt(engine):
     _engine_or_skip(engine)
     import _thread
 
-    d = _datasets()
-    lock, release = _held_lock()
     done = threading.Event()
 
     def press_stop() -> None:
@@ -231,14 +235,10 @@ def test_ctrl_c_on_a_stuck_worker_photographs_it_after_the_interrupt(engine):
             pass
         if not done.wait(1.5):
             _thread.interrupt_main()
-    presser = threading.Thread(target=press_stop, daemon=True)
     try:
-        ns = {"torch": torch, "loader": _loader(d["Numbers"](lock=lock), num_workers=1)}
-        presser.start()
-        report = bd.diagnose(LOOP, ns, engine=engine)
+        d, report = _diagnose_on_held_lock(engine, 1, threading.Thread(target=press_stop, daemon=True).start)
     finally:
         done.set()
-        release.set()
     f = report.findings[0]
     assert report.exception.startswith("KeyboardInterrupt") and not report.trace.timed_out
     assert f.kind == "dataloader_worker" and f.line == _line(d, "# <-- waits"), str(report)
@@ -249,13 +249,7 @@ def test_ctrl_c_on_a_stuck_worker_photographs_it_after_the_interrupt(engine):
 def test_the_same_lock_in_the_main_process_is_a_main_process_hang(engine):
     """num_workers=0: the dataset runs in the main process, and the hang is the main thread's."""
     _engine_or_skip(engine)
-    d = _datasets()
-    lock, release = _held_lock()
-    try:
-        ns = {"torch": torch, "loader": _loader(d["Numbers"](lock=lock), num_workers=0)}
-        report = bd.diagnose(LOOP, ns, engine=engine, timeout=2)
-    finally:
-        release.set()
+    d, report = _diagnose_on_held_lock(engine, 0, timeout=2)
     f = report.findings[0]
     assert f.kind == "hang" and f.line == _line(d, "# <-- waits") and not report.trace.loaders
 
