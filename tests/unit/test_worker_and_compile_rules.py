@@ -58,3 +58,15 @@ def test_report_with_workers_and_compile_check_round_trips():
     again = Report.from_dict(report.to_dict())
     assert again.trace.loaders == trace.loaders and again.trace.compile_check == trace.compile_check
     assert "DataLoader workers: DataLoader(Images, num_workers=2)" in str(again)
+
+
+def test_waiting_on_a_worker_started_before_the_run_is_said_so():
+    from backward_doctor.trace.records import ThreadStack
+
+    main = ThreadStack("MainThread", 1, True, [FrameInfo("<cell>", 1, "<module>", in_cell=True, user=True),
+                                                FrameInfo("/x/torch/utils/data/dataloader.py", 1505, "_next_data"),
+                                                FrameInfo("/x/selectors.py", 415, "select")])
+    trace = Trace(source=FOR, timed_out=True, timeout_s=2, threads=[main],
+                  exception=ExceptionInfo("KeyboardInterrupt", "", where=Where(line=1, cell_line=1)))
+    f = analyze(trace)[0]
+    assert f.kind == "dataloader_worker" and f.line == 1 and "started before this run" in f.message

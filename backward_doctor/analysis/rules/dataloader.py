@@ -56,7 +56,20 @@ def dataloader_worker(trace: Trace) -> list[Finding]:
             _worker(trace, lambda w: w.state in ("fetching", "could not send"))
         if found:
             return [_stuck(trace, *found)]
+        if not trace.loaders:
+            return [_unwatched(trace)]
     return []
+
+
+def _unwatched(trace: Trace) -> Finding:
+    """The main process waits for a worker of a loader started before this run (a persistent one)."""
+    msg = ("The main process waits in the DataLoader for a worker's batch: the hang is in a worker, not here. "
+           "Its workers were started before this run (persistent workers of an earlier cell), so their stacks "
+           "were not taken. Run it again with a fresh iterator (`persistent_workers=False`, or a new "
+           "`DataLoader`) under the doctor to see the worker's line, or with `num_workers=0` to hang in the "
+           "main process, where the stack is yours.")
+    return at("dataloader_worker", _where(trace, None), msg, title="Waiting for a DataLoader worker",
+              evidence={"worker": None, "task": "", "state": "unwatched"})
 
 
 def _worker(trace: Trace, match) -> tuple[LoaderRecord, WorkerRecord] | None:
@@ -149,6 +162,9 @@ def _advice(w: WorkerRecord, frame: FrameInfo | None) -> str:
                 "torch.nn.utils.rnn.pad_sequence(xs, batch_first=True), torch.stack(ys)`, then "
                 "`DataLoader(..., collate_fn=pad_collate)` (a function defined at top level, so workers can "
                 "use it with any start method).")
+    if "found <class 'NoneType'>" in error:
+        return (" A sample of this batch is `None` (a record that failed to load, returned as `None`): skip it in "
+                "the dataset, or drop `None`s in a `collate_fn` before `default_collate`.")
     index = w.task.split("[", 1)[-1].split("]", 1)[0].split(",")[0] if w.task.startswith("dataset[") else ""
     return (" To step into it, load that sample in the main process: " + (f"`dataset[{index}]`" if index else
             "`DataLoader(..., num_workers=0)`") + " raises the same error with a normal traceback.")
