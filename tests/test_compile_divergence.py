@@ -262,3 +262,17 @@ def test_accelerate_loop_with_a_compiled_model(engine):
     report = bd.diagnose(ll.ACCEL_LOOP, ok, engine=engine, timeout=600)
     assert report.findings == [] and report.exception is None, str(report)
     _same_weights(plain, ok)
+
+
+def test_op_by_op_comparison_of_a_model_with_dropout_finds_nothing_and_keeps_the_rng():
+    """Dropout draws the same mask eagerly and compiled (the same seed, inductor's random ops as torch's), and
+    the comparison's draws do not touch the user's generator."""
+    from backward_doctor.capture.compile_graphs import backend_of, compare_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).train()
+    x = torch.randn(4, 8)
+    before = torch.get_rng_state()
+    result = compare_module(model, (x,), {}, backend_of(torch.compile(model, backend="aot_eager")))
+    assert result["op"] == "" and result["ops_compared"] > 0 and result["stage"] == "", result
+    assert torch.equal(before, torch.get_rng_state())

@@ -64,8 +64,28 @@ def compare_module(module: torch.nn.Module, args: tuple, kwargs: dict, backend: 
     ``state``: the weights and buffers it had at that call (default: its current ones). Returns plain
     data: ``op`` ('' when none differs), its ``line``/``file``/``function``/``code``, ``detail``,
     ``max_diff``, ``dropped`` (a custom op before it the compiler may drop), ``stage``, ``ops_compared``,
-    ``why_not``."""
-    frames = frames or UserFrames(cell_file="<cell>")
+    ``why_not``. The user's RNG is left as it was (every run here draws from a forked one, each from the same
+    seed, so dropout draws the same mask eagerly and compiled: inductor's own random numbers are switched
+    to torch's for it)."""
+    with torch.random.fork_rng(devices=[]), _torch_random():
+        return _compare(module, args, kwargs, backend, state, frames or UserFrames(cell_file="<cell>"))
+
+
+def _torch_random() -> Any:
+    """Inductor's ``fallback_random``: random ops run as torch's, so a seeded eager run and a compiled one draw
+    the same numbers (a no-op context where inductor is not there)."""
+    try:
+        from torch._inductor import config
+
+        return config.patch(fallback_random=True)
+    except Exception:  # noqa: BLE001
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _compare(module: torch.nn.Module, args: tuple, kwargs: dict, backend: Callable[..., Any],
+             state: dict[str, torch.Tensor] | None, frames: UserFrames) -> dict[str, Any]:
     state = state if state is not None else {**dict(module.named_parameters()), **dict(module.named_buffers())}
     names = list(state)
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -145,6 +165,7 @@ def _eager_values(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> dict[
                 values[n.name] = r.detach().clone()
             return r
 
+    torch.manual_seed(0)
     with torch.no_grad():
         _Keep(gm).run(*_clones(inputs))
     return values
@@ -161,6 +182,7 @@ def _compiled_values(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], input
     every.recompile()
     with torch.no_grad():
         fn = backend(every, _clones(inputs))
+        torch.manual_seed(0)
         result = fn(*_clones(inputs))
     return list(result) if isinstance(result, (list, tuple)) else [result]
 
@@ -218,6 +240,7 @@ def _backward_differs(gm: torch.fx.GraphModule, inputs: list[torch.Tensor], n_we
     """The region's weight gradients (for the sum of its outputs), compiled vs eager."""
     def grads(fn: Callable[..., Any]) -> list[torch.Tensor | None]:
         xs = [t.clone().requires_grad_(t.is_floating_point() and k < n_weights) for k, t in enumerate(inputs)]
+        torch.manual_seed(0)
         out = fn(*xs)
         outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
                 if isinstance(o, torch.Tensor) and o.requires_grad]
