@@ -189,7 +189,10 @@ def test_double_backward_through_a_compiled_module_fails_only_compiled(engine):
     f = report.findings[0]
     assert f.kind == "compile_divergence" and f.title == "Fails only when compiled", str(report)
     assert f.line == 3                                     # the gradient that is differentiated again
-    assert "double backward" in report.exception and "_orig_mod" in f.message
+    # AOTAutograd says "does not currently support double backward", or, where the compiled backward donates
+    # buffers (a compile cache warmed by another test), that it "requires create_graph=False"
+    assert ("double backward" in report.exception or "create_graph=False" in report.exception), report.exception
+    assert "_orig_mod" in f.message
     # The correct version: the penalty's forward through the original module.
     ns["critic"] = torch.compile(critic._orig_mod, backend="aot_eager")
     fixed = PENALTY.replace("out = critic(xi)", "out = critic._orig_mod(xi)")

@@ -15,7 +15,9 @@ from __future__ import annotations
 from ..findings import Finding, at
 from ...trace.records import Trace, Where
 
-_DOUBLE_BACKWARD = "does not currently support double backward"
+#: AOTAutograd's backward cannot itself be differentiated: said directly, or (with donated buffers, the default
+#: where the graph has some) as a backward that requires create_graph=False
+_DOUBLE_BACKWARD = ("does not currently support double backward", "requires create_graph=False")
 
 
 def _fix(check, error: str) -> str:
@@ -26,7 +28,7 @@ def _fix(check, error: str) -> str:
                 "and removes it, with its in-place writes. Declare what it mutates, e.g. "
                 "`@torch.library.custom_op(..., mutates_args={\"x\"})` (torch's docs: `mutates_args` must be "
                 "accurate, otherwise the behaviour is undefined).")
-    if _DOUBLE_BACKWARD in error:
+    if any(words in error for words in _DOUBLE_BACKWARD):
         return (" AOTAutograd compiles one backward and cannot differentiate it again: a gradient penalty (or any "
                 "`create_graph=True` gradient that is itself backpropagated) through a compiled module fails. "
                 "Run that part through the original module, e.g. `model._orig_mod(x_penalty)` for the penalty's "
@@ -72,7 +74,7 @@ def _finding(trace: Trace, check) -> Finding:
     else:
         msg += f" No single op was isolated: {check.why_not}." if check.why_not and check.trigger != "exception" else ""
         where = exc.where if exc is not None else Where()
-        if _DOUBLE_BACKWARD in error:  # the root cause: the gradient that is differentiated again
+        if any(words in error for words in _DOUBLE_BACKWARD):  # the root cause: the gradient differentiated again
             line = next((k for k, text in enumerate(trace.source.splitlines(), 1) if "create_graph=True" in text), None)
             where = Where(line=line, cell_line=line) if line is not None else where
     msg += _fix(check, error)
