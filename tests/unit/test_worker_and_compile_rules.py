@@ -65,6 +65,7 @@ def test_waiting_on_a_worker_started_before_the_run_is_said_so():
 
     main = ThreadStack("MainThread", 1, True, [FrameInfo("<cell>", 1, "<module>", in_cell=True, user=True),
                                                 FrameInfo("/x/torch/utils/data/dataloader.py", 1505, "_next_data"),
+                                                FrameInfo("/x/torch/utils/data/dataloader.py", 1464, "_get_data"),
                                                 FrameInfo("/x/selectors.py", 415, "select")])
     trace = Trace(source=FOR, timed_out=True, timeout_s=2, threads=[main],
                   exception=ExceptionInfo("KeyboardInterrupt", "", where=Where(line=1, cell_line=1)))

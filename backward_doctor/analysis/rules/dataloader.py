@@ -81,8 +81,8 @@ def _main_waits_on_loader(trace: Trace) -> bool:
     at the timeout, or the interrupt's traceback)."""
     frames = [f for s in trace.threads if s.is_main for f in s.frames]
     frames += trace.exception.frames if trace.exception is not None else []
-    return any(f.file.endswith("dataloader.py") and f.function in ("_next_data", "_get_data", "_try_get_data")
-               for f in frames)
+    # (`_get_data` is the multiprocessing iterator's: with num_workers=0 the main thread runs the dataset itself)
+    return any(f.file.endswith("dataloader.py") and f.function in ("_get_data", "_try_get_data") for f in frames)
 
 
 def _user_frame(frames: list[FrameInfo]) -> FrameInfo | None:
