@@ -63,6 +63,7 @@ def baseline() -> dict[str, Any]:
         "locks held": _held_locks(),
         "diagnosis marked running": getattr(sys.modules.get("backward_doctor.capture.process"), "_owner", None),
         "wrapped functions": _wrapped(),
+        "DataLoader iterator methods": _loader_iter_methods(),
     }
 
 
@@ -73,6 +74,14 @@ def _wrapped() -> tuple:
 
     return (torch.autograd.backward, torch.optim.Optimizer.zero_grad, nn.Module.zero_grad, GradScaler.scale,
             GradScaler.step, GradScaler.update, clip_grad._clip_grads_with_norm_)
+
+
+def _loader_iter_methods() -> tuple:
+    """The multiprocessing DataLoader iterator's own methods the worker watch wraps during a run."""
+    from torch.utils.data import dataloader
+
+    cls = dataloader._MultiProcessingDataLoaderIter
+    return tuple(cls.__dict__.get(name) for name in ("__init__", "_next_index", "_try_put_index"))
 
 
 def _held_locks() -> list[str]:

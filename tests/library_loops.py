@@ -148,7 +148,7 @@ def hf_args_kwargs(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5
 
 def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
                callbacks: list | None = None, args_source: str | None = None, eval_n: int = 0,
-               task: str = "classify", **args: Any) -> dict[str, Any]:
+               task: str = "classify", train_ds: Any = None, **args: Any) -> dict[str, Any]:
     """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier, or with
     ``task="lm"`` a tiny GPT-2 language model), ``model``, ``args``, ``train_ds``; run it with
     :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass named *trainer_name* (e.g. with its own
@@ -156,7 +156,8 @@ def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer
     to the ``Trainer``; *args* to :func:`hf_args`; *args_source*, when given, is the user's code that binds
     ``args`` (defined like a cell), from ``base_args``: those keyword arguments without the learning rate
     (``args = TrainingArguments(**base_args, learning_rate=5e5)``). *eval_n*: an ``eval_ds`` of that many
-    examples for the trainer to evaluate on (with ``eval_strategy`` in *args*)."""
+    examples for the trainer to evaluate on (with ``eval_strategy`` in *args*). *train_ds*: a dataset of your
+    own (``dataloader_num_workers=2`` in *args* for worker processes)."""
     tf = _transformers()
     ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
                           "TrainingArguments": tf.TrainingArguments}
@@ -169,7 +170,10 @@ def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer
         define(args_source, ns, name="training_args")
     else:
         ns["args"] = hf_args(**args)
-    ns["train_ds"] = LMDataset(n=n) if task == "lm" else TokenDataset(n=n)
+    if train_ds is not None:
+        ns["train_ds"] = train_ds
+    else:
+        ns["train_ds"] = LMDataset(n=n) if task == "lm" else TokenDataset(n=n)
     ns["eval_ds"] = TokenDataset(n=eval_n, seed=1) if eval_n else None
     ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"],
                        eval_dataset=ns["eval_ds"], callbacks=callbacks)
@@ -242,11 +246,13 @@ def lit_trainer(steps: int = 4, **extra: Any) -> Any:
     return pl.Trainer(**kw)
 
 
-def xy_loader(n: int = 64, d_in: int = 16, classes: int = 5, batch: int = 8, **extra: Any) -> Any:
-    """A DataLoader of ``n`` random (x, y) pairs, seeded, not shuffled unless *extra* says so."""
+def xy_loader(n: int = 64, d_in: int = 16, classes: int = 5, batch: int = 8, dataset: Any = None,
+              **extra: Any) -> Any:
+    """A DataLoader of ``n`` random (x, y) pairs, seeded, not shuffled unless *extra* says so (``num_workers=2``:
+    worker processes); *dataset*: one of your own instead."""
     g = torch.Generator().manual_seed(0)
     ds = torch.utils.data.TensorDataset(torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g))
-    return torch.utils.data.DataLoader(ds, batch_size=batch, **extra)
+    return torch.utils.data.DataLoader(ds if dataset is None else dataset, batch_size=batch, **extra)
 
 
 def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier", steps: int = 4,
@@ -266,12 +272,13 @@ def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier",
 
 # ----------------------------------------------------------------------------- Accelerate
 def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, prepare_optimizer: bool = True,
-                    dtype: torch.dtype | None = None, lr: float = 0.1,
-                    model: nn.Module | None = None) -> dict[str, Any]:
+                    dtype: torch.dtype | None = None, lr: float = 0.1, model: nn.Module | None = None,
+                    loader_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model`` (16 features in,
     5 classes out; a small MLP unless given), ``optimizer`` (SGD, *lr*) and ``loader`` it prepared; run it with
     :data:`ACCEL_LOOP` (or a cell of your own). ``prepare_optimizer=False`` leaves the optimizer out of
-    ``accelerator.prepare`` (a plain torch one); ``dtype`` casts the model (and the loader's inputs) first."""
+    ``accelerator.prepare`` (a plain torch one); ``dtype`` casts the model (and the loader's inputs) first;
+    *loader_kwargs* go to :func:`xy_loader`."""
     acc = pytest.importorskip("accelerate", reason="accelerate is a test dependency (pyproject [test])")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -280,7 +287,7 @@ def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8, prepare_optimiz
     GradientState._reset_state()
     torch.manual_seed(0)
     model = model if model is not None else nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
-    loader = xy_loader(n=n, batch=batch)
+    loader = xy_loader(n=n, batch=batch, **(loader_kwargs or {}))
     if dtype is not None:
         model = model.to(dtype)
         x, y = loader.dataset.tensors

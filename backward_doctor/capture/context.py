@@ -29,6 +29,7 @@ from torch.nn.modules import module as _nn_module
 
 from . import namespace as ns_mod
 from .compile_watch import CompileWatch
+from .worker_watch import WorkerWatch
 from .loop_hooks import LoopHooks
 from .process import complete, interrupts_deferred
 from .mode import _DoctorMode
@@ -66,6 +67,7 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
                          max_ops=max_ops, tail_ops=tail_ops, check_indices=check_indices, history=history,
                          detail=detail, cuda_history=cuda_history)
         self._compile_watch = CompileWatch(self._compile_started, self._compile_ended)
+        self._workers = WorkerWatch(self)
         self._mode: _DoctorMode | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -128,6 +130,7 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         self._add_global_hooks()
         self._undo.push("compile callbacks", self._compile_watch.remove)
         self._compile_watch.install()
+        self._workers.install(self._undo)
         self._watch = self._make_watch()
         self._watch_backward()
         self._find_library_loop()
@@ -361,6 +364,14 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
                 self._where_stacks.append((w, self._stack_key))
         return got
 
+    def photograph_workers(self, exc: BaseException | None = None) -> None:
+        """A hang: the stacks of the DataLoader workers started in the run, before the main thread is
+        interrupted (the watchdog), or after a Ctrl-C or a loader's own timeout ended it (``exc``)."""
+        if exc is None:
+            self._workers.photograph()
+        else:
+            self._workers.after_run(exc)
+
     # ---------------------------------------------------------------- results
     def record_exception(self, exc: BaseException) -> None:
         """Turn the cell's exception into text and evidence (keeps no frame or tensor)."""
@@ -370,7 +381,8 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         # (stopped inside a loop: the iteration that was running, the first one included)
         self._note_loop_values(self.trace.iterations.steps)
         if self.rollback is not None and self._asleep and isinstance(exc, Exception) \
-                and not self.trace.timed_out and "out of memory" not in str(exc).lower():
+                and not self.trace.timed_out and "out of memory" not in str(exc).lower() \
+                and "DataLoader worker" not in str(exc):  # (the loader's next batch: not the body's to replay)
             # An error in an iteration the recorder did not record: that iteration can be replayed
             # (its weights are still those it began with unless its optimizer step already ran).
             self.rollback.went_wrong(self.trace.iterations.steps)

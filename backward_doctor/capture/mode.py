@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from torch._ops import HigherOrderOperator, OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -29,6 +30,14 @@ class _DoctorMode(TorchDispatchMode):
         (False would make dynamo fall back to eager under the mode: other kernels, other results.)"""
         return True
 
+    #: Higher-order operators (``auto_functionalized_v2``: a compiled graph calling a custom op that mutates
+    #: its input) come here too, rather than failing with "no rule registered for HigherOrderOperator":
+    #: they run as they would without the doctor (torch has popped this mode for the call), unrecorded,
+    #: like the compiled code around them.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D401 - torch API
         __tracebackhide__ = True  # IPython hides frames that set this: the user's traceback stays theirs
+        if type(func) is not OpOverload and isinstance(func, HigherOrderOperator):  # (aten ops: one `is`)
+            return func(*args, **(kwargs or {}))
         return self._recorder.dispatch(func, args, kwargs or {})

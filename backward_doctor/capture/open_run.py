@@ -66,6 +66,8 @@ class OpenRun:
         """Disarm, uninstall, and make the trace (``exc``: how the watched code ended, None when it did not
         raise)."""
         self._watchdog.disarm()
+        if exc is not None and not self._watchdog.fired:  # DataLoader workers' state, while still installed
+            self.capture.photograph_workers(exc)
         with interrupts_deferred():
             self._uninstall()
         return traced(self.capture, self._watchdog, exc)

@@ -157,10 +157,13 @@ class UndoStack:
     def __len__(self) -> int:
         return len(self._steps)
 
-    def undo_all(self) -> None:
-        """Run every step (newest first); a step that fails is recorded in ``errors`` and the rest run."""
+    def undo_all(self, skip: tuple[str, ...] = ()) -> None:
+        """Run every step (newest first); a step that fails is recorded in ``errors`` and the rest run.
+        ``skip``: names of steps dropped without running (a forked child undoing its copy: ``worker_side.py``)."""
         while self._steps:
             name, undo = self._steps.pop()
+            if name in skip:
+                continue
             try:
                 undo()
             except Exception as exc:  # noqa: BLE001 - the other steps must still run

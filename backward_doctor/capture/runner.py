@@ -35,9 +35,11 @@ class Watchdog:
     a long run that keeps stepping is not a hang, one that stops stepping for ``timeout`` seconds is."""
 
     def __init__(self, timeout: float | None, frames: UserFrames,
-                 progress: Callable[[], int] | None = None) -> None:
+                 progress: Callable[[], int] | None = None,
+                 before_interrupt: Callable[[], None] | None = None) -> None:
         self.timeout = timeout
         self.progress = progress
+        self._before_interrupt = before_interrupt  # more photographs (DataLoader workers' stacks)
         self.fired = False
         self.stacks: list = []
         self._frames = frames
@@ -90,6 +92,8 @@ class Watchdog:
                 return
             self.stacks = self._frames.thread_stacks()
             self.fired = True
+            if self._before_interrupt is not None:
+                self._before_interrupt()
             self._interrupt()
         # A KeyboardInterrupt can be swallowed (raised inside a weakref callback or a `__del__`,
         # or by a bare `except:` in the user's loop): keep interrupting until the run ends.
@@ -205,7 +209,8 @@ def watchdog_for(capture: Capture, timeout: float | None, stall: bool = False) -
     """The watchdog of ``capture``'s run; with ``stall`` it counts time from the run's latest optimizer step."""
     its = capture.trace.iterations
     capture.trace.timeout_stall = bool(stall and timeout is not None)
-    return Watchdog(timeout, capture._frames, progress=(lambda: its.steps) if stall else None)
+    return Watchdog(timeout, capture._frames, progress=(lambda: its.steps) if stall else None,
+                    before_interrupt=capture.photograph_workers)
 
 
 def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture, watchdog: Watchdog) -> Trace:
@@ -215,6 +220,8 @@ def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture
         with capture:
             with watchdog:
                 exc = _run_disarmed_after(run, watchdog)
+            if exc is not None and not watchdog.fired:
+                capture.photograph_workers(exc)
     except KeyboardInterrupt as e:  # the interrupt landed after the cell ended
         exc = exc or e
     return traced(capture, watchdog, exc)

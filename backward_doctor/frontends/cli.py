@@ -156,8 +156,14 @@ def _distributed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
 def _exit_with_report(real_exit: Callable[[int], Any], args: argparse.Namespace) -> Callable[[int], Any]:
     """``os._exit`` for the script's run: it ends the process at once, so first the report of the run
-    as far as it went (the capture stopped, the exit as its exception), then the real exit."""
+    as far as it went (the capture stopped, the exit as its exception), then the real exit. A process
+    forked during the run (a DataLoader worker, ``multiprocessing``) inherits this function and ends with
+    ``os._exit`` as its normal exit: there it is the real exit, and no report (the run is the parent's)."""
+    parent = os.getpid()
+
     def _exit(code: int = 0) -> Any:
+        if os.getpid() != parent:
+            real_exit(code)
         os._exit = real_exit
         try:
             from ..api import build_report

@@ -20,6 +20,7 @@ from ..report.places import line_label
 from ..trace.records import CATEGORIES, TensorMeta, Trace
 from ..util.units import format_bytes, format_us
 from .style import CATEGORY_LABELS, COLORS, esc, sev_color
+from .workers import workers_html
 from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, hang_threads, offending_record, op_rows,
                    phase_counts, source_context, tensor_bytes, used_parameters, verdict_parts)
 from .wording import finding_title, fix_failed, fix_next_step, frame_label, kind_words
@@ -240,6 +241,8 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
         out.append(f'<div class="sub">Predicted peak (lower bound): {"".join(cells)}</div>')
     if f.kind == "hang" and tr.threads:
         out.append(_threads_html(tr, places))
+    if f.kind == "dataloader_worker" and tr.loaders:
+        out.append(workers_html(tr, places))
     out.append("</div>")
     return "".join(out)
 

@@ -15,6 +15,7 @@ from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
 from ..report.places import line_label
 from .view import hang_threads, phase_counts
+from .workers import worker_lines
 from .wording import finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words
 
 if TYPE_CHECKING:
@@ -105,6 +106,9 @@ def render_text(report: "Report") -> str:
         if folded:
             out.extend(_wrap(f"({len(folded)} more threads of the kernel and libraries, idle, never ran your "
                              f"code: {', '.join(folded)})", "  "))
+    if tr.loaders and any(f.kind == "dataloader_worker" for f in report.findings):
+        out.append("")
+        out.extend(worker_lines(tr, report.places))
     for note in tr.notes:
         out.append(f"  note: {note}")
     if report.fix_result is not None:

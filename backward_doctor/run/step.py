@@ -24,6 +24,7 @@ from ..report.places import Namer, name_places
 from ..trace import Trace
 from .. import native
 from .iteration_replay import IterationRollback, replay_iteration
+from . import compile_replay
 from .engine import choose_engine, python_tier_reason, replay_in_detail, screens_every_op, snapshot_for, wants_replay
 
 _last: list[Report | None] = [None]
@@ -108,6 +109,8 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     if detail is None:  # one run, every op screened where that is cheap: no replay, no snapshot (engine.py)
         detail = screens_every_op()
     snapshot = snapshot_for(source, namespace) if rollback and not detail else None
+    # torch.compile: a compiled step that goes NaN/Inf or raises is replayed eagerly from this state (compile_replay.py)
+    compile_plan = compile_replay.plan(source, namespace, rollback, snapshot)
     past = history_for(source, namespace) if history else None
     # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone.
     sampled = rollback and detail and chosen == "native" and not every_iteration and memory_limit is None
@@ -124,7 +127,12 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
         trace = run_under_capture(execute, capture, timeout, stall)
     if iteration_rollback is not None and iteration_rollback.iteration is not None:
         trace = replay_iteration(trace, iteration_rollback, namespace, timeout=timeout, engine=chosen)
-    if wants_replay(trace, snapshot):
+    if compile_plan is not None:
+        trace = compile_plan.check(trace, lambda: run_step(
+            source, namespace, timeout=timeout, memory_limit=memory_limit, engine=chosen, cell_file=trace.cell_file,
+            build=False, history=False, detail=True, every_iteration=every_iteration).trace)
+        del compile_plan
+    if trace.compile_check is None and wants_replay(trace, snapshot):  # (the eager replay screened every op)
         # NaN/Inf seen: replay the step from the saved state with every op checked. The namespace
         # ends as a plain run leaves it (the replay recomputes the same step).
         trace = replay_in_detail(trace, source, namespace, snapshot, timeout=timeout, memory_limit=memory_limit)

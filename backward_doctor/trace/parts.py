@@ -95,6 +95,30 @@ class Compilation:
 
 
 @dataclass
+class CompileCheck:
+    """A step that used ``torch.compile`` and went NaN/Inf or raised, replayed eagerly from the same state
+    (``run/compile_replay.py``): whether eager agrees and, where it does not, the first op whose result
+    differs in the compiled region (``capture/compile_graphs.py``)."""
+
+    trigger: str                    # what the compiled step did: "nonfinite", "diverged" or "exception"
+    eager_agrees: bool
+    compiled: str = ""              # how the compiled step ended: "NaN/Inf in the loss", "RuntimeError: ..."
+    eager: str = ""                 # how the eager replay ended
+    region: str = ""                # the compiled region compared op by op: "model (Net.forward, backend aot_eager)"
+    op: str = ""                    # the first op whose result differs ('' none isolated)
+    line: int | None = None         # its user line (file None: the cell)
+    file: str | None = None
+    function: str = ""
+    code: str = ""
+    detail: str = ""                # the two results there: "compiled: 2 of 6 values NaN/Inf; eager: 0"
+    max_diff: float | None = None
+    stage: str = ""                 # where it differs: "forward", "backward", '' unknown
+    dropped: str = ""               # a custom op before it that a compiler drops (no result, no declared mutation)
+    ops_compared: int = 0
+    why_not: str = ""               # why no op was isolated
+
+
+@dataclass
 class NonFiniteScalar:
     """First tier: a forward op whose scalar output was NaN/Inf (its line, not yet its origin)."""
 

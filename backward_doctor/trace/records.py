@@ -16,8 +16,8 @@ from typing import Any
 from ..util.serde import from_dict, to_dict
 from .accumulation import Accumulation
 from .precision import Precision
-from .parts import (Carrier, Compilation, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
-                    OptimizerSummary, ParameterTotals, RunHistory, StaleStep, StorageEvents)
+from .parts import (Carrier, Compilation, CompileCheck, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo,
+                    OptimizerStep, OptimizerSummary, ParameterTotals, RunHistory, StaleStep, StorageEvents)
 
 #: Memory categories, in the order they are stacked in reports and plots.
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -192,6 +192,34 @@ class ThreadStack:
 
 
 @dataclass
+class WorkerRecord:
+    """One DataLoader worker process as the main process saw it when something went wrong
+    (``capture/worker_watch.py``): what it was doing, its stack, its error."""
+
+    worker: int                    # the worker's id in its DataLoader (0 .. num_workers-1)
+    pid: int = 0
+    state: str = ""                # "fetching", "idle", "raised", "could not send", "exited", "crashed", "no answer"
+    task: str = ""                 # what it was loading: "dataset[5]", "batch [4, 5, 6, 7]"
+    frames: list[FrameInfo] = field(default_factory=list)  # its stack (outermost first): photographed or at its error
+    error: str = ""                # its own error, "ValueError: bad sample 5"
+    exitcode: int | None = None    # how it ended, for a worker that is gone (negative: killed by that signal)
+    made_at: list[FrameInfo] = field(default_factory=list)  # where a tensor requiring grad it held was made
+    waited_on: bool = False        # the main process was waiting for this worker's batch
+
+
+@dataclass
+class LoaderRecord:
+    """A DataLoader whose workers were started during the run and did not simply deliver their batches."""
+
+    loader: str                    # "DataLoader(Tokens, batch_size=4, num_workers=2, persistent_workers=True)"
+    dataset: str = ""              # the dataset's class (``Tokens``)
+    num_workers: int = 0
+    context: str = ""              # how workers start: "fork", "spawn", "forkserver"
+    workers: list[WorkerRecord] = field(default_factory=list)
+    photographed: bool = False     # the workers' stacks were taken (a hang: on the timeout or Ctrl-C)
+
+
+@dataclass
 class ExceptionInfo:
     """The cell's exception, as text plus the frames it went through."""
 
@@ -268,6 +296,10 @@ class Trace:
     accumulation: Accumulation = field(default_factory=Accumulation)
     #: gradient clipping against the GradScaler's state, its skipped steps, low-precision weight updates
     precision: Precision = field(default_factory=Precision)
+    #: DataLoaders whose worker processes raised, died or were waited on in a hang (``capture/worker_watch.py``)
+    loaders: list[LoaderRecord] = field(default_factory=list)
+    #: a compiled step that went NaN/Inf or raised, replayed eagerly (``run/compile_replay.py``)
+    compile_check: CompileCheck | None = None
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

@@ -14,6 +14,8 @@ from .accumulation import grad_accumulation
 from .amp import amp_crossing, amp_misuse
 from ...trace.records import Trace
 from .autograd import backward_twice, inplace, no_grad_path
+from .compile import compile_divergence, compile_failure, compiled_first
+from .dataloader import dataloader_worker
 from .evaluation import eval_without_no_grad
 from .failures import generic_exception, index_out_of_range, mismatch
 from .functions import invalid_gradient
@@ -28,11 +30,12 @@ from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param,
 Rule = Callable[[Trace], list[Finding]]
 
 #: Rules that explain the cell's exception; the first that answers wins.
-EXCEPTION_RULES: list[Rule] = [hang, eval_without_no_grad, oom, inplace, backward_twice, left_frozen, no_grad_path,
-                               invalid_gradient, index_out_of_range, amp_crossing, mismatch]
+EXCEPTION_RULES: list[Rule] = [dataloader_worker, compile_failure, hang, eval_without_no_grad, oom, inplace,
+                               backward_twice, left_frozen, no_grad_path, invalid_gradient, index_out_of_range,
+                               amp_crossing, mismatch]
 #: Rules that look at the whole run, whether or not it raised.
-RUN_RULES: list[Rule] = [nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped, nonleaf_param, grad_accumulation,
-                         amp_misuse]
+RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped,
+                         nonleaf_param, grad_accumulation, amp_misuse]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast]
 
@@ -64,4 +67,4 @@ def analyze(trace: Trace) -> list[Finding]:
         oom_f.fixes = []
         oom_f.severity = "warning"
         oom_f.iteration = trace.iterations.steps  # the iteration that was running when it ran out
-    return place_in_loops(trace, findings)
+    return place_in_loops(trace, compiled_first(findings))

@@ -1,0 +1,354 @@
+"""DataLoader workers started during a run, seen from the main process (the worker's side: ``worker_side.py``).
+
+While the run lasts, ``_MultiProcessingDataLoaderIter`` (the iterator of a DataLoader with
+``num_workers > 0``) is wrapped at class level, and put back exactly on exit:
+
+- ``__init__`` gives the workers it starts :class:`~.worker_side.WorkerInit` as their ``worker_init_fn``
+  (the user's own runs inside it, unchanged; the loader and the iterator keep the user's), and
+  remembers the iterator weakly;
+- ``_next_index``/``_try_put_index`` note which indices went to which worker as which task (the
+  worker processes its tasks in order, so the oldest one it has not delivered is the one it is on).
+
+Nothing else runs, and nothing at all for a loop without worker processes. When the run is stuck (the
+watchdog's timeout, a Ctrl-C, the loader's own ``timeout=``), :meth:`WorkerWatch.photograph` asks every
+live worker for its stacks (``SIGUSR2``: faulthandler in the worker writes them to a file in the run's
+folder) before the main process is interrupted and tears the workers down. After the run the folder is
+read (the workers' own error records, crash stacks) and removed, and what went wrong becomes
+``trace.loaders`` (:class:`~backward_doctor.trace.records.LoaderRecord`).
+
+>>> watch = WorkerWatch(None)
+>>> watch.photograph()  # no worker started: nothing to do
+>>> watch.loaders
+[]
+"""
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from typing import Any
+
+from ..trace.records import FrameInfo, LoaderRecord, WorkerRecord
+from .code_names import CodeNames
+from .worker_side import DUMP_SIGNAL, WorkerInit, dump_path, error_path
+
+_WRAPPED = ("__init__", "_next_index", "_try_put_index")
+_MISSING = object()
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+_PHOTO_WAIT_S = 2.0
+#: how torch re-raises a worker's error in the main process (``ExceptionWrapper.reraise``)
+_RERAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)\.\s*\nOriginal (Traceback.*)", re.S)
+_TB_FRAME = re.compile(r'^  File "(.*)", line (\d+), in (.*)$', re.M)
+
+
+class _Watched:
+    """What is remembered of one iterator: a weak reference, its description, the tasks it sent."""
+
+    def __init__(self, it: Any, loader: Any) -> None:
+        self.ref = weakref.ref(it)
+        ds = getattr(loader, "dataset", None)
+        self.dataset = type(ds).__qualname__ if ds is not None else ""
+        self.num_workers = int(getattr(loader, "num_workers", 0))
+        ctx = getattr(loader, "multiprocessing_context", None)
+        self.context = ctx.get_start_method() if ctx is not None and hasattr(ctx, "get_start_method") else \
+            _default_context()
+        kw = [f"batch_size={loader.batch_size}"] if getattr(loader, "batch_size", None) is not None else []
+        kw.append(f"num_workers={self.num_workers}")
+        kw.extend(f"{name}=True" for name in ("persistent_workers", "pin_memory") if getattr(loader, name, False))
+        if ctx is not None:
+            kw.append(f"multiprocessing_context={self.context!r}")
+        self.loader = f"{type(loader).__name__}({self.dataset}, {', '.join(kw)})"
+        self.pids: list[int] = []
+        self.sent: dict[int, tuple[int, Any]] = {}  # task -> (worker, indices)
+        self.names = CodeNames([ds, getattr(loader, "collate_fn", None), getattr(loader, "worker_init_fn", None)])
+        self.photos: dict[int, list[tuple[str, int, str]]] = {}  # worker -> its stack, innermost first
+        self.doing: dict[int, Any] = {}  # worker -> the indices of the oldest task it had not delivered
+        self.waiting: int | None = None   # the worker the main process waited for when photographed
+
+    def started(self, it: Any) -> None:
+        self.pids = [w.pid for w in it._workers]
+
+
+def _default_context() -> str:
+    import multiprocessing
+
+    return multiprocessing.get_start_method(allow_none=True) or "fork"
+
+
+class WorkerWatch:
+    """See the module doc. ``capture``: the run's :class:`~backward_doctor.capture.context.Capture` (its
+    frames classify the workers' frames; a forked worker undoes its copy of it)."""
+
+    def __init__(self, capture: Any) -> None:
+        self._capture = capture
+        self._folder: str | None = None
+        self._watched: list[_Watched] = []
+        self._by_iter: "weakref.WeakKeyDictionary[Any, _Watched]" = weakref.WeakKeyDictionary()
+        self._last: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self._saved: dict[str, Any] = {}
+        self._cls: Any = None
+        self._reraised: tuple[int, str] | None = None
+        self._pid = os.getpid()  # (a forked worker undoing its copy is another process: it leaves the folder)
+        self.loaders: list[LoaderRecord] = []
+
+    # ---------------------------------------------------------------- install / remove
+    def install(self, undo: Any) -> None:
+        from torch.utils.data import dataloader
+
+        cls = dataloader._MultiProcessingDataLoaderIter
+        undo.push("DataLoader workers", self.remove)
+        self._cls = cls
+        self._saved = {name: cls.__dict__.get(name, _MISSING) for name in _WRAPPED}
+        init, next_index, put = (getattr(cls, name) for name in _WRAPPED)
+        watch = self
+
+        def __init__(it: Any, loader: Any) -> None:
+            user_fn = loader.worker_init_fn
+            wrapper = WorkerInit(user_fn, watch._folder_now(), watch._capture)
+            try:
+                loader.worker_init_fn = wrapper
+            except Exception:  # noqa: BLE001 - a loader that refuses: its workers run unwatched
+                return init(it, loader)
+            seen = watch._by_iter[it] = _Watched(it, loader)  # (before: __init__ sends the first tasks)
+            try:
+                init(it, loader)
+            finally:
+                loader.worker_init_fn = user_fn
+            if it._worker_init_fn is wrapper:
+                it._worker_init_fn = user_fn
+            seen.started(it)
+            watch._watched.append(seen)
+
+        def _next_index(it: Any) -> Any:
+            index = next_index(it)
+            watch._last[it] = index
+            return index
+
+        def _try_put_index(it: Any) -> None:
+            before = it._send_idx
+            put(it)
+            seen = watch._by_iter.get(it)
+            if seen is not None and it._send_idx != before:
+                seen.sent[before] = (it._task_info[before][0], watch._last.pop(it, None))
+                for old in [k for k in seen.sent if k < it._rcvd_idx - 1]:
+                    del seen.sent[old]
+
+        for name, fn in zip(_WRAPPED, (__init__, _next_index, _try_put_index)):
+            setattr(cls, name, fn)
+
+    def remove(self) -> None:
+        """Put the iterator's methods back; read what the workers left, then remove the run's folder."""
+        cls, self._cls = self._cls, None
+        if cls is not None:
+            for name, old in self._saved.items():
+                if old is _MISSING:
+                    if name in cls.__dict__:
+                        delattr(cls, name)
+                else:
+                    setattr(cls, name, old)
+        folder, self._folder = self._folder, None
+        if os.getpid() != self._pid:  # a forked worker undoing its copy: the folder is the run's
+            return
+        try:
+            if folder is not None:
+                self.loaders = [rec for w in self._watched for rec in [self._record(w, folder)] if rec is not None]
+            self._add_reraised()
+            if self.loaders and self._capture is not None:
+                self._capture.trace.loaders = self.loaders
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def _folder_now(self) -> str:
+        if self._folder is None:
+            self._folder = tempfile.mkdtemp(prefix="backward_doctor-workers-")
+        return self._folder
+
+    # ---------------------------------------------------------------- a stuck run
+    def photograph(self) -> None:
+        """Every live worker's stacks now (from the watchdog's thread, or after an interrupt), and which
+        task each was on; safe to call twice (the second does nothing)."""
+        folder = self._folder
+        if folder is None:
+            return
+        asked = []
+        for seen in self._watched:
+            it = seen.ref()
+            if it is None or seen.photos or getattr(it, "_shutdown", True):
+                continue
+            try:
+                tasks = dict(it._task_info)
+                waiting = tasks.get(it._rcvd_idx)
+                seen.waiting = waiting[0] if waiting is not None and len(waiting) == 1 else None
+                for task in sorted(tasks):
+                    if len(tasks[task]) == 1 and tasks[task][0] not in seen.doing:
+                        seen.doing[tasks[task][0]] = seen.sent.get(task, (None, None))[1]
+                workers = list(enumerate(it._workers))
+            except Exception:  # noqa: BLE001 - torch's private state changed shape: stacks only
+                workers = []
+            for wid, proc in workers:
+                path = dump_path(folder, proc.pid)
+                if proc.exitcode is None and os.path.exists(path) and os.path.getsize(path):  # (its handler is in)
+                    size = os.path.getsize(path)
+                    try:
+                        os.kill(proc.pid, DUMP_SIGNAL)
+                    except OSError:
+                        continue
+                    asked.append((seen, wid, path, size))
+        deadline = time.monotonic() + _PHOTO_WAIT_S
+        pending = list(asked)
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+            pending = [a for a in pending if os.path.getsize(a[2]) <= a[3]]
+        time.sleep(0.02 if asked else 0)  # a dump still being written: its last lines
+        for seen, wid, path, size in asked:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                fh.seek(size)
+                seen.photos[wid] = _worker_stack(fh.read())
+
+    def after_run(self, exc: BaseException | None) -> None:
+        """The run ended with ``exc``: a Ctrl-C or the loader's own timeout is a hang the watchdog did not
+        photograph; the workers are still alive here (the iterator is referenced by the traceback)."""
+        if exc is None:
+            return
+        if isinstance(exc, KeyboardInterrupt) or "DataLoader timed out" in str(exc):
+            self.photograph()
+        m = _RERAISED.match(str(exc))
+        if m:
+            self._reraised = (int(m.group(2)), m.group(3))
+
+    def _add_reraised(self) -> None:
+        """A worker's error re-raised in the main process, from a loader whose workers were not watched
+        (started before this run): its worker, error and frames read from the message torch formats."""
+        if self._reraised is None:
+            return
+        worker, text = self._reraised
+        if any(w.worker == worker and w.state == "raised" for rec in self.loaders for w in rec.workers):
+            return
+        rows = [(m.group(1), int(m.group(2)), m.group(3)) for m in _TB_FRAME.finditer(text)]
+        last = [ln for ln in text.strip().splitlines() if ln and not ln.startswith(" ")]
+        rec = WorkerRecord(worker=worker, state="raised", error=last[-1] if last else "")
+        rec.frames = self._frames(CodeNames([]), rows)
+        self.loaders.append(LoaderRecord(loader="a DataLoader whose workers were started before this run",
+                                         workers=[rec]))
+
+    # ---------------------------------------------------------------- records
+    def _record(self, seen: _Watched, folder: str) -> LoaderRecord | None:
+        it = seen.ref()
+        procs = list(it._workers) if it is not None and hasattr(it, "_workers") else []
+        workers: dict[int, WorkerRecord] = {}
+        for wid, pid in enumerate(seen.pids):
+            rec = WorkerRecord(worker=wid, pid=pid)
+            code = procs[wid].exitcode if wid < len(procs) else None
+            if wid in seen.photos:
+                stack = seen.photos[wid]
+                rec.frames = self._frames(seen.names, [(f, ln, fn) for f, ln, fn in reversed(stack)])
+                rec.state = "fetching" if _fetching(stack) else "idle"
+                rec.task = _task(seen.doing.get(wid))
+                rec.waited_on = seen.waiting == wid
+                workers[wid] = rec
+            crash = _crash(dump_path(folder, pid))
+            if crash is not None:
+                rec.state, rec.frames, rec.exitcode = "crashed", self._frames(seen.names, list(reversed(crash))), code
+                workers[wid] = rec
+            elif code not in (None, 0, -signal.SIGTERM) and not seen.photos:  # (SIGTERM: torch's own shutdown)
+                rec.state, rec.exitcode = "exited", code
+                rec.task = rec.task or _task(next((ix for w, ix in seen.sent.values() if w == wid), None))
+                workers[wid] = rec
+            for err in _errors(error_path(folder, pid))[:1]:  # its first: the task the main process reached first
+                rec.state = "could not send" if err.get("kind") == "send" else "raised"
+                rec.error = err.get("error", "")
+                rec.task = _task(err.get("index") if err.get("index") is not None else err.get("indices")) or \
+                    rec.task or _task(seen.sent.get(err.get("task"), (None, None))[1])
+                if err.get("frames"):
+                    rec.frames = self._frames(seen.names, [tuple(f) for f in err["frames"]])
+                rec.made_at = self._frames(seen.names, [tuple(f[:3]) for f in err.get("made_at") or [] if f[0]])
+                workers[wid] = rec
+        if not workers:
+            return None
+        return LoaderRecord(loader=seen.loader, dataset=seen.dataset, num_workers=seen.num_workers,
+                            context=seen.context, workers=[workers[k] for k in sorted(workers)],
+                            photographed=bool(seen.photos))
+
+    def _frames(self, names: CodeNames, rows: list[tuple]) -> list[FrameInfo]:
+        """(file, line, function) rows, outermost first, as the capture's frame records (``names``: the user's
+        functions' class-qualified names); a forked worker's
+        stack starts where its process did (the frames above are the parent's, copied by the fork)."""
+        frames = getattr(self._capture, "_frames", None)
+        start = [i for i, (file, _, fn) in enumerate(rows) if fn.endswith("_bootstrap") and
+                 file.endswith(os.path.join("multiprocessing", "process.py"))]
+        rows = rows[start[-1] + 1:] if start else rows
+        out = []
+        for file, line, fn in rows:
+            name = names.qualname(file, fn, int(line)) if "." not in fn else fn
+            code = linecache.getline(file, int(line)).strip()
+            if frames is not None:
+                out.append(frames.frame_info(file, int(line), name, code))
+            else:
+                out.append(FrameInfo(file=file, line=int(line), function=name, code=code))
+        return out
+
+
+def _worker_stack(text: str) -> list[tuple[str, int, str]]:
+    """The worker's main thread in a faulthandler dump (the one running torch's worker loop), innermost
+    first; the thread that took the signal when none is."""
+    stacks: list[tuple[bool, list[tuple[str, int, str]]]] = []
+    for line in text.splitlines():
+        head = _THREAD.match(line)
+        if head:
+            stacks.append((head.group(1) == "Current thread", []))
+            continue
+        m = _FRAME.match(line)
+        if m and stacks:
+            stacks[-1][1].append((m.group(1), int(m.group(2)), m.group(3)))
+    for _, frames in stacks:
+        if any(fn == "_worker_loop" for _, _, fn in frames):
+            return frames
+    return next((frames for current, frames in stacks if current), stacks[0][1] if stacks else [])
+
+
+def _fetching(stack: list[tuple[str, int, str]]) -> bool:
+    """Inside a fetch (the dataset, the sampler's indices, collate), not waiting for its next task."""
+    return any(fn == "fetch" and "fetch.py" in file for file, _, fn in stack)
+
+
+def _crash(path: str) -> list[tuple[str, int, str]] | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    at = text.find("Fatal Python error")
+    return _worker_stack(text[at:]) if at >= 0 else None
+
+
+def _errors(path: str) -> list[dict[str, Any]]:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def _task(indices: Any) -> str:
+    """``dataset[5]`` or ``batch [4, 5, 6, 7]`` ('' unknown; an IterableDataset has no indices)."""
+    if indices is None:
+        return ""
+    if isinstance(indices, int):
+        return f"dataset[{indices}]"
+    if isinstance(indices, (list, tuple)):
+        if all(i is None for i in indices):
+            return "the next batch of the IterableDataset"
+        return f"dataset[{indices[0]}]" if len(indices) == 1 else "batch [" + ", ".join(map(str, indices)) + "]"
+    return f"dataset[{indices!r}]"
+
+
+__all__ = ["WorkerWatch"]
