@@ -53,7 +53,7 @@ def test_notebooks_exist():
     for expected in ("00_tour.ipynb", "01_out_of_memory.ipynb", "02_hangs_and_async.ipynb",
                      "03_nan_and_device_asserts.ipynb", "04_inplace_and_graph_cuts.ipynb",
                      "05_leaks_and_zero_grad.ipynb", "06_training_loops.ipynb", "07_distributed.ipynb",
-                     "08_accumulation_and_precision.ipynb", "10_always_on.ipynb", "11_library_loops.ipynb"):
+                     "08_accumulation_and_precision.ipynb", "09_workers_and_compile.ipynb", "10_always_on.ipynb", "11_library_loops.ipynb"):
         assert expected in names
 
 
