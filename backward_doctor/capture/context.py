@@ -98,7 +98,10 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         except BaseException:
             self._undo.undo_all()
             raise
-        if deferral.pending:
+        if deferral.pending and deferral.depth == 1:
+            # A Ctrl-C while installing, delivered as this section ends: nothing may stay installed. Inside
+            # a diagnosis's hold (depth > 1) it is handed to the cell's handler as the cell begins, under the
+            # capture: a handler that does not raise lets the cell run, and it must run recorded.
             self._undo.undo_all()
 
     def _install(self) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .excerpts import keep_excerpts, trace_places
 from .memory import shape_of, storage_key
 from .namespace import module_paths
 from .state import PHASES, REC_WIDTH
@@ -289,6 +290,7 @@ def finish(cap: "OpRecorder") -> Trace:
     trace.parameters = ParameterTotals(count=len(params), trainable=sum(bool(p.requires_grad) for p in params),
                                        bytes=sum(p.numel() * p.element_size() for p in params))
     del params
+    keep_excerpts(trace, trace_places(trace))  # the source a report shows, copied now (never read later)
     cap._ledger.close()
     cap._where_stacks.clear()
     return trace

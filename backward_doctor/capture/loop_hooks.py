@@ -11,7 +11,6 @@ True
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 
 from . import namespace as ns_mod
 from .loop_watch import LoopWatch, python_sumsq
+from .process import doctors_own, patch
 
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
@@ -38,15 +38,18 @@ class LoopHooks:
 
     def _watch_backward(self) -> None:
         """``torch.autograd.backward`` (what ``Tensor.backward`` calls) tells the watch the loss first."""
-        real, watch = torch.autograd.backward, self._watch
-        self._undo.push("torch.autograd.backward", lambda: setattr(torch.autograd, "backward", real))
+        watch = self._watch
 
-        @functools.wraps(real)
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            watch.saw_backward(args[0] if args else kwargs.get("tensors"))
-            return real(*args, **kwargs)
+        def wrap(real: Any) -> Any:
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                watch.saw_backward(args[0] if args else kwargs.get("tensors"))
+                return real(*args, **kwargs)
+            return backward
 
-        torch.autograd.backward = backward
+        # (The undo goes on the stack before the patch: a Ctrl-C in between leaves nothing installed.)
+        undo: list[Any] = []
+        self._undo.push("torch.autograd.backward", lambda: undo and undo.pop()())
+        undo.append(patch(torch.autograd, "backward", wrap))
 
     def _went_nonfinite(self, iteration: int, what: str) -> None:
         """NaN/Inf in this iteration's loss or gradients, seen before its optimizer step: a run-level
@@ -87,7 +90,9 @@ class LoopHooks:
         if self._loop_names:
             try:
                 text = ns_mod.loop_values(self.namespace, self._loop_names)
-            except Exception:  # a value that cannot be described is not worth failing the step for
+            except Exception as exc:  # a value that cannot be described is not worth failing the step for
+                if not doctors_own(exc):  # (a signal handler's exception, a __repr__ of the user's: theirs)
+                    raise
                 return
             if text:
                 self.trace.iterations.values[str(iteration)] = text

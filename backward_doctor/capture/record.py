@@ -23,6 +23,7 @@ import torch
 
 from . import checks
 from .memory import shape_of, storage_key
+from .process import doctors_own
 from .state import _NODE_BUDGET, PHASES, CaptureState
 from .stats import meta, screen_nonfinite
 from ..trace.parts import NonFiniteScalar, OomInfo
@@ -132,6 +133,8 @@ class OpRecorder(CaptureState):
         grad_enabled = _grad_enabled()
         ins = _tensors(args, kwargs)
         led = self._ledger
+        if led._dead:  # storages that died since the last op: counted out before their keys are looked up
+            led.drain()
         in_keys = tuple([storage_key(t) or 0 for t in ins])
         live = led._live
         for t, k in zip(ins, in_keys):
@@ -166,6 +169,8 @@ class OpRecorder(CaptureState):
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a tensor kind the recorder cannot describe
+            if not doctors_own(exc):  # a signal handler's or the user's code's: theirs, as without the doctor
+                raise
             self._unrecorded += 1
             if self._unrecorded == 1:
                 self.trace.notes.append(f"some ops could not be recorded (the first: {args[0][0]}: "
@@ -251,7 +256,9 @@ class OpRecorder(CaptureState):
         try:
             metas = [(t.shape, t.dtype, t.device, t.requires_grad) for t in ins]
             metas += [(t.shape, t.dtype, t.device, t.requires_grad) for t in outs]
-        except RuntimeError:  # a strided nested tensor has no single shape
+        except RuntimeError as exc:  # a strided nested tensor has no single shape
+            if not doctors_own(exc):
+                raise
             metas = [(shape_of(t), t.dtype, t.device, t.requires_grad) for t in list(ins) + list(outs)]
         self._append(index, name, phase, fwd_index, grad_enabled, where, metas, list(in_keys) + list(out_keys),
                      len(ins), total, us)

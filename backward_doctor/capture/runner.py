@@ -18,7 +18,7 @@ import signal
 import threading
 from typing import Any, Callable
 
-from .process import complete, interrupts_allowed, interrupts_deferred
+from .process import HOLD, complete, interrupts_allowed, interrupts_deferred
 from .context import Capture
 from .frames import UserFrames
 from .history import CellHistory
@@ -61,8 +61,8 @@ class Watchdog:
                 self._old_handler, deferral.outer = deferral.outer, signal.default_int_handler
             self._thread = threading.Thread(target=self._watch, name="backward_doctor-watchdog", daemon=True)
             self._thread.start()
-            if deferral.pending:  # a Ctrl-C while arming: disarm, then it is delivered as the user's handler would
-                self._close(deferral)
+            if deferral.pending and deferral.depth == 1:  # a Ctrl-C while arming, delivered as this ends:
+                self._close(deferral)                       # disarm (in a diagnosis's hold the cell gets it)
 
     def _watch(self) -> None:
         if self._done.wait(self.timeout):
@@ -138,7 +138,8 @@ def cell_filename() -> str:
     return f"<backward_doctor-cell-{next(_cells)}>"
 
 
-def _run_disarmed_after(run: Callable[[], BaseException | None], watchdog: Watchdog) -> BaseException | None:
+def _run_disarmed_after(run: Callable[[], BaseException | None], watchdog: Watchdog,
+                        notes: list[str]) -> BaseException | None:
     """The cell's run; its exception returned as data; the watchdog disarmed as soon as it ends. (Its own
     function: a `try` as the first statement of a `with` body leaves an unprotected instruction.)"""
     try:
@@ -148,6 +149,16 @@ def _run_disarmed_after(run: Callable[[], BaseException | None], watchdog: Watch
         return e
     finally:
         watchdog.disarm()
+        if HOLD.handover:
+            notes.append(_HANDOVER[HOLD.handover])
+
+
+_HANDOVER = {
+    "raised": "a Ctrl-C came while the doctor was setting up; handed to the SIGINT handler as the cell was "
+              "about to start, it stopped it there: the cell did not run",
+    "handled": "a Ctrl-C came while the doctor was setting up; handed to the cell's SIGINT handler as the cell "
+               "was about to start, it did not stop it: the cell ran under the capture, recorded as usual",
+}
 
 
 _running: list[Capture] = []  # the capture of the run in progress (a nested diagnosis adds one)
@@ -190,7 +201,7 @@ def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture
         # Capture first: its start-up (a one-time torch import) is not the cell's time.
         with capture:
             with watchdog:
-                exc = _run_disarmed_after(run, watchdog)
+                exc = _run_disarmed_after(run, watchdog, capture.trace.notes)
     except KeyboardInterrupt as e:  # the interrupt landed after the cell ended
         exc = exc or e
     trace = capture.trace

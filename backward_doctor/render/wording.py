@@ -25,7 +25,7 @@ KIND_WORDS = {
     "Index out of range", "inf": "Inf", "inplace": "In-place write", "no_grad_path": "No gradient path",
     "nonfinite": "NaN / Inf", "nonleaf_param": "Parameters not leaves", "oom": "Out of memory",
     "orphan_params": "Parameters without gradient", "shape_mismatch": "Shapes do not fit",
-    "stale_grad": "Gradients never zeroed",
+    "stale_grad": "Gradients never zeroed", "timeout": "Time limit reached",
 }
 
 

@@ -9,11 +9,11 @@ True
 from __future__ import annotations
 
 from .parts import (Carrier, Compilation, GraphHolder, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
-                    OptimizerSummary, ParameterTotals, RunHistory, StaleStep)
+                    OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep)
 from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, FrameInfo, IndexCheck, InplaceEvent, MemoryTimeline,
                       NonFiniteEvent, OpRecord, ParamInfo, TensorMeta, TensorStats, ThreadStack, Trace, Where)
 
 __all__ = ["CATEGORIES", "PHASES", "Carrier", "Compilation", "ExceptionInfo", "FailedOp", "FrameInfo", "GraphHolder",
            "InplaceEvent", "LossInfo", "MemoryTimeline", "NonFiniteEvent", "NonFiniteScalar", "OomInfo", "OpRecord",
-           "OptimizerStep", "OptimizerSummary", "ParamInfo", "ParameterTotals", "RunHistory", "StaleStep", "TensorMeta",
-           "ThreadStack", "Trace", "Where"]
+           "OptimizerStep", "OptimizerSummary", "ParamInfo", "ParameterTotals", "RunHistory", "SourceExcerpt", "StaleStep",
+           "TensorMeta", "ThreadStack", "Trace", "Where"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..util.serde import from_dict, to_dict
 from .parts import (Carrier, Compilation, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
-                    OptimizerSummary, ParameterTotals, RunHistory, StaleStep)
+                    OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep)
 
 #: Memory categories, in the order they are stacked in reports and plots.
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -256,6 +256,9 @@ class Trace:
     history: RunHistory = field(default_factory=RunHistory)  # earlier runs of this cell, in numbers
     #: torch.compile compilations during the step: not recorded as ops
     compiles: list[Compilation] = field(default_factory=list)
+    #: the lines around each place outside the cell the trace names, copied at record time (renderers and
+    #: rules read source only from here and from ``source``, never from the disk of whoever reads the report)
+    excerpts: list[SourceExcerpt] = field(default_factory=list)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""
