@@ -30,9 +30,9 @@ from . import namespace as ns_mod
 from .compile_watch import CompileWatch
 from .loop_hooks import LoopHooks
 from .process import complete, interrupts_deferred
-from .mode import _DoctorMode
+from .mode import _DoctorMode, take_off
 from .record import OpRecorder
-from .memory import shape_of, storage_key
+from .memory import grad_of, shape_of, storage_key
 from ..trace.parts import Carrier, OptimizerStep, StaleStep
 from ..trace.records import Trace, Where
 
@@ -112,8 +112,8 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
             self._undo.push("CUDA memory history", lambda: _cuda.stop(self))
         self._t0 = time.perf_counter()
         mode = _DoctorMode(self)
+        self._undo.push("dispatch mode", lambda: self._take_off(mode))
         mode.__enter__()
-        self._undo.push("dispatch mode", lambda: mode.__exit__(None, None, None))
         self._mode = mode
 
     def _prepare(self) -> None:
@@ -131,6 +131,14 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         self._compile_watch.install()
         self._watch = self._make_watch()
         self._watch_backward()
+
+    def _take_off(self, mode: _DoctorMode) -> None:
+        """The doctor's dispatch mode off, wherever the cell left it: modes the cell entered and never left
+        stay on (``mode.take_off``)."""
+        kept = take_off(mode)
+        if kept:
+            self.trace.notes.append(f"the cell left its own dispatch mode on ({', '.join(kept)}): it stays on, "
+                                    "and the doctor's, under it, was taken off")
 
     def _remove_parameter_hooks(self) -> None:
         handles, self._handles = self._handles, []
@@ -247,8 +255,8 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         marks = self.history.stepped_grads
         # Only gradients this run's backward added to: a step cell fed by another cell's backward
         # cannot see whether that cell zeroed them in between.
-        stale = [(p, marks[p.grad]) for g in opt.param_groups for p in g["params"]
-                 if p.grad is not None and id(p) in self._got_grad and p.grad in marks]
+        stale = [(p, marks[grad_of(p)]) for g in opt.param_groups for p in g["params"]
+                 if grad_of(p) is not None and id(p) in self._got_grad and grad_of(p) in marks]
         if stale:
             self.trace.stale_steps.append(StaleStep(**dataclasses.asdict(step), params=len(stale),
                                                     since_run=min(m[0] for _, m in stale),
@@ -267,8 +275,9 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
             line = self.trace.optimizer_steps[-1].line if self.trace.optimizer_steps else None
             for g in opt.param_groups:
                 for p in g["params"]:
-                    if p.grad is not None:
-                        self.history.stepped_grads[p.grad] = (self._run_id, line)
+                    grad = grad_of(p)
+                    if grad is not None:
+                        self.history.stepped_grads[grad] = (self._run_id, line)
 
     def _after_step(self) -> None:
         if self._opt_depth == 0:

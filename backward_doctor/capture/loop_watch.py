@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .memory import grad_of
 from ..trace.parts import Iterations
 from .process import doctors_own
 
@@ -128,7 +129,7 @@ class LoopWatch:
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
         self._lr = float(lr) if isinstance(lr, (int, float)) else None
         if self._sumsq is not None:
-            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            grads = [g for g in (grad_of(p) for group in opt.param_groups for p in group["params"]) if g is not None]
             try:
                 ss = self._sumsq(grads)
             except Exception as exc:  # a gradient we cannot read is not worth failing the step for

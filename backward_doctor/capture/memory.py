@@ -53,6 +53,18 @@ def shape_of(t: torch.Tensor) -> torch.Size:
         return torch.Size([])
 
 
+def grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.grad``, read without PyTorch's "The .grad attribute of a Tensor that is not a leaf Tensor is being
+    accessed" warning: a parameter an in-place update turned into a non-leaf has no ``.grad`` (unless it
+    retains one), and a plain run that never reads it prints nothing, so the doctor's reads must not either.
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> grad_of(w * 2) is None, grad_of(w) is None
+    (True, True)
+    """
+    return t.grad if t.is_leaf or t.retains_grad else None
+
+
 def storage_nbytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s storage (0 for sparse/nested tensors, which have no plain one)."""
     try:
@@ -123,7 +135,9 @@ class MemoryLedger:
         nbytes = self._live.pop(key, None)
         if nbytes is None or not self.active:
             return
-        cat = self._cat.pop(key)
+        cat = self._cat.pop(key, None)
+        if cat is None:  # (counted only halfway: an exception landed in track())
+            return
         self._producer.pop(key, None)
         self._refs.pop(key, None)
         self._totals[cat] -= nbytes
@@ -241,8 +255,13 @@ class Timeline:
 
     def add(self, index: int, totals: list[int], total: int) -> None:
         if self.stride == 1 and len(self.index) < self.capacity - 1:  # the common case: keep every op
-            self.index.append(index)
-            self._flat.extend(totals)
+            n = len(self._flat)
+            try:  # both or neither (an exception from a signal handler may land in between)
+                self._flat.extend(totals)
+                self.index.append(index)
+            except BaseException:
+                del self._flat[n:]
+                raise
             self._width = len(totals)
             return
         pending = self._pending

@@ -285,11 +285,16 @@ class OpRecorder(CaptureState):
             io += (mid, k)
         fwd = -1 if fwd_index is None else fwd_index
         if self._n_kept < self._max_ops:
+            n_ints, n_io, n_us = len(self._rec_ints), len(self._rec_io), len(self._rec_us)
+            try:  # all three or none: an exception from a signal handler may land between any two
+                self._rec_ints.extend((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
+                                       len(metas) - n_in, n_io, total))
+                self._rec_io.extend(io)
+                self._rec_us.append(us)
+            except BaseException:
+                del self._rec_ints[n_ints:], self._rec_io[n_io:], self._rec_us[n_us:]
+                raise
             self._n_kept += 1
-            self._rec_ints.extend((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
-                                   len(metas) - n_in, len(self._rec_io), total))
-            self._rec_io.extend(io)
-            self._rec_us.append(us)
         else:  # past max_ops: a ring buffer of the last ops (a tuple each, bounded)
             self._tail_count += 1
             self._tail.append((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,

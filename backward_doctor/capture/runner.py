@@ -11,12 +11,13 @@ True
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
 import linecache
 import signal
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .process import HOLD, complete, interrupts_allowed, interrupts_deferred
 from .context import Capture
@@ -209,12 +210,28 @@ def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture
     if watchdog.fired:
         trace.timed_out = True
         trace.threads = watchdog.stacks
-    if exc is not None:
-        capture.record_exception(exc)
-        if isinstance(exc, KeyboardInterrupt) and not trace.threads:
-            trace.threads = capture._frames.thread_stacks()
-    del exc
-    return capture.finish()
+    with _modes_off():  # the doctor's own ops after the cell: a dispatch mode the cell left on must not see them
+        if exc is not None:
+            capture.record_exception(exc)
+            if isinstance(exc, KeyboardInterrupt) and not trace.threads:
+                trace.threads = capture._frames.thread_stacks()
+        del exc
+        return capture.finish()
+
+
+@contextlib.contextmanager
+def _modes_off() -> Iterator[None]:
+    """Every dispatch mode off meanwhile (only a cell's own can be on here: the doctor's is off), then on
+    again as they were."""
+    import torch
+
+    if not torch._C._len_torch_dispatch_stack():
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,

@@ -197,6 +197,9 @@ class ExceptionInfo:
     in_backward: bool = False
     loss: LossInfo | None = None  # a failing backward(): the tensor it was called on
     oom: OomInfo | None = None    # out of memory: live bytes where it ran out
+    #: raised by a ``raise`` statement in code (a hook's ``raise KeyboardInterrupt``), not delivered by a signal
+    #: (Ctrl-C, the watchdog's interrupt, a signal handler's exception lands at an arbitrary instruction)
+    raised: bool = False
 
     def summary(self) -> str:
         return f"{self.type}: {self.message}"
