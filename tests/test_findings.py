@@ -23,6 +23,7 @@ import torch
 
 import backward_doctor as bd
 import scenarios as S
+from report_check import fits_the_schema
 
 
 def _ids(scs):
@@ -31,7 +32,9 @@ def _ids(scs):
 
 def diagnose(sc: S.Scenario, ns: dict, **overrides):
     kwargs = {**sc.kwargs, **overrides}
-    return bd.diagnose(sc.source, ns, **kwargs)
+    report = bd.diagnose(sc.source, ns, **kwargs)
+    fits_the_schema(report)  # every report the scenario suites make fits backward_doctor/report/schema.json
+    return report
 
 
 def last_report(sc: S.Scenario, **overrides):

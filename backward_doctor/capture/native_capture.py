@@ -44,6 +44,10 @@ class _NativeLedger(MemoryLedger):
 
     def __init__(self) -> None:
         super().__init__()
+        # The recorder must hear at once that a storage it was told of died (its address may be reused by
+        # the next op's output): a Python callback here. (It sees only what existed before the step, so
+        # this rarely runs during it; the Python tier's ledger, which sees every output, notes deaths in C.)
+        self._callback = self._ref_died
         self.ext: Any = None
         self._data: dict[int, int] = {}
         self._final_by_producer: dict[int | None, int] | None = None  # the recorder's, after the step
@@ -57,6 +61,10 @@ class _NativeLedger(MemoryLedger):
             if self.ext is not None:
                 self.ext.register_storage(key, self._live[key], _CAT[category], self._data[key])
         return new
+
+    def _ref_died(self, ref: Any) -> None:
+        self._dead.append(ref)
+        self.drain()
 
     def _freed(self, key: int) -> None:
         self._data.pop(key, None)
