@@ -116,12 +116,12 @@ def interrupts_allowed() -> Iterator[None]:
     default one stops the code there; one that does not raise lets it run, under the capture, which stayed
     installed: ``HOLD.handover`` says which). A handler the code installs for itself is kept as the outside
     handler."""
+    HOLD.handover = ""
     if not HOLD.active:
         yield
         return
     installed = HOLD.outer
     HOLD.window = True
-    HOLD.handover = ""
     try:
         signal.signal(signal.SIGINT, installed)  # (from here a Ctrl-C is the user's code's)
         if HOLD.pending:

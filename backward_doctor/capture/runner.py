@@ -143,15 +143,18 @@ def _run_disarmed_after(run: Callable[[], BaseException | None], watchdog: Watch
                         notes: list[str]) -> BaseException | None:
     """The cell's run; its exception returned as data; the watchdog disarmed as soon as it ends. (Its own
     function: a `try` as the first statement of a `with` body leaves an unprotected instruction.)"""
+    handed: str | None = None
     try:
         with interrupts_allowed():  # the user's code: Ctrl-C interrupts it as usual
+            handed = HOLD.handover  # (read now: a diagnosis inside the cell has its own)
             return run()
     except BaseException as e:  # noqa: BLE001 - the cell's error is data here
         return e
     finally:
         watchdog.disarm()
-        if HOLD.handover:
-            notes.append(_HANDOVER[HOLD.handover])
+        handed = HOLD.handover if handed is None else handed  # (the handover itself raised: no cell ran)
+        if handed:
+            notes.append(_HANDOVER[handed])
 
 
 _HANDOVER = {

@@ -249,7 +249,7 @@ def source_context(trace: Trace, line: int | None, file: str | None, around: int
     """(number, text) of the lines around ``line`` in the cell or in ``file``, as far as the report holds
     them (the cell's source, the excerpts copied at record time): nothing is read from this machine's disk.
 
-    >>> source_context(Trace(source="a\nb\nc"), 2, None, around=1), source_context(Trace(), 1, "/etc/passwd")
+    >>> source_context(Trace(source="a\\nb\\nc"), 2, None, around=1), source_context(Trace(), 1, "/etc/passwd")
     ([(1, 'a'), (2, 'b'), (3, 'c')], [])
     """
     if line is None:

@@ -14,7 +14,7 @@ def source_lines(trace: Trace, file: str | None) -> dict[int, str]:
     and of another file only the excerpts copied when the run was recorded (never read from disk here).
 
     >>> from backward_doctor.trace.parts import SourceExcerpt
-    >>> t = Trace(source="a = 1\nb = 2", excerpts=[SourceExcerpt("/m.py", 10, ["def f():", "    return 1"])])
+    >>> t = Trace(source="a = 1\\nb = 2", excerpts=[SourceExcerpt("/m.py", 10, ["def f():", "    return 1"])])
     >>> source_lines(t, None)[2], source_lines(t, "/m.py")[11], source_lines(t, "/etc/passwd")
     ('b = 2', '    return 1', {})
     """
@@ -30,7 +30,7 @@ def source_lines(trace: Trace, file: str | None) -> dict[int, str]:
 def line_text(trace: Trace, line: int | None, file: str | None = None) -> str:
     """The text of one line of the cell or of a file the trace holds an excerpt of, stripped; '' unknown.
 
-    >>> line_text(Trace(source="x = 1\n  y = 2"), 2), line_text(Trace(), 3, "/etc/passwd")
+    >>> line_text(Trace(source="x = 1\\n  y = 2"), 2), line_text(Trace(), 3, "/etc/passwd")
     ('y = 2', '')
     """
     if line is None:
