@@ -20,6 +20,17 @@ import fault_injection as fi
 
 ENGINES = ["native", "python"]
 
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    """Both engines; the native one where its recorder builds here (a machine without a compiler has only
+    the Python tier)."""
+    from backward_doctor.capture.native_capture import native_available
+
+    if request.param == "native" and not native_available(build=True):
+        pytest.skip("native recorder unavailable")
+    return request.param
+
 # A loop whose iteration 3 has a long forward (2,000 small ops: tens of ms even plainly); the cell starts a
 # one-shot SIGALRM timer there, whose handler raises TimeoutError: a plain run stops inside that forward,
 # before iteration 3 changes any weight.
@@ -86,7 +97,6 @@ def _stopped_like_a_plain_run(ns) -> bool:
     return any(all(torch.equal(a, b) for a, b in zip(want, got)) for want in _plain_stops(ns["i"]))
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_cells_own_sigalrm_time_limit_surfaces_with_a_real_timer(engine):
     """A real one-shot ``setitimer``: the TimeoutError lands wherever the main thread is, the doctor's per-op
     code included. It must surface, and the weights be those of a plain run stopped the same way."""
@@ -129,7 +139,6 @@ def _inject_alarm_at(n: int):
     return trace, start_alarm, state
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_signal_handlers_exception_is_never_swallowed_at_any_point_of_the_doctors_per_op_code(engine):
     """The same, deterministically: SIGALRM raised at the n-th line of the doctor's own code run during the
     long forward, for many n."""
@@ -154,7 +163,6 @@ def test_a_signal_handlers_exception_is_never_swallowed_at_any_point_of_the_doct
 NAN_CELL = "opt.zero_grad()\nloss = (model(x) * 0).log().mean()\nloss.backward()\nopt.step()\n"
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_ctrl_c_during_set_up_with_a_non_raising_handler_runs_the_cell_under_the_capture(engine):
     """A "stop after this epoch" flag (or SIG_IGN under nohup): the Ctrl-C must not make the cell run
     without the capture; it is handed to the cell's handler, and the report says so."""
@@ -183,7 +191,6 @@ def test_ctrl_c_during_set_up_with_a_non_raising_handler_runs_the_cell_under_the
         signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_ctrl_c_held_during_set_up_is_handed_to_the_cells_handler_and_said(engine, monkeypatch):
     """A Ctrl-C noted while the doctor set itself up reaches the cell's handler before its first line; the
     report says so (and, with the default handler, that the cell did not run)."""
@@ -213,7 +220,6 @@ def test_ctrl_c_held_during_set_up_is_handed_to_the_cells_handler_and_said(engin
 
 
 # --------------------------------------------------------------------------- 7. the cell's own wrapper stays
-@pytest.mark.parametrize("engine", ENGINES)
 def test_the_cells_own_wrapper_of_autograd_backward_stays(engine):
     real = torch.autograd.backward
     cell = ("import torch\norig = torch.autograd.backward\ncalls = []\n"
@@ -254,7 +260,6 @@ def test_the_collective_recorder_leaves_the_scripts_own_wrapper_too():
 
 
 # --------------------------------------------------------------------------- 8. a KeyboardInterrupt a hook raises
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_keyboard_interrupt_raised_by_a_tensor_hook_is_not_a_hang(engine):
     cell = ("def stop(grad):\n    raise KeyboardInterrupt('stop here')\n"
             "w = torch.ones(3, requires_grad=True)\nh = w * 2\nh.register_hook(stop)\nh.sum().backward()\n")
@@ -265,7 +270,6 @@ def test_a_keyboard_interrupt_raised_by_a_tensor_hook_is_not_a_hang(engine):
     assert "hang" not in str(report).split("\n")[0].lower()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_real_ctrl_c_is_still_a_hang(engine):
     cell = "import time\nwhile True:\n    time.sleep(0.01)\n"
     report = bd.diagnose(cell, {}, engine=engine, timeout=1)
@@ -283,7 +287,6 @@ class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_dispatch_mode_the_cell_leaves_on_stays_on_and_the_doctors_goes(engine):
     before = torch._C._len_torch_dispatch_stack()
     cell = "mode = Mode()\nmode.__enter__()\nw = torch.ones(3, requires_grad=True)\n(w * 2).sum().backward()\n"
@@ -313,7 +316,6 @@ def test_a_dispatch_mode_the_cell_leaves_on_stays_on_and_the_doctors_goes(engine
 
 
 # --------------------------------------------------------------------------- 14. no warnings of the doctor's own
-@pytest.mark.parametrize("engine", ENGINES)
 def test_the_doctor_prints_no_warning_a_plain_run_does_not(engine):
     """Parameters turned into non-leaves (an EMA updated with grad on): PyTorch warns when ``.grad`` of a
     non-leaf is read; the doctor's own reads must not."""
