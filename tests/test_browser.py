@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -152,7 +153,10 @@ def _run_cells(page, app: str) -> None:
             continue
         page.keyboard.press("Shift+Enter")
         try:
-            first.filter(has_text="[1]").wait_for(timeout=10_000)
+            # "[*]": the kernel took it and runs it (importing torch can take many seconds on a loaded
+            # machine): wait for it to finish rather than queue it again (the next cell would not be In[2]).
+            first.filter(has_text=re.compile(r"\[(1|\*)\]")).wait_for(timeout=10_000)
+            first.filter(has_text="[1]").wait_for(timeout=180_000)
             break
         except sync_api.TimeoutError:
             continue

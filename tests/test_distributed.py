@@ -30,7 +30,7 @@ HEAD = """\
 import datetime, os, torch, torch.distributed as dist
 import torch.nn as nn
 torch.set_num_threads(1)
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=40))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
 rank = dist.get_rank()
 torch.manual_seed(0)
 """  # 6 lines: the scripts' own lines start at 7
@@ -48,7 +48,7 @@ def _line(path: str, text: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if text in line)
 
 
-def _doctor(path: str, *args: str, timeout: int = 55) -> tuple[subprocess.CompletedProcess, dict]:
+def _doctor(path: str, *args: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, dict]:
     out = path + ".report.json"
     proc = subprocess.run([sys.executable, "-m", "backward_doctor", "--nproc", "2", path, "--json", out, *args],
                           capture_output=True, text=True, env=ENV, timeout=timeout)
@@ -85,12 +85,12 @@ def _plain(path: str, tag: str) -> None:
     procs = [subprocess.Popen([sys.executable, path], env={**rank_env(k, 2, port, ENV), "TAG": tag},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for k in range(2)]
     for p in procs:
-        p.wait(timeout=55)
+        p.wait(timeout=600)
 
 
 def test_correct_ddp_loop_is_silent_and_bit_identical(tmp_path):
     path = _script(tmp_path, "correct", CORRECT)
-    proc, data = _doctor(path, "--timeout", "40")
+    proc, data = _doctor(path, "--timeout", "240")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert data["ok"] is True and data["findings"] == [] and data["kind"] == "distributed"
     assert proc.stdout.splitlines()[0].startswith("backward_doctor: OK - 2 ranks")
@@ -121,7 +121,7 @@ def test_unused_parameter_on_every_rank(tmp_path):
             loss.backward()
             opt.step(); opt.zero_grad()
     """)
-    proc, data = _doctor(path, "--timeout", "40")
+    proc, data = _doctor(path, "--timeout", "240")
     f = _first(data)
     assert proc.returncode == 1
     assert (f["kind"], f["rank"], f["line"]) == ("unused_parameters", None, _line(path, "ddp(x), y"))
@@ -150,7 +150,7 @@ def test_control_flow_differing_by_rank(tmp_path):
             loss.backward()
             opt.step(); opt.zero_grad()
     """)
-    proc, data = _doctor(path, "--timeout", "40")
+    proc, data = _doctor(path, "--timeout", "240")
     f = _first(data)
     assert (f["kind"], f["rank"], f["line"]) == ("unused_parameters", 1, _line(path, "use_aux=(rank == 0)"))
     assert f["evidence"]["same_on_all_ranks"] is False and f["evidence"]["by_rank"] == {"1": ["aux.bias", "aux.weight"]}
@@ -170,8 +170,8 @@ def test_step_skipped_on_one_rank_is_a_desync_then_a_bounded_hang(tmp_path):
             opt.step(); opt.zero_grad()
         dist.barrier()
     """)
-    proc, data = _doctor(path, "--timeout", "6")
-    assert data["duration_s"] < 35  # the launcher's 6 s timeout (plus start-up), not gloo's 40 s (or 30 minutes)
+    proc, data = _doctor(path, "--timeout", "20")
+    assert data["duration_s"] < 200  # the launcher's 20 s timeout (plus start-up), not gloo's 300 s (or 30 minutes)
     f = _first(data)
     assert (f["kind"], f["rank"], f["line"]) == ("desync", 1, _line(path, "loss.backward()"))
     ranks = f["evidence"]["ranks"]
@@ -188,7 +188,7 @@ def test_all_gather_size_mismatch(tmp_path):
         parts = [torch.empty_like(shard) for _ in range(2)]
         dist.all_gather(parts, shard)
     """)
-    proc, data = _doctor(path, "--timeout", "40")
+    proc, data = _doctor(path, "--timeout", "240")
     f = _first(data)
     assert (f["kind"], f["rank"], f["line"]) == ("desync", 1, _line(path, "dist.all_gather"))
     assert f["evidence"]["ranks"]["0"]["sizes"][0] == [17, 4] and f["evidence"]["ranks"]["1"]["sizes"][0] == [16, 4]
@@ -210,7 +210,7 @@ def test_nan_from_one_ranks_batch(tmp_path, engine):
             loss.backward()
             opt.step(); opt.zero_grad()
     """)
-    proc, data = _doctor(path, "--timeout", "40", "--engine", engine)
+    proc, data = _doctor(path, "--timeout", "240", "--engine", engine)
     f = _first(data)
     assert proc.returncode == 1
     assert (f["kind"], f["rank"], f["line"]) == ("nonfinite", 1, _line(path, 'float("nan")'))
@@ -293,7 +293,7 @@ ip.run_line_magic("load_ext", "backward_doctor")
 torch.set_num_threads(2)
 ip.run_cell("import torch, torch.nn as nn\\ntorch.ones(256, 256) @ torch.ones(256, 256)\\n"
             "model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
-ip.run_cell_magic("backward_doctor", "--nproc 2 --timeout 40", open(sys.argv[1]).read())
+ip.run_cell_magic("backward_doctor", "--nproc 2 --timeout 240", open(sys.argv[1]).read())
 import backward_doctor as bd
 json.dump(bd.last_report().to_dict(), open(sys.argv[2], "w"))
 print("kernel in a process group:", torch.distributed.is_initialized())
@@ -301,7 +301,7 @@ print("kernel in a process group:", torch.distributed.is_initialized())
 
 MAGIC_CELL = """\
 import datetime, torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=40))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
 rank = dist.get_rank()
 ddp = nn.parallel.DistributedDataParallel(model)
 for step in range(3):
@@ -317,7 +317,7 @@ def test_magic_nproc_forks_ranks_from_the_kernel(tmp_path):
     driver.write_text(MAGIC_DRIVER)
     cell.write_text(MAGIC_CELL)
     proc = subprocess.run([sys.executable, str(driver), str(cell), str(out)], capture_output=True, text=True,
-                          env=ENV, timeout=55)
+                          env=ENV, timeout=600)
     assert out.exists(), proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     f = _first(data)
@@ -336,10 +336,10 @@ def test_torchrun_ranks_combined_afterwards(tmp_path):
     folder.mkdir()
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                     "--master-port", str(free_port()), "-m", "backward_doctor.run.rank", path, str(folder)],
-                   capture_output=True, text=True, env=ENV, timeout=55)
+                   capture_output=True, text=True, env=ENV, timeout=600)
     out = tmp_path / "combined.json"
     proc = subprocess.run([sys.executable, "-m", "backward_doctor", "combine", str(folder), "--json", str(out)],
-                          capture_output=True, text=True, env=ENV, timeout=55)
+                          capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     f = _first(json.loads(out.read_text()))
     assert (f["kind"], f["rank"], f["line"]) == ("desync", 1, _line(path, "dist.all_gather"))
@@ -374,11 +374,11 @@ def test_a_rank_stuck_in_its_own_code_is_named_by_its_stack(tmp_path):
                 time.sleep(0.01)  # waiting for a file that never comes
         dist.all_reduce(t)
     """)
-    proc, data = _doctor(path, "--timeout", "5")
+    proc, data = _doctor(path, "--timeout", "20")
     f = _first(data)
     assert (f["kind"], f["rank"], f["line"]) == ("hang", 1, _line(path, "time.sleep(0.01)"))
     assert "rank 0: waiting in all_reduce [3]" in f["message"]
-    assert data["duration_s"] < 35  # the launcher's 5 s timeout (plus start-up), not gloo's 40 s
+    assert data["duration_s"] < 200  # the launcher's 20 s timeout (plus start-up), not gloo's 300 s
 
 
 def test_process_group_timeout_is_a_hang_at_the_busy_rank_and_the_timeout_a_consequence():
@@ -402,7 +402,7 @@ def test_an_ordinary_error_on_one_rank_is_the_root_and_the_peers_lost_connection
         loss.backward()
         t = torch.ones(2); dist.all_reduce(t)
     """)
-    proc, data = _doctor(path, "--timeout", "40")
+    proc, data = _doctor(path, "--timeout", "240")
     assert [(f["kind"], f["rank"], f["line"]) for f in data["findings"]] == [
         ("shape_mismatch", 1, _line(path, "(x @ w)")), ("consequence", 0, _line(path, "dist.all_reduce(t)"))]
     assert "mat1 and mat2 shapes cannot be multiplied" in data["ranks"][1]["trace"]["exception"]["message"]

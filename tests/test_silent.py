@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import backward_doctor as bd
 from scenarios import silent as S
+from report_check import fits_the_schema
 from scenarios._setups import _setup_classifier
 
 
@@ -56,7 +57,7 @@ def describe(report) -> str:
 def run_cell(sc: S.Scenario, runs: int | None = None):
     """All reports of ``runs`` (default ``sc.runs``) runs of the cell in one fresh namespace."""
     ns = sc.setup()
-    return [bd.diagnose(sc.source, ns, **sc.kwargs) for _ in range(runs or sc.runs)]
+    return [fits_the_schema(bd.diagnose(sc.source, ns, **sc.kwargs)) for _ in range(runs or sc.runs)]
 
 
 def finding_of(report, kind):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..util.serde import from_dict, to_dict
+from ..trace.queries import line_text
 from ..trace.records import OpRecord, Trace, Where
 
 SEVERITIES = ("error", "warning", "info")
@@ -148,15 +149,9 @@ def code_at(trace: Trace, line: int | None, file: str | None = None) -> str:
 
 
 def source_line(trace: Trace, line: int | None, file: str | None = None) -> str:
-    """The text of a cell line (or of a file line), stripped; '' when unknown."""
-    if line is None:
-        return ""
-    if file is None:
-        lines = trace.source.splitlines()
-        return lines[line - 1].strip() if 0 < line <= len(lines) else ""
-    import linecache
-
-    return linecache.getline(file, line).strip()
+    """The text of a cell line (or of a file line the trace copied when it was recorded), stripped; ''
+    when unknown. Nothing is read from disk: a saved report is analysed as it was recorded."""
+    return line_text(trace, line, file)
 
 
 def same_exception(trace: Trace) -> bool:

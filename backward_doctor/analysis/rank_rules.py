@@ -156,6 +156,38 @@ def position(r: RankRecord) -> tuple[str, int | None, str | None]:
     return r.ended(), None, None
 
 
+def still_progressing(stuck: list[RankRecord], timeout: float | None) -> bool:
+    """Every rank the launcher's time limit stopped had shown progress (a collective or an iteration
+    logged) shortly before: within the last tenth of the limit, between 3 and 30 s. A hung rank logs
+    nothing more once it waits.
+
+    >>> still_progressing([RankRecord(0, 2, stopped="timeout", progress_s=0.4)], 60.0)
+    True
+    >>> still_progressing([RankRecord(0, 2, stopped="timeout", progress_s=50.0)], 60.0)
+    False
+    """
+    recent = min(30.0, max(3.0, 0.1 * (timeout or 0.0)))
+    return all(r.stopped == "timeout" and r.progress_s is not None and r.progress_s <= recent for r in stuck)
+
+
+def slow(ranks: list[RankRecord], where: dict[int, tuple[str, int | None, str | None]],
+         timeout: float | None) -> list[Finding]:
+    """The time limit ran out while every rank was still advancing: a slow run, not a hang (a ``timeout``)."""
+    first = min(ranks, key=lambda r: r.rank)
+    words, line, file = where[first.rank]
+    each = "; ".join(f"rank {r.rank}: {r.steps} iterations, last progress {r.progress_s:.1f} s before it was "
+                     f"stopped, {where[r.rank][0]}" for r in sorted(ranks, key=lambda r: r.rank)
+                     if r.progress_s is not None)
+    limit = f"the {timeout:g} s time limit" if timeout else "the time limit"
+    msg = (f"The ranks were still working when {limit} ran out: {each}. Nothing was stuck: every rank kept "
+           "issuing collectives or finishing iterations until it was stopped, so this is a slow run, not a hang. "
+           "Give it more time (`--timeout`), fewer iterations, or fewer ranks per core; a busy machine slows "
+           "every rank.")
+    return [Finding(kind="timeout", message=msg, line=line, file=file, title="The run needed more time",
+                    severity="warning", evidence={"positions": {str(k): w[0] for k, w in where.items()},
+                                                  "progress_s": {str(r.rank): r.progress_s for r in ranks}})]
+
+
 def hang(ranks: list[RankRecord], culprit: int | None = None, explained: bool = False,
          timeout: float | None = None, timed_out: tuple[int, ...] = ()) -> list[Finding]:
     """The launcher's timeout ended ranks still running, or the process group's own timeout made ranks
@@ -168,10 +200,12 @@ def hang(ranks: list[RankRecord], culprit: int | None = None, explained: bool = 
     >>> [(f.kind, f.rank, f.line) for f in hang(ranks, timeout=5)]
     [('hang', 0, 17)]
     """
-    stuck = [r for r in ranks if r.stopped == "timeout" or r.rank in timed_out]
+    stuck = [r for r in ranks if r.stopped in ("timeout", "interrupted") or r.rank in timed_out]
     if not stuck:
         return []
     where = {r.rank: position(r) for r in ranks}
+    if not explained and still_progressing(stuck, timeout):
+        return slow(ranks, where, timeout)
     if culprit is None:
         groups: dict[tuple, list[int]] = {}
         for r in ranks:
@@ -182,6 +216,7 @@ def hang(ranks: list[RankRecord], culprit: int | None = None, explained: bool = 
     words, line, file = where[culprit]
     each = "; ".join(f"rank {k}: {w[0]}" for k, w in sorted(where.items()))
     limit = f" within {timeout:g} s" if timeout and any(r.stopped == "timeout" for r in stuck) else \
+        " before the run was interrupted (Ctrl-C)" if any(r.stopped == "interrupted" for r in stuck) else \
         " before the process group's timeout"
     msg = (f"The ranks did not finish{limit}: {each}. "
            f"Rank {culprit} is not where the others are." +

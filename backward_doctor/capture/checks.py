@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from .process import doctors_own
 from ..trace.records import IndexCheck
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ def index_check(func: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         return None
     try:
         return check(args, kwargs)
-    except Exception:  # evidence only: never fail because the check could not run
+    except Exception as exc:  # evidence only: never fail because the check could not run
+        if not doctors_own(exc):
+            raise
         log.debug("index check could not run", exc_info=True)
         return None

@@ -7,7 +7,8 @@ ranks can be lined up collective by collective. After each DDP ``backward()`` th
 gradient autograd did not touch are noted (DDP waits for them forever, or fails at the next forward).
 
 Every global patched here is put back exactly (the same objects), also on exceptions and Ctrl-C: the
-patches are plain attribute swaps undone in ``__exit__``. The wrappers call the originals with the same
+patches are attribute swaps undone in ``__exit__``, as a stack would (``process.patch``: a wrapper the script
+put on top of the doctor's stays). The wrappers call the originals with the same
 arguments and return their results untouched; nothing the user computes changes. Each entry is also
 appended to a log file as it starts and ends (a rank that aborts inside a collective, as gloo does on a
 size mismatch, leaves its log behind).
@@ -33,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .process import doctors_own, patch
 from ..trace.distributed import DDP_BACKWARD, DDP_FORWARD, Collective, UnusedParams
 
 #: The collective functions of ``torch.distributed`` (those that exist in this torch are wrapped).
@@ -71,7 +73,9 @@ def _group(kwargs: dict[str, Any], args: tuple) -> Any:
 def _seq(group: Any) -> int | None:
     try:
         return int(group._get_sequence_number_for_group()) if group is not None else None
-    except Exception:  # a backend without sequence numbers: the calls are still logged in order
+    except Exception as exc:  # a backend without sequence numbers: the calls are still logged in order
+        if not doctors_own(exc):
+            raise
         return None
 
 
@@ -79,15 +83,20 @@ class CollectiveRecorder:
     """Context manager: while active, log collectives (see module doc) into ``collectives`` and DDP
     parameters without a gradient into ``unused``. ``cell_file``: the script's filename as compiled
     (its lines are reported without a file); ``source``: its text (for the loop variables' names);
-    ``log_path``: where each entry is appended as JSON lines (None: memory only)."""
+    ``log_path``: the file each entry is written to as JSON lines (None: memory only), started afresh with
+    ``header`` (what run wrote it) as its first line."""
 
-    def __init__(self, cell_file: str = "", source: str = "", log_path: str | None = None) -> None:
+    def __init__(self, cell_file: str = "", source: str = "", log_path: str | None = None,
+                 header: dict[str, Any] | None = None) -> None:
         self.cell_file = cell_file
         self.collectives: list[Collective] = []
         self.unused: list[UnusedParams] = []
         self._loop_names = _loop_names(source)
-        self._log = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._log = open(log_path, "w", encoding="utf-8", buffering=1) if log_path else None
+        self._log_lock = threading.Lock()  # (a rank's progress thread writes too)
+        if header is not None:
+            self.write(header)
+        self._saved: list[Callable[[], None]] = []  # undo steps
         self._local = threading.local()
         self._ddp_pending: dict[int, tuple[weakref.ref, Collective]] = {}
         self._backwards = 0
@@ -110,18 +119,16 @@ class CollectiveRecorder:
         return self
 
     def _swap(self, owner: Any, name: str, new: Any) -> None:
-        # The original exactly as found in the owner's __dict__ (a class's function, not a bound method).
-        old = owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)
-        self._saved.append((owner, name, old))
-        setattr(owner, name, new)
+        # Put back as a stack would (process.patch): a wrapper the script puts on top of ours stays.
+        self._saved.append(patch(owner, name, lambda original: new))
 
     def __exit__(self, *exc: Any) -> bool:
         while self._saved:
-            owner, name, old = self._saved.pop()
-            setattr(owner, name, old)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+            self._saved.pop()()
+        with self._log_lock:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
         return False
 
     # ------------------------------------------------------------------ entries
@@ -158,7 +165,7 @@ class CollectiveRecorder:
                        group="" if group is None or group is dist.group.WORLD else str(getattr(group, "group_name", "")),
                        start_s=time.time())
         self.collectives.append(c)
-        self._write({"start": c.__dict__})
+        self.write({"start": c.__dict__})
         return c, group
 
     def _end(self, c: Collective, group: Any, error: BaseException | None, keep_empty: bool = True) -> None:
@@ -171,16 +178,18 @@ class CollectiveRecorder:
             # A DDP forward/backward that issued nothing: not a collective, not worth a line.
             if self.collectives and self.collectives[-1] is c:
                 self.collectives.pop()
-            self._write({"drop": c.index})
+            self.write({"drop": c.index})
             return
-        self._write({"end": c.index, "count": c.count, "error": c.error, "end_s": c.end_s})
+        self.write({"end": c.index, "count": c.count, "error": c.error, "end_s": c.end_s})
 
-    def _write(self, entry: dict[str, Any]) -> None:
-        if self._log is not None:
-            try:
-                self._log.write(json.dumps(entry) + "\n")
-            except (OSError, ValueError):  # a full disk must not fail the user's step
-                pass
+    def write(self, entry: dict[str, Any]) -> None:
+        """Append one entry to the log file (a line of JSON), from any thread."""
+        with self._log_lock:
+            if self._log is not None:
+                try:
+                    self._log.write(json.dumps(entry) + "\n")
+                except (OSError, ValueError):  # a full disk must not fail the user's step
+                    pass
 
     def _call(self, op: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
               keep_empty: bool = True) -> Any:

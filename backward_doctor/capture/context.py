@@ -32,9 +32,9 @@ from .compile_watch import CompileWatch
 from .worker_watch import WorkerWatch
 from .loop_hooks import LoopHooks
 from .process import complete, interrupts_deferred
-from .mode import _DoctorMode
+from .mode import _DoctorMode, take_off
 from .record import OpRecorder
-from .memory import shape_of, storage_key
+from .memory import grad_of, shape_of, storage_key
 from ..trace.parts import Carrier, OptimizerStep, StaleStep
 from ..trace.records import Trace, Where
 
@@ -101,7 +101,10 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         except BaseException:
             self._undo.undo_all()
             raise
-        if deferral.pending:
+        if deferral.pending and deferral.depth == 1:
+            # A Ctrl-C while installing, delivered as this section ends: nothing may stay installed. Inside
+            # a diagnosis's hold (depth > 1) it is handed to the cell's handler as the cell begins, under the
+            # capture: a handler that does not raise lets the cell run, and it must run recorded.
             self._undo.undo_all()
 
     def _install(self) -> None:
@@ -113,8 +116,8 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         self._t0 = time.perf_counter()
         self.trace.started_at = time.time()
         mode = _DoctorMode(self)
+        self._undo.push("dispatch mode", lambda: self._take_off(mode))
         mode.__enter__()
-        self._undo.push("dispatch mode", lambda: mode.__exit__(None, None, None))
         self._mode = mode
 
     def _prepare(self) -> None:
@@ -134,6 +137,14 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         self._watch = self._make_watch()
         self._watch_backward()
         self._find_library_loop()
+
+    def _take_off(self, mode: _DoctorMode) -> None:
+        """The doctor's dispatch mode off, wherever the cell left it: modes the cell entered and never left
+        stay on (``mode.take_off``)."""
+        kept = take_off(mode)
+        if kept:
+            self.trace.notes.append(f"the cell left its own dispatch mode on ({', '.join(kept)}): it stays on, "
+                                    "and the doctor's, under it, was taken off")
 
     def _remove_parameter_hooks(self) -> None:
         handles, self._handles = self._handles, []
@@ -302,8 +313,8 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         marks = self.history.stepped_grads
         # Only gradients this run's backward added to: a step cell fed by another cell's backward
         # cannot see whether that cell zeroed them in between.
-        stale = [(p, marks[p.grad]) for g in opt.param_groups for p in g["params"]
-                 if p.grad is not None and id(p) in self._got_grad and p.grad in marks]
+        stale = [(p, marks[grad_of(p)]) for g in opt.param_groups for p in g["params"]
+                 if grad_of(p) is not None and id(p) in self._got_grad and grad_of(p) in marks]
         if stale:
             self.trace.stale_steps.append(StaleStep(**dataclasses.asdict(step), params=len(stale),
                                                     since_run=min(m[0] for _, m in stale),
@@ -322,8 +333,9 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
             line = self.trace.optimizer_steps[-1].line if self.trace.optimizer_steps else None
             for g in opt.param_groups:
                 for p in g["params"]:
-                    if p.grad is not None:
-                        self.history.stepped_grads[p.grad] = (self._run_id, line)
+                    grad = grad_of(p)
+                    if grad is not None:
+                        self.history.stepped_grads[grad] = (self._run_id, line)
 
     def _after_step(self) -> None:
         if self._opt_depth == 0:

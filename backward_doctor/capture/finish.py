@@ -4,6 +4,7 @@ Split from ``capture.py`` so the per-op hot path stays in one short module.
 """
 from __future__ import annotations
 
+import dis
 import inspect
 import os
 from array import array
@@ -12,7 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .memory import shape_of, storage_events, storage_key
+from .excerpts import keep_excerpts, trace_places
+from .memory import grad_of, shape_of, storage_events, storage_key
 from .namespace import module_paths
 from .state import PHASES, REC_WIDTH
 from .namespace import tensors as ns_tensors
@@ -27,6 +29,29 @@ if TYPE_CHECKING:
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+_RAISE = dis.opmap["RAISE_VARARGS"]
+
+
+def raised_by_code(exc: BaseException) -> bool:
+    """``exc`` came from a ``raise`` statement (its innermost frame stopped at one), not from a signal: a
+    signal's exception (Ctrl-C's ``KeyboardInterrupt``, a handler's) is raised wherever the interpreter
+    checked for signals, which is never a ``raise``.
+
+    >>> try:
+    ...     raise KeyboardInterrupt
+    ... except KeyboardInterrupt as e:
+    ...     raised_by_code(e)
+    True
+    """
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code.co_code
+    return 0 <= tb.tb_lasti < len(code) and code[tb.tb_lasti] == _RAISE
 
 
 def record_exception(cap: "OpRecorder", exc: BaseException) -> None:
@@ -67,6 +92,7 @@ def record_exception(cap: "OpRecorder", exc: BaseException) -> None:
     if isinstance(exc, torch.OutOfMemoryError):
         info.oom = cap._oom or cap._memory_breakdown(cap._count, None)
         info.oom.eval_mode = eval_mode
+    info.raised = raised_by_code(exc)
     cap.trace.exception = info
     cap.trace.completed = False
     if cap._t_last > cap._t0 and not isinstance(exc, KeyboardInterrupt):
@@ -179,7 +205,7 @@ def _final_tensors(cap: "OpRecorder") -> list[tuple[torch.Tensor, str]]:
     for p in cap.parameters():
         if storage_key(p) in touched or id(p) in got_grad:
             out.append((p, "parameters"))
-        g = p.grad
+        g = grad_of(p)
         if g is not None and (id(p) in got_grad or storage_key(g) in touched):
             out.append((g, "gradients"))
     for _, t in ns_tensors(cap.namespace):
@@ -303,6 +329,7 @@ def finish(cap: "OpRecorder") -> Trace:
     trace.parameters = ParameterTotals(count=len(params), trainable=sum(bool(p.requires_grad) for p in params),
                                        bytes=sum(p.numel() * p.element_size() for p in params))
     del params
+    keep_excerpts(trace, trace_places(trace))  # the source a report shows, copied now (never read later)
     cap._ledger.close()
     cap._where_stacks.clear()
     return trace

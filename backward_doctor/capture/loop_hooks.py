@@ -12,7 +12,6 @@ True
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from typing import Any, Iterator
 
@@ -22,6 +21,7 @@ from . import namespace as ns_mod
 from .accum_watch import AccumulationWatch
 from .loop_watch import LoopWatch, python_sumsq
 from .precision_watch import PrecisionWatch
+from .process import doctors_own, patch
 
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
@@ -42,23 +42,27 @@ class LoopHooks:
     def _watch_backward(self) -> None:
         """``torch.autograd.backward`` (what ``Tensor.backward`` calls) tells the watches the loss first (the
         accumulation watch counts the calls per optimizer step there, whatever phase the ops get)."""
-        real, watch = torch.autograd.backward, self._watch
-        self._undo.push("torch.autograd.backward", lambda: setattr(torch.autograd, "backward", real))
+        watch = self._watch
         accum = self._accum = AccumulationWatch(self.trace.accumulation, frames=self._frames, params=self.parameters,
                                                 iteration=lambda: self.trace.iterations.steps, quiet=self._quiet_ops,
                                                 scalar=watch._scalar)
 
-        @functools.wraps(real)
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            tensors = args[0] if args else kwargs.get("tensors")
-            watch.saw_backward(tensors)
-            accum.backward_began(tensors)
-            try:
-                return real(*args, **kwargs)
-            finally:
-                accum.backward_ended()
+        def wrap(real: Any) -> Any:
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                tensors = args[0] if args else kwargs.get("tensors")
+                watch.saw_backward(tensors)
+                accum.backward_began(tensors)
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    accum.backward_ended()
+            return backward
 
-        torch.autograd.backward = backward
+        # (The undo goes on the stack before the patch: a Ctrl-C in between leaves nothing installed. The undo
+        # puts the original back only while the wrapper is still the doctor's: a cell's own wrapper stays.)
+        undo: list[Any] = []
+        self._undo.push("torch.autograd.backward", lambda: undo and undo.pop()())
+        undo.append(patch(torch.autograd, "backward", wrap))
         self._precision = PrecisionWatch(self.trace.precision, frames=self._frames, on_skipped=accum.skipped_step,
                                          iteration=lambda: self.trace.iterations.steps)
         self._undo.push("zero_grad, GradScaler and clipping wrappers", lambda: self._unpatch_training(final=True))
@@ -152,7 +156,9 @@ class LoopHooks:
         if self._loop_names:
             try:
                 text = ns_mod.loop_values(self.namespace, self._loop_names)
-            except Exception:  # a value that cannot be described is not worth failing the step for
+            except Exception as exc:  # a value that cannot be described is not worth failing the step for
+                if not doctors_own(exc):  # (a signal handler's exception, a __repr__ of the user's: theirs)
+                    raise
                 return
             if text:
                 self.trace.iterations.values[str(iteration)] = text

@@ -26,7 +26,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .memory import grad_of
 from ..trace.parts import Iterations
+from .process import doctors_own
 
 _MAX_POINTS = 4096  # per series; past it every other point is dropped and the stride doubles
 
@@ -44,7 +46,9 @@ def read_scalar(t: Any) -> float | None:
         return None
     try:
         ptr = t.data_ptr()
-    except RuntimeError:  # no storage (a fake or functional tensor)
+    except RuntimeError as exc:  # no storage (a fake or functional tensor)
+        if not doctors_own(exc):
+            raise
         return None
     if not ptr:
         return None
@@ -131,10 +135,12 @@ class LoopWatch:
             base = group.get("initial_lr", lr)
             self.its.base_lr = float(base) if isinstance(base, (int, float)) else None
         if self._sumsq is not None:
-            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            grads = [g for g in (grad_of(p) for group in opt.param_groups for p in group["params"]) if g is not None]
             try:
                 ss = self._sumsq(grads)
-            except Exception:  # a gradient we cannot read is not worth failing the step for
+            except Exception as exc:  # a gradient we cannot read is not worth failing the step for
+                if not doctors_own(exc):  # (a signal handler's exception: the user's, it goes on)
+                    raise
                 ss = None
             if ss is not None:
                 self._norm = math.sqrt(ss) if math.isfinite(ss) else math.inf

@@ -25,6 +25,7 @@ import torch
 
 from ..trace.parts import STORAGE_EVENTS_CAP, StorageEvents
 from ..trace.records import CATEGORIES
+from .process import doctors_own
 
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 
@@ -33,7 +34,9 @@ def storage_key(t: torch.Tensor) -> int | None:
     """A stable identity for ``t``'s storage while it is alive (None if it has none)."""
     try:
         return t.untyped_storage()._cdata
-    except Exception:  # sparse/nested/subclass tensors without a plain storage
+    except Exception as exc:  # sparse/nested/subclass tensors without a plain storage
+        if not doctors_own(exc):  # (a signal handler's exception: the user's, it goes on)
+            raise
         return None
 
 
@@ -45,15 +48,31 @@ def shape_of(t: torch.Tensor) -> torch.Size:
     """
     try:
         return t.shape
-    except RuntimeError:
+    except RuntimeError as exc:
+        if not doctors_own(exc):
+            raise
         return torch.Size([])
+
+
+def grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.grad``, read without PyTorch's "The .grad attribute of a Tensor that is not a leaf Tensor is being
+    accessed" warning: a parameter an in-place update turned into a non-leaf has no ``.grad`` (unless it
+    retains one), and a plain run that never reads it prints nothing, so the doctor's reads must not either.
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> grad_of(w * 2) is None, grad_of(w) is None
+    (True, True)
+    """
+    return t.grad if t.is_leaf or t.retains_grad else None
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s storage (0 for sparse/nested tensors, which have no plain one)."""
     try:
         return t.untyped_storage().nbytes()
-    except Exception:
+    except Exception as exc:
+        if not doctors_own(exc):
+            raise
         return 0
 
 
@@ -67,14 +86,19 @@ class MemoryLedger:
     """
 
     def __init__(self) -> None:
-        self.totals = [0] * len(CATEGORIES)
-        self.total = 0
+        self._totals = [0] * len(CATEGORIES)
+        self._total = 0
         self._live: dict[int, int] = {}      # storage key -> nbytes
         self._cat: dict[int, int] = {}       # storage key -> category index
         self._producer: dict[int, int] = {}  # storage key -> op index that made it (absent: before the step)
         self._refs: dict[int, weakref.ref] = {}
         self._ref_keys: dict[int, int] = {}  # id(weakref) -> storage key
-        self._callback = self._ref_died      # one bound method for every weakref
+        # The weak references' callback is a C function: a dead storage's reference is only noted, and
+        # counted out at the next read (:meth:`drain`). A Python callback would run Python code wherever a
+        # storage dies, and an exception raised there (a cell's own SIGALRM time limit) would be swallowed
+        # by CPython ("Exception ignored in ..."): the user's step would run on.
+        self._dead: list[weakref.ref] = []
+        self._callback = self._dead.append
         self.on_free: Callable[[int], None] | None = None
         self.active = True
         #: every count, free and move in order, 5 ints each (see ``StorageEvents``); None: not kept here
@@ -92,29 +116,60 @@ class MemoryLedger:
         else:
             self.dropped += 1
 
-    def _ref_died(self, ref: weakref.ref) -> None:
-        key = self._ref_keys.pop(id(ref), None)
-        if key is not None:
-            self._freed(key)
+    @property
+    def total(self) -> int:
+        """Live bytes now."""
+        if self._dead:
+            self.drain()
+        return self._total
+
+    @total.setter
+    def total(self, value: int) -> None:
+        self._total = value
+
+    @property
+    def totals(self) -> list[int]:
+        """Live bytes now, by category (``CATEGORIES`` order)."""
+        if self._dead:
+            self.drain()
+        return self._totals
+
+    @totals.setter
+    def totals(self, value: list[int]) -> None:
+        self._totals = value
+
+    def drain(self) -> None:
+        """Count out the storages that died since the last read (see ``__init__``)."""
+        dead, keys = self._dead, self._ref_keys
+        while dead:
+            key = keys.pop(id(dead.pop()), None)
+            if key is not None:
+                self._freed(key)
 
     def _freed(self, key: int) -> None:
         nbytes = self._live.pop(key, None)
         if nbytes is None or not self.active:
             return
-        cat = self._cat.pop(key)
+        cat = self._cat.pop(key, None)
+        if cat is None:  # (counted only halfway: an exception landed in track())
+            return
         self._producer.pop(key, None)
         self._refs.pop(key, None)
-        self.totals[cat] -= nbytes
-        self.total -= nbytes
+        self._totals[cat] -= nbytes
+        self._total -= nbytes
         self._note(0, key, nbytes, cat, self.clock())
         if self.on_free is not None:
             self.on_free(key)
 
     def track(self, t: torch.Tensor, category: str, producer: int | None = None) -> bool:
         """Count ``t``'s storage under ``category`` unless already counted; True if new."""
+        if self._dead:
+            self.drain()
         try:
             st = t.untyped_storage()
-        except Exception:
+        except Exception as exc:
+            if not doctors_own(exc):
+                raise
             return False
         key = st._cdata
         if key in self._live:
@@ -131,18 +186,24 @@ class MemoryLedger:
             self._producer[key] = producer
         self._refs[key] = ref
         self._ref_keys[id(ref)] = key
-        self.totals[cat] += nbytes
-        self.total += nbytes
+        self._totals[cat] += nbytes
+        self._total += nbytes
         self._note(1, key, nbytes, cat, -1 if producer is None else producer)
         return True
 
     def known(self, key: int) -> bool:
+        if self._dead:
+            self.drain()
         return key in self._live
 
     def producer(self, key: int) -> int | None:
+        if self._dead:
+            self.drain()
         return self._producer.get(key)
 
     def category(self, key: int) -> str | None:
+        if self._dead:
+            self.drain()
         cat = self._cat.get(key)
         return None if cat is None else CATEGORIES[cat]
 
@@ -151,14 +212,16 @@ class MemoryLedger:
         key = storage_key(t)
         if key is None:
             return
+        if self._dead:
+            self.drain()
         if key not in self._live:
             self.track(t, category)
             return
         old, new = self._cat[key], _CAT_INDEX[category]
         if old != new:
             nbytes = self._live[key]
-            self.totals[old] -= nbytes
-            self.totals[new] += nbytes
+            self._totals[old] -= nbytes
+            self._totals[new] += nbytes
             self._cat[key] = new
             self._note(2, key, nbytes, new, self.clock())
 
@@ -167,6 +230,8 @@ class MemoryLedger:
 
     def bytes_by_producer(self) -> dict[int | None, int]:
         """Live bytes grouped by the op index that produced them (for module breakdowns)."""
+        if self._dead:
+            self.drain()
         out: dict[int | None, int] = {}
         producers = self._producer
         for key, nbytes in self._live.items():
@@ -177,6 +242,7 @@ class MemoryLedger:
     def close(self) -> None:
         """Stop counting and drop every weak reference (their callbacks go with them)."""
         self.active = False
+        self._dead.clear()
         for d in (self._live, self._cat, self._producer, self._refs, self._ref_keys):
             d.clear()
 
@@ -238,8 +304,13 @@ class Timeline:
 
     def add(self, index: int, totals: list[int], total: int) -> None:
         if self.stride == 1 and len(self.index) < self.capacity - 1:  # the common case: keep every op
-            self.index.append(index)
-            self._flat.extend(totals)
+            n = len(self._flat)
+            try:  # both or neither (an exception from a signal handler may land in between)
+                self._flat.extend(totals)
+                self.index.append(index)
+            except BaseException:
+                del self._flat[n:]
+                raise
             self._width = len(totals)
             return
         pending = self._pending

@@ -34,6 +34,7 @@ from .record import _tensors
 from .loop_watch import LoopWatch
 from .context import Capture
 from .memory import MemoryLedger
+from .process import doctors_own, patch
 from ..trace.records import CATEGORIES, FailedOp, Where
 
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
@@ -44,6 +45,10 @@ class _NativeLedger(MemoryLedger):
 
     def __init__(self) -> None:
         super().__init__()
+        # The recorder must hear at once that a storage it was told of died (its address may be reused by
+        # the next op's output): a Python callback here. (It sees only what existed before the step, so
+        # this rarely runs during it; the Python tier's ledger, which sees every output, notes deaths in C.)
+        self._callback = self._ref_died
         self.ext: Any = None
         self._data: dict[int, int] = {}
         self.log = None  # (the recorder keeps the ledger's history: it counts what the step makes)
@@ -59,6 +64,10 @@ class _NativeLedger(MemoryLedger):
                 self.ext.register_storage(key, self._live[key], _CAT[category], self._data[key])
         return new
 
+    def _ref_died(self, ref: Any) -> None:
+        self._dead.append(ref)
+        self.drain()
+
     def _freed(self, key: int) -> None:
         self._data.pop(key, None)
         if self.ext is not None:
@@ -69,9 +78,13 @@ class _NativeLedger(MemoryLedger):
         if self.ext is None:
             super().reclassify(t, category)
             return
+        if self._dead:
+            self.drain()
         try:
             st = t.untyped_storage()
-        except Exception:  # sparse/nested tensors have no plain storage: not counted
+        except Exception as exc:  # sparse/nested tensors have no plain storage: not counted
+            if not doctors_own(exc):
+                raise
             return
         key = st._cdata
         if key in self._live:  # existed before the step: the Python side keeps its weak reference
@@ -151,27 +164,30 @@ class NativeCapture(NativeRecords, Capture):
         wrapped for the step and put back in ``stop()``)."""
         import torch.autograd.profiler as prof
 
-        enable, disable, ext = prof._enable_profiler, prof._disable_profiler, self._ext
+        ext = self._ext
 
-        def _enable_profiler(*args: Any, **kwargs: Any) -> Any:
-            ext.suspend_memory()
-            try:
-                return enable(*args, **kwargs)
-            except BaseException:
-                ext.resume_memory()
-                raise
+        def wrap_enable(enable: Any) -> Any:
+            def _enable_profiler(*args: Any, **kwargs: Any) -> Any:
+                ext.suspend_memory()
+                try:
+                    return enable(*args, **kwargs)
+                except BaseException:
+                    ext.resume_memory()
+                    raise
+            return _enable_profiler
 
-        def _disable_profiler(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return disable(*args, **kwargs)
-            finally:
-                ext.resume_memory()
+        def wrap_disable(disable: Any) -> Any:
+            def _disable_profiler(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return disable(*args, **kwargs)
+                finally:
+                    ext.resume_memory()
+            return _disable_profiler
 
-        def put_back() -> None:
-            prof._enable_profiler, prof._disable_profiler = enable, disable
-
-        self._undo.push("torch's profiler functions", put_back)
-        prof._enable_profiler, prof._disable_profiler = _enable_profiler, _disable_profiler
+        undo: list[Any] = []
+        self._undo.push("torch's profiler functions", lambda: [u() for u in reversed(undo)])
+        undo.append(patch(prof, "_enable_profiler", wrap_enable))
+        undo.append(patch(prof, "_disable_profiler", wrap_disable))
 
     def _converted(self) -> None:
         # The recorder's buffers become records after the step (finish), not in the step's time.

@@ -16,7 +16,7 @@ import torch
 
 from .record import _CLEARING, _MAX_SCALARS
 from .state import PHASES
-from .memory import storage_key
+from .memory import grad_of, storage_key
 from .stats import dtype_name
 from ..trace.parts import NonFiniteScalar, OomInfo
 from ..trace.records import CATEGORIES, InplaceEvent, NonFiniteEvent, TensorMeta, TensorStats, Where
@@ -239,6 +239,6 @@ class NativeRecords:
         if cleared and self.history is not None:
             # zero_grad(set_to_none=False) after this run's last step: those gradients are not stale.
             for p in self.parameters():
-                g = p.grad
+                g = grad_of(p)
                 if g is not None and storage_key(g) in cleared:
                     self.history.stepped_grads.pop(g, None)

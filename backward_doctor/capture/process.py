@@ -24,9 +24,12 @@ Only the main thread receives signals; elsewhere nothing needs holding.
 """
 from __future__ import annotations
 
-import logging
 import contextlib
+import functools
+import logging
+import os
 import signal
+import sysconfig
 import threading
 from typing import Any, Callable, Iterator
 
@@ -43,6 +46,9 @@ class Hold:
         self.outer: Any = None
         self.active = False  # our noting handler is installed (main thread, a Python-level handler)
         self.window = False  # inside interrupts_allowed: the user's code runs, their handler in place
+        #: a Ctrl-C held during set-up, handed to the user's handler as their code began: "raised" (it
+        #: stopped the code before its first line), "handled" (the handler returned: the code ran), ''
+        self.handover = ""
 
     def _note(self, signum: int, frame: Any) -> None:
         self.pending = True
@@ -106,8 +112,11 @@ def interrupts_deferred() -> Iterator[Hold]:
 @contextlib.contextmanager
 def interrupts_allowed() -> Iterator[None]:
     """Inside a hold: the user's code, run with the outside handler (a Ctrl-C interrupts it as usual). One
-    that arrived while the doctor was setting up interrupts it right at its start. A handler the code
-    installs for itself is kept as the outside handler."""
+    that arrived while the doctor was setting up is handed to that handler right at the code's start (the
+    default one stops the code there; one that does not raise lets it run, under the capture, which stayed
+    installed: ``HOLD.handover`` says which). A handler the code installs for itself is kept as the outside
+    handler."""
+    HOLD.handover = ""
     if not HOLD.active:
         yield
         return
@@ -117,7 +126,9 @@ def interrupts_allowed() -> Iterator[None]:
         signal.signal(signal.SIGINT, installed)  # (from here a Ctrl-C is the user's code's)
         if HOLD.pending:
             HOLD.pending = False
+            HOLD.handover = "raised"
             _deliver(installed)
+            HOLD.handover = "handled"  # a handler that only notes it ("stop after this epoch"), or SIG_IGN
         yield
     finally:
         now = signal.signal(signal.SIGINT, HOLD._note)
@@ -169,6 +180,86 @@ class UndoStack:
             except Exception as exc:  # noqa: BLE001 - the other steps must still run
                 self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 log.warning("could not undo %s", name, exc_info=True)
+
+
+def patch(owner: Any, name: str, make: Callable[[Any], Callable[..., Any]]) -> Callable[[], None]:
+    """Replace ``owner.name`` with a wrapper of ``make(original)``; returns the undo. Undoing behaves as a
+    stack would: the original goes back only while the attribute is still the doctor's wrapper. Code that
+    wrapped it again meanwhile (a cell's own wrapper of ``torch.autograd.backward``) keeps its wrapper,
+    and the doctor's, which that one calls, then only forwards to the original (and holds nothing).
+
+    >>> import types
+    >>> box = types.SimpleNamespace(f=lambda x: x + 1)
+    >>> real = box.f
+    >>> undo = patch(box, "f", lambda f: lambda x: f(x) * 10)
+    >>> ours = box.f; box.f(1)
+    20
+    >>> box.f = lambda x: ours(x) + 1000          # the user's wrapper, on top of the doctor's
+    >>> undo(); box.f(1), box.f is real            # theirs stays; ours only forwards now
+    (1002, False)
+    """
+    original = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
+    inner: list[Any] = [make(original)]
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        fn = inner[0]
+        return fn(*args, **kwargs) if fn is not None else original(*args, **kwargs)
+
+    def undo() -> None:
+        inner[0] = None
+        current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if current is wrapper:
+            setattr(owner, name, original)
+
+    setattr(owner, name, wrapper)
+    return undo
+
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SITE = tuple({p for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p})
+_STDLIB = os.path.dirname(os.__file__)
+_TORCH: str | None = None
+
+
+def _is_own(file: str) -> bool:
+    """The doctor's own code, torch's, or the standard library's (not the user's, not another package's)."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
+
+        _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+    if file.startswith((_PKG, _TORCH)):
+        return True
+    return not file.startswith(_SITE) and file.startswith((_STDLIB, "<frozen"))
+
+
+def doctors_own(exc: BaseException) -> bool:
+    """True when ``exc``, caught in the doctor's bookkeeping, is the bookkeeping's own failure (a tensor kind
+    it cannot describe, a statistic it cannot take: raised in its code, torch's or the standard library's),
+    so that it may be swallowed and said. False for anything else, which the caller must re-raise: an
+    exception from the user's code (a hook, a tensor subclass) or from a signal handler (a cell's own
+    SIGALRM time limit raises its TimeoutError wherever the main thread is, the doctor's per-op code
+    included), and every ``BaseException`` (Ctrl-C, ``SystemExit``). The frame that raised decides: a
+    handler's exception is raised in the handler's frame, the innermost one of its traceback.
+
+    >>> import json
+    >>> def failing(raiser):
+    ...     try:
+    ...         raiser()
+    ...     except Exception as e:
+    ...         return doctors_own(e)
+    >>> failing(lambda: json.loads("x")), failing(lambda: 1 / 0)  # (the standard library's; this file's)
+    (True, False)
+    """
+    if not isinstance(exc, Exception):
+        return False
+    tb = exc.__traceback__
+    if tb is None:
+        return True
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return _is_own(tb.tb_frame.f_code.co_filename)
 
 
 _owner_lock = threading.Lock()

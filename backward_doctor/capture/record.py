@@ -23,6 +23,7 @@ import torch
 
 from . import checks
 from .memory import shape_of, storage_key
+from .process import doctors_own
 from .state import _NODE_BUDGET, PHASES, CaptureState
 from .stats import meta, screen_nonfinite
 from ..trace.parts import NonFiniteScalar, OomInfo
@@ -132,6 +133,8 @@ class OpRecorder(CaptureState):
         grad_enabled = _grad_enabled()
         ins = _tensors(args, kwargs)
         led = self._ledger
+        if led._dead:  # storages that died since the last op: counted out before their keys are looked up
+            led.drain()
         in_keys = tuple([storage_key(t) or 0 for t in ins])
         live = led._live
         for t, k in zip(ins, in_keys):
@@ -166,6 +169,8 @@ class OpRecorder(CaptureState):
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a tensor kind the recorder cannot describe
+            if not doctors_own(exc):  # a signal handler's or the user's code's: theirs, as without the doctor
+                raise
             self._unrecorded += 1
             if self._unrecorded == 1:
                 self.trace.notes.append(f"some ops could not be recorded (the first: {args[0][0]}: "
@@ -251,7 +256,9 @@ class OpRecorder(CaptureState):
         try:
             metas = [(t.shape, t.dtype, t.device, t.requires_grad) for t in ins]
             metas += [(t.shape, t.dtype, t.device, t.requires_grad) for t in outs]
-        except RuntimeError:  # a strided nested tensor has no single shape
+        except RuntimeError as exc:  # a strided nested tensor has no single shape
+            if not doctors_own(exc):
+                raise
             metas = [(shape_of(t), t.dtype, t.device, t.requires_grad) for t in list(ins) + list(outs)]
         self._append(index, name, phase, fwd_index, grad_enabled, where, metas, list(in_keys) + list(out_keys),
                      len(ins), total, us)
@@ -279,12 +286,17 @@ class OpRecorder(CaptureState):
         fwd = -1 if fwd_index is None else fwd_index
         start = (self._t_last - self._t0) * 1e6 - us  # (_t_last: this op's end)
         if self._n_kept < self._max_ops:
+            n_ints, n_io, n_us, n_t0 = len(self._rec_ints), len(self._rec_io), len(self._rec_us), len(self._rec_t0)
+            try:  # all four or none: an exception from a signal handler may land between any two
+                self._rec_ints.extend((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
+                                       len(metas) - n_in, n_io, total))
+                self._rec_io.extend(io)
+                self._rec_us.append(us)
+                self._rec_t0.append(start)
+            except BaseException:
+                del self._rec_ints[n_ints:], self._rec_io[n_io:], self._rec_us[n_us:], self._rec_t0[n_t0:]
+                raise
             self._n_kept += 1
-            self._rec_ints.extend((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,
-                                   len(metas) - n_in, len(self._rec_io), total))
-            self._rec_io.extend(io)
-            self._rec_us.append(us)
-            self._rec_t0.append(start)
         else:  # past max_ops: a ring buffer of the last ops (a tuple each, bounded)
             self._tail_count += 1
             self._tail.append((index, name_id, _PHASE_ID[phase], fwd, grad_enabled, where_id, n_in,

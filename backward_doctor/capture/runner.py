@@ -11,15 +11,16 @@ True
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
 import linecache
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from .process import complete, interrupts_allowed, interrupts_deferred
+from .process import HOLD, complete, interrupts_allowed, interrupts_deferred
 from .context import Capture
 from .frames import UserFrames
 from .history import CellHistory
@@ -68,8 +69,8 @@ class Watchdog:
                 self._old_handler, deferral.outer = deferral.outer, signal.default_int_handler
             self._thread = threading.Thread(target=self._watch, name="backward_doctor-watchdog", daemon=True)
             self._thread.start()
-            if deferral.pending:  # a Ctrl-C while arming: disarm, then it is delivered as the user's handler would
-                self._close(deferral)
+            if deferral.pending and deferral.depth == 1:  # a Ctrl-C while arming, delivered as this ends:
+                self._close(deferral)                       # disarm (in a diagnosis's hold the cell gets it)
 
     def _expired(self) -> bool:
         """Wait until the run ends (False) or the timeout passes without progress (True)."""
@@ -160,16 +161,30 @@ def cell_filename() -> str:
     return f"<backward_doctor-cell-{next(_cells)}>"
 
 
-def _run_disarmed_after(run: Callable[[], BaseException | None], watchdog: Watchdog) -> BaseException | None:
+def _run_disarmed_after(run: Callable[[], BaseException | None], watchdog: Watchdog,
+                        notes: list[str]) -> BaseException | None:
     """The cell's run; its exception returned as data; the watchdog disarmed as soon as it ends. (Its own
     function: a `try` as the first statement of a `with` body leaves an unprotected instruction.)"""
+    handed: str | None = None
     try:
         with interrupts_allowed():  # the user's code: Ctrl-C interrupts it as usual
+            handed = HOLD.handover  # (read now: a diagnosis inside the cell has its own)
             return run()
     except BaseException as e:  # noqa: BLE001 - the cell's error is data here
         return e
     finally:
         watchdog.disarm()
+        handed = HOLD.handover if handed is None else handed  # (the handover itself raised: no cell ran)
+        if handed:
+            notes.append(_HANDOVER[handed])
+
+
+_HANDOVER = {
+    "raised": "a Ctrl-C came while the doctor was setting up; handed to the SIGINT handler as the cell was "
+              "about to start, it stopped it there: the cell did not run",
+    "handled": "a Ctrl-C came while the doctor was setting up; handed to the cell's SIGINT handler as the cell "
+               "was about to start, it did not stop it: the cell ran under the capture, recorded as usual",
+}
 
 
 _running: list[Capture] = []  # the capture of the run in progress (a nested diagnosis adds one)
@@ -219,7 +234,7 @@ def _run_under_capture(run: Callable[[], BaseException | None], capture: Capture
         # Capture first: its start-up (a one-time torch import) is not the cell's time.
         with capture:
             with watchdog:
-                exc = _run_disarmed_after(run, watchdog)
+                exc = _run_disarmed_after(run, watchdog, capture.trace.notes)
             if exc is not None and not watchdog.fired:
                 capture.photograph_workers(exc)
     except KeyboardInterrupt as e:  # the interrupt landed after the cell ended
@@ -234,12 +249,28 @@ def traced(capture: Capture, watchdog: Watchdog, exc: BaseException | None) -> T
     if watchdog.fired:
         trace.timed_out = True
         trace.threads = watchdog.stacks
-    if exc is not None:
-        capture.record_exception(exc)
-        if isinstance(exc, KeyboardInterrupt) and not trace.threads:
-            trace.threads = capture._frames.thread_stacks()
-    del exc
-    return capture.finish()
+    with _modes_off():  # the doctor's own ops after the cell: a dispatch mode the cell left on must not see them
+        if exc is not None:
+            capture.record_exception(exc)
+            if isinstance(exc, KeyboardInterrupt) and not trace.threads:
+                trace.threads = capture._frames.thread_stacks()
+        del exc
+        return capture.finish()
+
+
+@contextlib.contextmanager
+def _modes_off() -> Iterator[None]:
+    """Every dispatch mode off meanwhile (only a cell's own can be on here: the doctor's is off), then on
+    again as they were."""
+    import torch
+
+    if not torch._C._len_torch_dispatch_stack():
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,

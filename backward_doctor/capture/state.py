@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .frames import UserFrames
-from .memory import MemoryLedger, Timeline
+from .memory import MemoryLedger, Timeline, grad_of
 from .process import UndoStack
 from ..trace.parts import NonFiniteScalar, OomInfo
 from ..trace.records import Trace, Where
@@ -150,8 +150,9 @@ class CaptureState:
             return
         self._params[id(p)] = weakref.ref(p)
         self._ledger.track(p, "parameters")
-        if p.grad is not None:
-            self._ledger.track(p.grad, "gradients")
+        grad = grad_of(p)
+        if grad is not None:
+            self._ledger.track(grad, "gradients")
         # A parameter that is no longer a leaf (an in-place update with grad on attached a graph to it)
         # gets no gradient and takes no hook: the rules report it (``nonleaf_param``).
         if p.requires_grad and p.is_leaf and hasattr(p, "register_post_accumulate_grad_hook"):
@@ -159,8 +160,9 @@ class CaptureState:
 
     def _accumulated(self, param: torch.Tensor) -> None:
         self._got_grad.add(id(param))
-        if param.grad is not None:
-            self._ledger.reclassify(param.grad, "gradients")
+        grad = grad_of(param)
+        if grad is not None:
+            self._ledger.reclassify(grad, "gradients")
 
     def parameters(self) -> list[torch.Tensor]:
         """The live parameters seen during the run (strong refs only for the caller's use)."""

@@ -15,6 +15,7 @@ import math
 import torch
 
 from .memory import shape_of
+from .process import doctors_own
 from ..trace.records import TensorMeta, TensorStats
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,9 @@ def tensor_stats(t: torch.Tensor) -> TensorStats | None:
             out.min, out.max = float(lo), float(hi)
             out.mean = float(finite.double().mean())
         return out
-    except Exception:  # statistics are evidence, never a reason to fail the user's step
+    except Exception as exc:  # statistics are evidence, never a reason to fail the user's step
+        if not doctors_own(exc):  # (a signal handler's exception is the user's: it goes on)
+            raise
         log.debug("no statistics for a %s tensor", getattr(t, "layout", "?"), exc_info=True)
         return None
 
@@ -96,7 +99,9 @@ def screen_nonfinite(t: torch.Tensor) -> bool:
         if math.isfinite(s.item()):
             return False
         return not bool(torch.isfinite(t).all())
-    except Exception:
+    except Exception as exc:
+        if not doctors_own(exc):
+            raise
         log.debug("no NaN/Inf screen for a %s tensor", getattr(t, "layout", "?"), exc_info=True)
         return False
 

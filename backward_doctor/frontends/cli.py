@@ -26,8 +26,10 @@ from typing import Any, Callable
 from ..api import check_fix, check_timeout, diagnose
 from ..report.combined import load_report
 from ..report.places import name_places
+from ..report.schema import loads
 from ..report.renderers import names, renderer, write
 from ..run.engine import choose_engine
+from ..util.files import read_bounded
 from ..util.units import parse_size
 from .script import read_source as _read
 
@@ -190,7 +192,7 @@ def _exit_with_report(real_exit: Callable[[int], Any], args: argparse.Namespace)
 def combine_main(argv: list[str]) -> int:
     """``combine FOLDER``: one report from the files ranks wrote under ``torchrun -m
     backward_doctor.run.rank FILE.py FOLDER`` (several machines: gather their folders into one first)."""
-    from .launch import combine_folder
+    from .combine import combine_folder
 
     p = argparse.ArgumentParser(prog="python -m backward_doctor combine",
                                 description="Combine the ranks' files of a torchrun run into one report.")
@@ -202,8 +204,8 @@ def combine_main(argv: list[str]) -> int:
     _check_outputs(p, args)
     try:
         report = combine_folder(args.folder)
-    except ValueError as exc:
-        p.error(str(exc))
+    except (ValueError, OSError) as exc:  # no rank files, a file that is not a rank's, an unreadable folder
+        p.error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     _emit(report, args)
     return 0 if report.ok else 1
 
@@ -225,13 +227,11 @@ def render_main(argv: list[str]) -> int:
         p.error(f"--as {args.kind} writes a binary file: give -o OUT (e.g. -o snapshot{renderer(args.kind).suffix})")
     _check_output(p, "-o/--html", args.output)
     try:
-        with open(args.report, encoding="utf-8") as fh:
-            data = json.load(fh)
-        report = load_report(data)
+        report = load_report(loads(read_bounded(args.report)))
     except OSError as exc:
         p.error(f"cannot read {args.report}: {exc.strerror or exc}")
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # not JSON, or not a report's JSON
-        p.error(f"{args.report} is not a saved backward_doctor report ({type(exc).__name__}: {exc})")
+    except (ValueError, UnicodeDecodeError) as exc:  # not a regular file, too big, not JSON, not a report
+        p.error(f"{args.report} is not a saved backward_doctor report: {str(exc).splitlines()[0][:300]}")
     try:
         if args.output:
             write(report, args.kind, args.output)

@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 from ..report.combined import CombinedReport
+from ..util.orphans import die_with_parent, release_inherited_sockets
 from .launch import DEFAULT_TIMEOUT, _Rank, check_nproc, rank_env, supervise
 
 
@@ -48,13 +49,17 @@ class _Forked:
 
 
 def _child(rank: int, nproc: int, port: int, out_dir: str, source: str, cell_file: str, namespace: dict[str, Any],
-           engine: str, every_iteration: bool, out_fd: int, err_fd: int) -> None:
-    """The rank's whole life in the forked child; never returns (``os._exit``)."""
+           engine: str, every_iteration: bool, out_fd: int, err_fd: int, parent: int) -> None:
+    """The rank's whole life in the forked child; never returns (``os._exit``). It dies with the kernel
+    (a kernel restarted meanwhile leaves no rank running) and holds none of the kernel's sockets (the
+    restarted kernel binds the same ports)."""
     code = 1
     try:
+        die_with_parent(parent)
         os.setsid()  # its own session: the launcher can kill it and whatever it starts
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
+        release_inherited_sockets()
         # The kernel's streams talk to Jupyter over sockets the child must not touch: plain fds instead.
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
@@ -101,11 +106,13 @@ def launch_cell(source: str, namespace: dict[str, Any], nproc: int, *, timeout: 
         r_err, w_err = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(r_out)
             os.close(r_err)
-            _child(k, nproc, port, out_dir, source, cell_file, namespace, engine, every_iteration, w_out, w_err)
+            _child(k, nproc, port, out_dir, source, cell_file, namespace, engine, every_iteration, w_out, w_err,
+                   parent)
         os.close(w_out)
         os.close(w_err)
         return _Rank(k, _Forked(pid, r_out, r_err), echo)  # type: ignore[arg-type]

@@ -27,11 +27,16 @@ import time
 from typing import IO, Any, Callable
 
 from ..analysis.distributed import analyze_ranks
+from ..capture.process import interrupts_allowed
 from ..report.combined import CombinedReport
-from ..run.rank import load_rank, paths
+from ..report.schema import ReportError
+from ..run.rank import PARENT_ENV, load_rank, paths
+from ..trace.distributed import RankRecord
+from .combine import combine_folder  # noqa: F401  (``combine`` of a torchrun folder; kept importable here)
 
 DEFAULT_TIMEOUT = 300.0  # a hang is bounded even without --timeout (gloo's own default is 30 minutes)
 GRACE_S = 5.0            # after one rank failed: how long the others get to fail or finish by themselves
+STARTUP_S = 120.0        # beyond the timeout: for a rank to start the script at all (Python, torch's import)
 _MAX_NPROC = 64
 _TAIL = 60               # lines of each rank's stderr kept as evidence
 
@@ -85,6 +90,8 @@ class _Rank:
         self.rank, self.proc = rank, proc
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
         self.stopped = ""
+        self.stopped_at: float | None = None               # when the launcher asked it to stop
+        self.progressed_at = time.monotonic()              # when its log last grew
         self.threads = [threading.Thread(target=self._pump, args=(proc.stdout, sys.stdout, echo, False), daemon=True),
                         threading.Thread(target=self._pump, args=(proc.stderr, sys.stderr, echo, True), daemon=True)]
         for t in self.threads:
@@ -107,7 +114,7 @@ class _Rank:
         stuck in C++ answers). False when it had already exited."""
         if self.proc.poll() is not None:
             return False
-        self.stopped = why
+        self.stopped, self.stopped_at = why, time.monotonic()
         try:
             if hasattr(signal, "SIGUSR1"):
                 os.kill(self.proc.pid, signal.SIGUSR1)
@@ -167,6 +174,7 @@ def launch(script: str, nproc: int, *, timeout: float | None = None, engine: str
         env = rank_env(k, nproc, port)
         # The ranks import this very backward_doctor, wherever it was imported from.
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env[PARENT_ENV] = str(os.getpid())  # the rank dies with the launcher, whatever kills it
         argv = [sys.executable, "-m", "backward_doctor.run.rank", script, out_dir, engine]
         proc = subprocess.Popen(argv + (["every"] if every_iteration else []), env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -182,67 +190,110 @@ def supervise(start: Callable[[int, int, str], "_Rank"], nproc: int, timeout: fl
               source: str) -> CombinedReport:
     """Start ``nproc`` ranks with ``start(rank, port, out_dir)``, wait for them (see the module doc),
     read what each left in ``out_dir`` and combine it (``launch`` and ``fork_ranks.launch_cell`` use it;
-    see ``launch``'s example)."""
+    see ``launch``'s example). A Ctrl-C (a kernel's interrupt) stops the ranks at once and the report says
+    where each was; SIGTERM or SIGHUP to this process stop them and remove their folder before it ends as
+    the signal would have ended it."""
     out_dir = tempfile.mkdtemp(prefix="backward_doctor-ranks-")
     port = free_port()
     begin = time.monotonic()
     ranks: list[_Rank] = []
+    notes: list[str] = []
+    ended_by: list[int] = []
+    previous = _on_termination(ended_by)
     try:
         for k in range(nproc):
             ranks.append(start(k, port, out_dir))
-        _wait(ranks, out_dir, begin + timeout)
+        try:
+            with interrupts_allowed():  # (inside a diagnosis's hold, as in the magic: a Ctrl-C must reach here)
+                _wait(ranks, out_dir, timeout)
+        except KeyboardInterrupt:
+            stop_all(ranks, "interrupted")
+            notes.append(f"interrupted (Ctrl-C) after {time.monotonic() - begin:.1f} s: every rank was stopped, "
+                         "its stacks taken first")
         for r in ranks:
             for t in r.threads:
                 t.join(timeout=5)
         records = []
         for r in ranks:
-            rec = load_rank(out_dir, r.rank, nproc, script)
+            try:
+                rec = load_rank(out_dir, r.rank, nproc, script, local=True)
+            except ReportError as exc:  # (files the script itself put there, in its ranks' folder)
+                rec = RankRecord(r.rank, nproc, script=script)
+                notes.append(f"rank {r.rank}'s files could not be read: {exc}")
             code = r.proc.returncode
             rec.exitcode, rec.stopped, rec.output_tail = code, r.stopped, "\n".join(r.tail)
             rec.signal = signal.Signals(-code).name if code is not None and code < 0 and not r.stopped else None
+            if r.stopped and r.stopped_at is not None:
+                rec.progress_s = max(0.0, r.stopped_at - r.progressed_at)
             records.append(rec)
-        notes = [f"rank {rec.rank} was killed by {rec.signal} after its script had finished (gloo's teardown "
-                 "at interpreter exit; the run itself completed)"
-                 for rec in records if rec.signal and rec.wrote_report and rec.trace and rec.trace.exception is None]
+        notes += [f"rank {rec.rank} was killed by {rec.signal} after its script had finished (gloo's teardown "
+                  "at interpreter exit; the run itself completed)"
+                  for rec in records if rec.signal and rec.wrote_report and rec.trace and rec.trace.exception is None]
         return CombinedReport(findings=analyze_ranks(records, timeout=timeout), ranks=records, script=script,
                               source=source, nproc=nproc, timeout_s=timeout, duration_s=time.monotonic() - begin,
                               notes=notes)
     finally:
         stop_all(ranks, "the launcher stopped")  # Ctrl-C or an error here: no rank outlives the launcher
         shutil.rmtree(out_dir, ignore_errors=True)
+        _restore(previous)
+        if ended_by:  # end as SIGTERM/SIGHUP would have ended the process, now that nothing is left behind
+            os.kill(os.getpid(), ended_by[0])
 
 
-def combine_folder(folder: str) -> CombinedReport:
-    """The combined report of ranks that wrote into ``folder`` under another launcher (``torchrun -m
-    backward_doctor.run.rank FILE.py FOLDER`` on each machine, the folders gathered into one).
-    ``ValueError`` when the folder holds no rank's files. How each process ended is unknown here.
-
-    >>> combine_folder("/nonexistent")
-    Traceback (most recent call last):
-    ValueError: /nonexistent holds no rank files (rank0.json, rank0.log, ...)
-    """
-    import re
-
-    found = set()
-    if os.path.isdir(folder):
-        found = {int(m.group(1)) for name in os.listdir(folder) if (m := re.match(r"rank(\d+)\.(json|log)$", name))}
-    if not found:
-        raise ValueError(f"{folder} holds no rank files (rank0.json, rank0.log, ...)")
-    records = [load_rank(folder, k, max(found) + 1) for k in sorted(found)]
-    world = max([r.world_size for r in records] + [max(found) + 1])
-    script = next((r.script for r in records if r.script), "")
-    source = next((r.trace.source for r in records if r.trace is not None and r.trace.source), "")
-    notes = [f"rank {k} left no files" for k in range(world) if k not in found]
-    return CombinedReport(findings=analyze_ranks(records), ranks=records, script=script, source=source,
-                          nproc=world, notes=notes)
+class _Terminated(BaseException):
+    """SIGTERM/SIGHUP arrived while ranks ran: unwinds to ``supervise``'s clean-up."""
 
 
-def _wait(ranks: list[_Rank], out_dir: str, deadline: float) -> None:
-    """Until every rank exits, the deadline passes, or the grace after a failure ends."""
+def _on_termination(ended_by: list[int]) -> dict[int, Any]:
+    """While ranks run: SIGTERM and SIGHUP first stop them and remove their folder (``supervise``), then
+    end the process as before. Only the main thread can set handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum: int, frame: Any) -> None:
+        if not ended_by:
+            ended_by.append(signum)
+            raise _Terminated(signal.Signals(signum).name)
+
+    previous = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except (ValueError, OSError):
+                continue
+    return previous
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _wait(ranks: list[_Rank], out_dir: str, timeout: float) -> None:
+    """Until every rank exits, the time limit passes, or the grace after a failure ends. The limit counts
+    from the moment every rank has started the script (its log begun): starting a Python process and
+    importing torch is not the script's time, and takes seconds on a busy machine; a rank that never gets
+    there is given ``STARTUP_S`` more. Meanwhile each rank's log is watched: when it last grew is when the
+    rank last showed progress (a collective, an iteration), which tells a slow run from a hung one."""
     failed_at: float | None = None
     first_failed = None
+    logs = {r.rank: paths(out_dir, r.rank)["log"] for r in ranks}
+    sizes = {r.rank: -1 for r in ranks}
+    deadline = time.monotonic() + timeout + STARTUP_S
+    started = False
     while any(r.proc.poll() is None for r in ranks):
         now = time.monotonic()
+        for r in ranks:
+            try:
+                size = os.stat(logs[r.rank]).st_size
+            except OSError:
+                continue
+            if size != sizes[r.rank]:
+                sizes[r.rank], r.progressed_at = size, now
+        if not started and all(size > 0 for size in sizes.values()):
+            started, deadline = True, now + timeout
         if failed_at is None:
             first_failed = next((r for r in ranks if _failed(r, out_dir)), None)
             if first_failed is not None:

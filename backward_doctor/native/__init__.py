@@ -12,13 +12,14 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,7 @@ def enabled() -> bool:
 
 def _build_dir() -> str:
     """One build directory per torch install and Python (two venvs must not share one), under
-    ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``; a lock left by a process killed
-    while compiling (a build takes well under a minute) is removed after 10 minutes."""
+    ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``."""
     import hashlib
 
     import torch
@@ -48,13 +48,49 @@ def _build_dir() -> str:
     tag = hashlib.sha1(f"{torch.__file__}|{torch.__version__}|{sys.version}".encode()).hexdigest()[:10]
     path = os.path.join(root, f"backward_doctor_native_{tag}")
     os.makedirs(path, exist_ok=True)
-    lock = os.path.join(path, "lock")
-    try:
-        if time.time() - os.path.getmtime(lock) > 600:
-            os.remove(lock)
-    except OSError:
-        pass
     return path
+
+
+#: How long a build waits for another process building in the same place (a build takes well under a
+#: minute, a few on a busy machine); past it, the Python tier records the ops and ``status()`` says why.
+WAIT_S = 900.0
+
+
+@contextlib.contextmanager
+def _build_lock(path: str) -> Iterator[None]:
+    """The right to build or load in ``path``: an ``flock`` on ``path/build.lock``, which the kernel releases
+    when its holder dies, so a build killed mid-compile never blocks the next one. Under it, torch's own
+    ``lock`` file (a ``FileBaton`` that a killed build leaves behind, and that every later load then waits on
+    forever) can only be a dead process's, and is removed. Waiting for a live builder is bounded
+    (:data:`WAIT_S`) and said once on stderr; past it, ``TimeoutError`` naming the folder."""
+    try:
+        import fcntl
+    except ImportError:  # (no flock: torch's own lock as it is)
+        yield
+        return
+    fd = os.open(os.path.join(path, "build.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline, said = time.monotonic() + WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process has been building the native recorder in {path} for "
+                                       f"over {WAIT_S:g} s") from None
+                if not said:
+                    said = True
+                    print("backward_doctor: waiting for another process building the native recorder...",
+                          file=sys.stderr, flush=True)
+                time.sleep(0.2)
+        try:
+            os.remove(os.path.join(path, "lock"))  # torch's: left by a build that was killed
+        except FileNotFoundError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # (releases the flock)
 
 
 def load(build: bool = True, retry: bool = False) -> Any:
@@ -78,9 +114,10 @@ def load(build: bool = True, retry: bool = False) -> Any:
         try:
             from torch.utils.cpp_extension import load as _load
 
-            with warnings.catch_warnings():
+            folder = _build_dir()
+            with warnings.catch_warnings(), _build_lock(folder):
                 warnings.simplefilter("ignore")
-                _module = _load(name="backward_doctor_native", sources=[_SOURCE], build_directory=_build_dir(),
+                _module = _load(name="backward_doctor_native", sources=[_SOURCE], build_directory=folder,
                                 extra_cflags=["-O3", "-DNDEBUG"], verbose=False)
             _reason = None
         except Exception as exc:  # no compiler, no ninja, no headers: the Python tier does the work

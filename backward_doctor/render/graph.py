@@ -24,6 +24,7 @@ from ..analysis.findings import forward_where
 from ..report.places import line_label
 from .style import esc
 from .view import offending_record, tensor_bytes
+from ..trace.queries import line_text
 from ..trace.records import OpRecord, Trace
 from .graph_svg import Node, View, _Edge, _Op, draw
 
@@ -156,14 +157,7 @@ def _line_key(trace: Trace, rec: OpRecord, places: dict[str, str] | None = None)
     w = rec.where
     if w.line is None:
         return "line ?", ""
-    label = line_label(places or {}, w.line, w.file)
-    if w.file is None:
-        lines = trace.source.splitlines()
-        text = lines[w.line - 1].strip() if 0 < w.line <= len(lines) else ""
-        return label, text
-    import linecache
-
-    return label, linecache.getline(w.file, w.line).strip()
+    return line_label(places or {}, w.line, w.file), line_text(trace, w.line, w.file)
 
 
 def _builds_graph(op: OpRecord) -> bool:

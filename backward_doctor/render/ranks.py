@@ -9,13 +9,13 @@ rank, then the findings, each naming its rank; each rank's own report folds out 
 """
 from __future__ import annotations
 
-import linecache
 import textwrap
 from typing import TYPE_CHECKING
 
 from ..analysis.findings import Finding
 from ..report.report import Report
 from ..trace.distributed import RankRecord
+from ..trace.queries import line_text
 from ..trace.records import Trace
 from .style import CSS, esc, sev_color
 
@@ -47,12 +47,14 @@ def _rank_line(r: RankRecord) -> str:
 
 
 def _code(report: "CombinedReport", f: Finding) -> str:
+    """The finding's line, from the report alone: the script's source, or the excerpts its rank recorded."""
     if f.line is None:
         return ""
-    lines = report.source.splitlines()
-    if f.file is None and 0 < f.line <= len(lines):
-        return lines[f.line - 1].strip()
-    return linecache.getline(f.file or report.script, f.line).strip()
+    if f.file is None:
+        lines = report.source.splitlines()
+        if 0 < f.line <= len(lines):
+            return lines[f.line - 1].strip()
+    return line_text(_trace_for(report, f.rank), f.line, f.file)
 
 
 def _verdict(report: "CombinedReport") -> str:
@@ -130,7 +132,7 @@ def ranks_html(report: "CombinedReport") -> str:
         issued = sum(c.count or (1 if c.pending else 0) for c in r.collectives)
         where = position(r)[0] if (r.waiting_in is not None or r.stopped or not r.collectives) else \
             f"last: {r.collectives[-1].label()}"
-        out.append(f'<tr><td class="num">{r.rank}</td><td>{esc(r.ended())}</td><td class="num">{issued}</td>'
+        out.append(f'<tr><td class="num">{esc(r.rank)}</td><td>{esc(r.ended())}</td><td class="num">{esc(issued)}</td>'
                    f'<td class="mono">{esc(where)}</td><td class="mono">{esc(rank_error(r)[:300])}</td></tr>')
     out.append("</table>")
     out.append("<h3>Root cause</h3>" if report.findings else '<div class="sub">No findings.</div>')
@@ -141,7 +143,7 @@ def ranks_html(report: "CombinedReport") -> str:
             continue
         own = Report(findings=[f for f in report.findings if f.rank == r.rank], trace=r.trace,
                      exception=r.trace.exception.summary() if r.trace.exception else None)
-        out.append(f"<details><summary>Rank {r.rank}: its own report</summary>{render_html(own)}</details>")
+        out.append(f"<details><summary>Rank {esc(r.rank)}: its own report</summary>{render_html(own)}</details>")
     out.extend(f'<div class="sub">note: {esc(n)}</div>' for n in report.notes)
     out.append("</div>")
     return "".join(out)

@@ -8,13 +8,13 @@ table's rows, the fixes that apply, the source lines around a place.
 """
 from __future__ import annotations
 
-import linecache
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..analysis.findings import forward_where
 from ..report.places import line_label
+from ..trace.queries import source_lines
 from ..trace.records import OpRecord, TensorMeta, Trace, Where
 from .style import CATEGORY_LABELS
 from .wording import finding_title, original_verdict
@@ -246,17 +246,18 @@ def applicable_fixes(report: "Report") -> list[FixOption]:
 
 # --------------------------------------------------------------------------- pieces
 def source_context(trace: Trace, line: int | None, file: str | None, around: int = 3) -> list[tuple[int, str]]:
-    """(number, text) of the lines around ``line`` in the cell or in ``file``."""
+    """(number, text) of the lines around ``line`` in the cell or in ``file``, as far as the report holds
+    them (the cell's source, the excerpts copied at record time): nothing is read from this machine's disk.
+
+    >>> source_context(Trace(source="a\\nb\\nc"), 2, None, around=1), source_context(Trace(), 1, "/etc/passwd")
+    ([(1, 'a'), (2, 'b'), (3, 'c')], [])
+    """
     if line is None:
         return []
-    if file is None:
-        lines = trace.source.splitlines()
-    else:
-        lines = [s.rstrip("\n") for s in linecache.getlines(file)]
-    if not 0 < line <= len(lines):
+    lines = source_lines(trace, file)
+    if line not in lines:
         return []
-    lo, hi = max(1, line - around), min(len(lines), line + around)
-    return [(i, lines[i - 1]) for i in range(lo, hi + 1)]
+    return [(i, lines[i]) for i in range(line - around, line + around + 1) if i in lines]
 
 
 def verdict_parts(report: "Report") -> tuple[str, str, str, str]:

@@ -26,7 +26,7 @@ KIND_WORDS = {
     "nonfinite": "NaN / Inf", "nonleaf_param": "Parameters not leaves", "oom": "Out of memory",
     "orphan_params": "Parameters without gradient", "shape_mismatch": "Shapes do not fit",
     "stale_grad": "Gradients never zeroed", "grad_accumulation": "Gradient accumulation", "amp_misuse":
-    "Mixed precision misused",
+    "Mixed precision misused", "timeout": "Time limit reached",
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from ..analysis.findings import Finding
 from ..trace.distributed import RankRecord
 from .renderers import renderer, write
+from .schema import FORMAT, VERSION, check_report
 
 
 @dataclass
@@ -53,13 +54,15 @@ class CombinedReport:
         return errors[0][1] if errors else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "distributed", "ok": self.ok, "script": self.script, "source": self.source,
+        return {"format": FORMAT, "version": VERSION, "kind": "distributed", "ok": self.ok, "script": self.script, "source": self.source,
                 "nproc": self.nproc,
                 "timeout_s": self.timeout_s, "duration_s": self.duration_s, "notes": list(self.notes),
                 "findings": [f.to_dict() for f in self.findings], "ranks": [r.to_dict() for r in self.ranks]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CombinedReport":
+        """A combined report from :meth:`to_dict` output, checked against ``schema.json`` first (``ReportError``)."""
+        check_report({**data, "kind": "distributed"} if isinstance(data, dict) else data)
         return cls(findings=[Finding.from_dict(f) for f in data.get("findings", [])],
                    ranks=[RankRecord.from_dict(r) for r in data.get("ranks", [])], script=data.get("script", ""),
                    source=data.get("source", ""), nproc=data.get("nproc", 0), timeout_s=data.get("timeout_s"),
@@ -94,12 +97,16 @@ class CombinedReport:
 
 
 def load_report(data: dict[str, Any]) -> Any:
-    """A saved report of either kind (``--json``): a :class:`CombinedReport` or a ``Report``.
+    """A saved report of either kind (``--json``): a :class:`CombinedReport` or a ``Report``; ``ReportError``
+    (one line naming the field) when it does not fit ``schema.json``.
 
     >>> type(load_report({"kind": "distributed"})).__name__, type(load_report({})).__name__
     ('CombinedReport', 'Report')
+    >>> load_report({"kind": "distributed", "ranks": [{"rank": "<script>", "world_size": 2}]})
+    Traceback (most recent call last):
+    backward_doctor.report.schema.ReportError: ranks[0].rank: "<script>" is not an integer
     """
-    if data.get("kind") == "distributed":
+    if isinstance(data, dict) and data.get("kind") == "distributed":
         return CombinedReport.from_dict(data)
     from .report import Report
 

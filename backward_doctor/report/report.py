@@ -15,6 +15,7 @@ from typing import Any
 from ..analysis.findings import Finding
 from .fix_result import FixResult
 from .renderers import renderer, write
+from .schema import FORMAT, VERSION, check_report
 from ..trace.records import Trace
 
 
@@ -43,13 +44,19 @@ class Report:
         return self.findings[0] if self.findings else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "exception": self.exception, "fix": self.fix,
+        """The report as JSON-ready data: ``format``, ``version`` and the fields ``schema.json`` describes
+        (``docs/report-format.md``)."""
+        return {"format": FORMAT, "version": VERSION, "ok": self.ok, "exception": self.exception, "fix": self.fix,
                 "findings": [f.to_dict() for f in self.findings], "trace": self.trace.to_dict(),
                 "fix_result": self.fix_result.to_dict() if self.fix_result is not None else None,
                 "places": dict(self.places), "engine_note": self.engine_note}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Report":
+        """A report from :meth:`to_dict` output, of this version or an older one. The data is checked against
+        ``schema.json`` first: ``ReportError`` (a ``ValueError``, one line naming the field) when it does not
+        fit, so nothing below ever reads a value of the wrong type or size."""
+        check_report(data)
         return cls(findings=[Finding.from_dict(f) for f in data.get("findings", [])],
                    exception=data.get("exception"), fix=data.get("fix"),
                    trace=Trace.from_dict(data.get("trace", {})),

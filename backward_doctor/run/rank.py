@@ -22,14 +22,20 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import tokenize
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from ..capture.collectives import _SKIP_DIRS, CollectiveRecorder, fill_from_flight_recorder
+from ..capture.excerpts import keep_excerpts
 from ..capture.process import one_run_at_a_time
+from ..report.schema import ReportError, loads, validate
 from ..trace.distributed import Collective, RankRecord
 from ..trace.records import FrameInfo, ThreadStack
+from ..util.files import MAX_REPORT_BYTES, UnsafeFile, read_bounded
+from ..util.orphans import die_with_parent
 from ..util.serde import from_dict
 
 
@@ -58,6 +64,34 @@ def run_rank(script: str, out_dir: str, *, engine: str = "auto", every_iteration
     return run_rank_source(source, path, out_dir, namespace, engine=engine, every_iteration=every_iteration)
 
 
+def run_identity() -> str:
+    """Which run this rank belongs to, as every rank of it can tell without talking to the others:
+    torchrun's run id (``--rdzv-id``; ``--standalone`` makes a fresh one) and its restart count; '' when
+    torchrun gives none ("none": the files' start times and world size tell runs apart then).
+
+    >>> os.environ.get("TORCHELASTIC_RUN_ID") is not None or run_identity() == ""
+    True
+    """
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run in ("", "none"):
+        return ""
+    return f"{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _progress(rec: CollectiveRecorder, done: threading.Event) -> None:
+    """Every second, the iterations done so far (when they changed) into the log: a rank that still
+    advances is slow, not hung (the launcher reads when each log last grew)."""
+    from ..capture.runner import running_progress
+
+    last = -1
+    while not done.wait(1.0):
+        progress = running_progress()
+        steps = progress["iterations"] if progress else -1
+        if steps != last and steps >= 0:
+            rec.write({"steps": steps})
+            last = steps
+
+
 def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[str, Any], *, engine: str = "auto",
                     every_iteration: bool = False, build: bool = True) -> int:
     """Run ``source`` (compiled as ``cell_file``) in ``namespace`` as this rank under the capture and the
@@ -71,22 +105,37 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     files = paths(out_dir, rank)
+    for old in (files["record"], files["record"] + ".tmp"):  # an earlier run's record in a reused folder
+        try:
+            os.remove(old)
+        except OSError:
+            pass
     fault = open(files["fault"], "w", encoding="utf-8")
     # On a fatal signal (gloo aborts on a size mismatch) and on SIGUSR1 (the launcher asking a hung rank
     # where it is): every thread's Python stack, written from the signal handler, GIL or not.
     faulthandler.enable(file=fault, all_threads=True)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=fault, all_threads=True)
-    start = time.perf_counter()
+    start, started, run = time.perf_counter(), time.time(), run_identity()
+    done = threading.Event()
     # Inside the diagnosis's Ctrl-C hold: the recorder's patches go on and come off whole.
     with one_run_at_a_time():
-        with CollectiveRecorder(cell_file=cell_file, source=source, log_path=files["log"]) as rec:
-            report = run_step(source, namespace, cell_file=cell_file, engine=engine, every_iteration=every_iteration,
-                              build=build)
+        header = {"run": run, "started": started, "rank": rank, "world_size": world}
+        with CollectiveRecorder(cell_file=cell_file, source=source, log_path=files["log"], header=header) as rec:
+            threading.Thread(target=_progress, args=(rec, done), name="backward_doctor-rank-progress",
+                             daemon=True).start()
+            try:
+                report = run_step(source, namespace, cell_file=cell_file, engine=engine,
+                                  every_iteration=every_iteration, build=build)
+            finally:
+                done.set()
         fill_from_flight_recorder(rec.collectives)
+    keep_excerpts(report.trace, [(c.file, c.line) for c in rec.collectives]
+                  + [(u.forward_file, u.forward_line) for u in rec.unused])
     record = RankRecord(rank=rank, world_size=world, script=cell_file, wrote_report=True,
                         collectives=rec.collectives, unused=rec.unused, trace=report.trace,
-                        duration_s=time.perf_counter() - start)
+                        duration_s=time.perf_counter() - start, run=run, started=started,
+                        steps=report.trace.iterations.steps)
     tmp = files["record"] + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(record.to_dict(), fh)
@@ -94,22 +143,48 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
     return 0 if report.trace.exception is None else 1
 
 
-def load_rank(out_dir: str, rank: int, world: int, script: str = "") -> RankRecord:
+def _read(path: str, limit: int, tail: bool = False) -> str | None:
+    """A rank's file, read safely (a regular file, bounded); None when it is not there. A FIFO, a device or
+    an oversized record raises ``ReportError`` naming the file (``combine`` exits 2 with it)."""
+    try:
+        return read_bounded(path, limit, tail=tail, errors="replace")
+    except UnsafeFile as exc:
+        raise ReportError(str(exc)) from None
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ReportError(f"{path}: {exc.strerror or exc}") from None
+
+
+def load_rank(out_dir: str, rank: int, world: int, script: str = "", *, local: bool = False) -> RankRecord:
     """Rank ``rank``'s record: the one it wrote, else one rebuilt from its collective log; its fault
-    output's stacks either way (they say where it was when it died or was asked)."""
+    output's stacks either way (they say where it was when it died or was asked). Every file is untrusted
+    input (``combine`` reads folders others gathered): read safely, checked against the schema
+    (``ReportError`` naming the file and field). ``local``: the launcher on the machine the ranks ran on,
+    just after they ran: a stack frame's source line may be read there (record time); otherwise only the
+    script's own lines, from the record, are shown."""
     files = paths(out_dir, rank)
-    record = None
-    try:
-        with open(files["record"], encoding="utf-8") as fh:
-            record = RankRecord.from_dict(json.load(fh))
-    except (OSError, ValueError):
-        record = RankRecord(rank=rank, world_size=world, script=script, collectives=read_log(files["log"]))
-    try:
-        with open(files["fault"], encoding="utf-8", errors="replace") as fh:
-            record.fault = fh.read()[-20000:]
-    except OSError:
-        pass
-    record.stacks = parse_fault(record.fault, record.script or script)
+    text = _read(files["record"], MAX_REPORT_BYTES)
+    log = read_log(files["log"])
+    if text is not None:
+        try:
+            data = loads(text)
+            validate(data, "RankRecord")
+        except ReportError as exc:
+            raise ReportError(f"{files['record']}: {exc}") from None
+        record = RankRecord.from_dict(data)
+    else:
+        record = RankRecord(rank=rank, world_size=log.world_size or world, script=script,
+                            collectives=log.collectives, run=log.run, started=log.started, steps=log.steps)
+    record.fault = _read(files["fault"], _FAULT_BYTES, tail=True) or ""
+    source = (record.trace.source if record.trace is not None else "").splitlines()
+    main_file = record.script or script
+
+    def code(file: str, line: int) -> str:
+        if local:
+            return linecache.getline(file, line).strip()
+        return source[line - 1].strip() if file == main_file and 0 < line <= len(source) else ""
+    record.stacks = parse_fault(record.fault, main_file, code)
     fatal = re.search(r"Fatal Python error: (\w[\w ]*)", record.fault)
     if fatal and not record.wrote_report:  # what faulthandler saw kill it (the launcher knows better)
         record.signal = _FATAL.get(fatal.group(1).strip(), fatal.group(1).strip())
@@ -118,45 +193,72 @@ def load_rank(out_dir: str, rank: int, world: int, script: str = "") -> RankReco
 
 _FATAL = {"Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS",
           "Floating point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
+_FAULT_BYTES = 20_000          # the end of a rank's faulthandler output (its last dump)
+_LOG_BYTES = 64 * 1024 * 1024  # the end of a rank's collective log
 
 
-def read_log(path: str) -> list[Collective]:
-    """The collectives a rank logged as it went (an entry never ended: it was still inside it).
+@dataclass
+class RankLog:
+    """What a rank's log says: its run (header), its collectives, the iterations it reported."""
 
-    >>> read_log("/nonexistent.log")
+    collectives: list[Collective] = field(default_factory=list)
+    run: str = ""
+    started: float = 0.0
+    world_size: int = 0
+    steps: int = 0
+
+
+def read_log(path: str) -> RankLog:
+    """The collectives a rank logged as it went (an entry never ended: it was still inside it), and its
+    header. Lines that are not well-formed entries are skipped (the last line of a rank killed while
+    writing it; anything else a crafted file holds).
+
+    >>> read_log("/nonexistent.log").collectives
     []
     """
+    out = RankLog()
     entries: dict[int, Collective] = {}
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    e = json.loads(line)
-                except ValueError:  # the last line of a rank killed while writing it
-                    continue
-                if "start" in e:
-                    c = from_dict(Collective, e["start"])
-                    entries[c.index] = c
-                elif "drop" in e:
-                    entries.pop(e["drop"], None)
-                elif "end" in e and e["end"] in entries:
-                    entries[e["end"]].count, entries[e["end"]].error = e.get("count"), e.get("error", "")
-                    entries[e["end"]].end_s = e.get("end_s")
-    except OSError:
-        return []
-    return [entries[k] for k in sorted(entries)]
+    for line in (_read(path, _LOG_BYTES, tail=True) or "").splitlines():
+        try:
+            e = json.loads(line)
+            if not isinstance(e, dict):
+                continue
+            if "start" in e:
+                validate(e["start"], "Collective")
+                c = from_dict(Collective, e["start"])
+                entries[c.index] = c
+            elif "drop" in e:
+                entries.pop(e["drop"], None)
+            elif "end" in e and e["end"] in entries:
+                count, error = e.get("count"), e.get("error", "")
+                end_s = e.get("end_s")
+                if (count is None or type(count) is int) and isinstance(error, str) and (
+                        end_s is None or type(end_s) in (int, float)):
+                    entries[e["end"]].count, entries[e["end"]].error = count, error[:1000]
+                    entries[e["end"]].end_s = end_s
+            elif "steps" in e and type(e["steps"]) is int:
+                out.steps = e["steps"]
+            elif "started" in e:  # the header (the same fields as a record's)
+                head = {"rank": 0, "world_size": e.get("world_size"), "run": e.get("run"), "started": e["started"]}
+                validate(head, "RankRecord")
+                out.run, out.started, out.world_size = head["run"], head["started"], head["world_size"]
+        except (ValueError, TypeError):  # not JSON, not an entry (ReportError is a ValueError)
+            continue
+    out.collectives = [entries[k] for k in sorted(entries)]
+    return out
 
 
 _HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
 
-def parse_fault(text: str, script: str = "") -> list[ThreadStack]:
-    """The thread stacks of the last ``faulthandler`` dump in ``text`` (innermost frame last).
+def parse_fault(text: str, script: str = "", code: Callable[[str, int], str] | None = None) -> list[ThreadStack]:
+    """The thread stacks of the last ``faulthandler`` dump in ``text`` (innermost frame last); ``code(file,
+    line)`` gives each frame's source line ('' when not given: nothing is read from disk here).
 
     >>> s = parse_fault('Thread 0x01 (most recent call first):\\n  File "/t/a.py", line 9 in <module>\\n', "/t/a.py")
-    >>> s[0].is_main, s[0].frames[0].line, s[0].frames[0].in_cell
-    (True, 9, True)
+    >>> s[0].is_main, s[0].frames[0].line, s[0].frames[0].in_cell, s[0].frames[0].code
+    (True, 9, True, '')
     """
     dumps: list[list[ThreadStack]] = []
     current: ThreadStack | None = None
@@ -175,7 +277,7 @@ def parse_fault(text: str, script: str = "") -> list[ThreadStack]:
             file, line = f.group(1), int(f.group(2))
             user = not file.startswith(_SKIP_DIRS) and not file.startswith("<frozen")
             current.frames.insert(0, FrameInfo(file=file, line=line, function=f.group(3), in_cell=file == script,
-                                               user=user, code=linecache.getline(file, line).strip()))
+                                               user=user, code=code(file, line) if code is not None else ""))
         elif raw.strip():  # any other text ends a dump ("Fatal Python error", "Extension modules")
             in_dump, current = False, None
     stacks = dumps[-1] if dumps else []
@@ -184,8 +286,15 @@ def parse_fault(text: str, script: str = "") -> list[ThreadStack]:
     return stacks
 
 
+#: set by ``--nproc``'s launcher to its pid: the rank dies with it (a launcher killed leaves no rank behind)
+PARENT_ENV = "BACKWARD_DOCTOR_LAUNCHER_PID"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    parent = os.environ.pop(PARENT_ENV, "")
+    if parent.isdigit():
+        die_with_parent(int(parent))
     engine = argv[2] if len(argv) > 2 else "auto"
     return run_rank(argv[0], argv[1], engine=engine, every_iteration="every" in argv[3:])
 

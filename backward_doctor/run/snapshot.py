@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import torch
 
 from ..capture import namespace as ns_mod
+from ..capture.memory import grad_of
 from ..util.units import available_ram
 
 _MISSING = object()
@@ -91,7 +92,7 @@ def estimate_bytes(namespace: dict[str, Any], rebinds: set[str] = frozenset()) -
     """What :meth:`Snapshot.take` would copy, in bytes."""
     total = 0
     for t in state_tensors(namespace):
-        total += _nbytes(t) + _nbytes(t.grad)
+        total += _nbytes(t) + _nbytes(grad_of(t))
     for _, opt in ns_mod.optimizers(namespace):
         total += sum(_nbytes(t) for t in ns_mod.optimizer_state_tensors(opt))
     for name in rebinds:
@@ -113,7 +114,7 @@ class Snapshot:
     def take(cls, namespace: dict[str, Any], rebinds: set[str] = frozenset()) -> "Snapshot":
         snap = cls()
         for t in state_tensors(namespace):
-            grad = t.grad
+            grad = grad_of(t)
             snap.tensors.append((t, _cpu_copy(t), None if grad is None else _cpu_copy(grad), t.requires_grad))
             snap.nbytes += _nbytes(t) + _nbytes(grad)
         for _, mod in ns_mod.modules(namespace):

@@ -17,6 +17,7 @@ import math
 from typing import Any, Callable
 
 from ..analysis import analyze
+from ..capture.excerpts import keep_excerpts
 from ..capture.history import history_for
 from ..capture.runner import cell_filename, make_capture, run_source, run_under_capture
 from ..report import Report
@@ -75,7 +76,9 @@ def check_rollback(rollback: Any) -> bool:
 def build_report(trace: Trace, fix: str | None = None) -> Report:
     """Run the rules over ``trace`` and remember the result as the last report."""
     exc = trace.exception.summary() if trace.exception else None
-    return remember(Report(findings=analyze(trace), exception=exc, trace=trace, fix=fix))
+    findings = analyze(trace)
+    keep_excerpts(trace, [(f.file, f.line) for f in findings])  # (those the trace's own places left out)
+    return remember(Report(findings=findings, exception=exc, trace=trace, fix=fix))
 
 
 def remember(report: Report) -> Report:

@@ -126,6 +126,15 @@ class RankRecord:
     output_tail: str = ""
     duration_s: float = 0.0
     trace: Trace | None = None
+    #: which run of the script wrote the rank's files (a folder reused by a later run holds older files too)
+    run: str = ""
+    #: when the rank started (seconds since the epoch, its machine's clock)
+    started: float = 0.0
+    #: optimizer steps the rank logged as it went (its iterations)
+    steps: int = 0
+    #: seconds between the rank's last sign of progress (a collective or an iteration logged) and the
+    #: moment the launcher stopped it; None when it was not stopped or that is unknown
+    progress_s: float | None = None
 
     @property
     def waiting_in(self) -> Collective | None:

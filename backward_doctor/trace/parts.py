@@ -87,6 +87,16 @@ class GraphHolder:
 
 
 @dataclass
+class SourceExcerpt:
+    """A few lines of a file outside the cell (a module of the user's, a library), copied when the run was
+    recorded, so that a report shows its code on any machine without reading that machine's files."""
+
+    file: str
+    first: int                                       # the line number of ``lines[0]``
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Compilation:
     """One ``torch.compile`` compilation during the step (not recorded as ops)."""
 

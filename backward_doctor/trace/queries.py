@@ -1,4 +1,4 @@
-"""Questions about a trace that more than one layer asks (the capture's history, the rules).
+"""Questions about a trace that more than one layer asks (the capture's history, the rules, the renderers).
 
 >>> from backward_doctor.trace import Trace
 >>> skipped_amp_steps(Trace())
@@ -7,6 +7,35 @@
 from __future__ import annotations
 
 from .records import OpRecord, Trace
+
+
+def source_lines(trace: Trace, file: str | None) -> dict[int, str]:
+    """The lines of the cell (``file`` None) or of ``file`` that the trace holds, by number: the whole cell,
+    and of another file only the excerpts copied when the run was recorded (never read from disk here).
+
+    >>> from backward_doctor.trace.parts import SourceExcerpt
+    >>> t = Trace(source="a = 1\\nb = 2", excerpts=[SourceExcerpt("/m.py", 10, ["def f():", "    return 1"])])
+    >>> source_lines(t, None)[2], source_lines(t, "/m.py")[11], source_lines(t, "/etc/passwd")
+    ('b = 2', '    return 1', {})
+    """
+    if file is None:
+        return dict(enumerate(trace.source.splitlines(), 1))
+    out: dict[int, str] = {}
+    for ex in trace.excerpts:
+        if ex.file == file:
+            out.update(enumerate(ex.lines, ex.first))
+    return out
+
+
+def line_text(trace: Trace, line: int | None, file: str | None = None) -> str:
+    """The text of one line of the cell or of a file the trace holds an excerpt of, stripped; '' unknown.
+
+    >>> line_text(Trace(source="x = 1\\n  y = 2"), 2), line_text(Trace(), 3, "/etc/passwd")
+    ('y = 2', '')
+    """
+    if line is None:
+        return ""
+    return source_lines(trace, file).get(line, "").strip()
 
 
 def skipped_amp_steps(trace: Trace) -> list[OpRecord]:

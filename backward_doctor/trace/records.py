@@ -17,7 +17,8 @@ from ..util.serde import from_dict, to_dict
 from .accumulation import Accumulation
 from .precision import Precision
 from .parts import (Carrier, Compilation, CompileCheck, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo,
-                    OptimizerStep, OptimizerSummary, ParameterTotals, RunHistory, StaleStep, StorageEvents)
+                    OptimizerStep, OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep,
+                    StorageEvents)
 
 #: Memory categories, in the order they are stacked in reports and plots.
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -230,6 +231,9 @@ class ExceptionInfo:
     in_backward: bool = False
     loss: LossInfo | None = None  # a failing backward(): the tensor it was called on
     oom: OomInfo | None = None    # out of memory: live bytes where it ran out
+    #: raised by a ``raise`` statement in code (a hook's ``raise KeyboardInterrupt``), not delivered by a signal
+    #: (Ctrl-C, the watchdog's interrupt, a signal handler's exception lands at an arbitrary instruction)
+    raised: bool = False
 
     def summary(self) -> str:
         return f"{self.type}: {self.message}"
@@ -300,6 +304,9 @@ class Trace:
     loaders: list[LoaderRecord] = field(default_factory=list)
     #: a compiled step that went NaN/Inf or raised, replayed eagerly (``run/compile_replay.py``)
     compile_check: CompileCheck | None = None
+    #: the lines around each place outside the cell the trace names, copied at record time (renderers and
+    #: rules read source only from here and from ``source``, never from the disk of whoever reads the report)
+    excerpts: list[SourceExcerpt] = field(default_factory=list)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

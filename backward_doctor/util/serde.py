@@ -41,9 +41,14 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
 def _convert(tp: Any, value: Any) -> Any:
     if value is None:
         return None
+    if tp is float and isinstance(value, str):  # what to_dict wrote for a non-finite float
+        return _NONFINITE.get(value, value)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):

@@ -162,7 +162,7 @@ def index_out_of_range(trace: Trace) -> list[Finding]:
 def generic_exception(trace: Trace) -> list[Finding]:
     """Any other error: say where it came from, with PyTorch's own words."""
     exc = trace.exception
-    if exc is None or exc.type == "KeyboardInterrupt":
+    if exc is None or (exc.type == "KeyboardInterrupt" and not exc.raised):  # (a Ctrl-C: the hang rule's)
         return []
     where, failed = _failed_where(trace)
     first = exc.message.splitlines()[0] if exc.message else ""

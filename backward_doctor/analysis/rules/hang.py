@@ -45,7 +45,9 @@ def _steps(trace: Trace) -> str:
 def hang(trace: Trace) -> list[Finding]:
     """Timeout or Ctrl-C: name the line the main thread was stuck on, with all stacks."""
     exc = trace.exception
-    interrupted = exc is not None and exc.type == "KeyboardInterrupt"
+    # A KeyboardInterrupt a hook or the code raised itself (``raise KeyboardInterrupt``) is an error like any
+    # other; only one a signal delivered (Ctrl-C, the watchdog) says the step was stuck.
+    interrupted = exc is not None and exc.type == "KeyboardInterrupt" and not exc.raised
     if not (trace.timed_out or interrupted):
         return []
     where = _main_where(trace)
