@@ -25,9 +25,14 @@ demo: setup
 	$(PY) -m backward_doctor.frontends.demo
 
 # JupyterLab on notebooks/, opening the tour. LAB_ARGS=--no-browser on a machine without one.
+# The venv's bin comes first on PATH, so the kernel builds the native recorder with the venv's ninja and
+# compiler wrappers; --allow-root where make runs as root (a container); the classic Notebook's upgrade
+# banner (its extension is installed for the browser test) is switched off: JupyterLab's lines come first.
 LAB_ARGS ?=
+LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/00_tour.ipynb $(LAB_ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/jupyter lab notebooks/00_tour.ipynb \
+	  --ServerApp.jpserver_extensions="nbclassic=False" $(LAB_ROOT) $(LAB_ARGS)
 
 # The browser test drives Debian's chromium (Playwright's own browser download is not used).
 # Idempotent; if it cannot be installed the browser test skips itself and says why.
@@ -38,7 +43,7 @@ chromium:
 	    || echo "could not install chromium: tests/test_browser.py will be skipped"; \
 	fi
 
-# Every tier, on the native recorder where it builds (conftest builds it once, ~40 s); then the
+# Every tier, on the native recorder where it builds (conftest builds it once per torch version, 1-2 min); then the
 # scenario suites again on the Python tier, which machines without a compiler use.
 PYTHON_TIER_TESTS = tests/test_loop_trends.py tests/test_findings.py tests/test_silent.py tests/test_house_rules.py tests/test_tiers.py \
 	tests/test_api.py tests/test_scenarios_plain.py tests/test_memory.py

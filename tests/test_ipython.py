@@ -237,14 +237,20 @@ def test_the_traceback_numbers_the_cell_as_its_prompt(shell):
     assert f"Cell In[{result.execution_count + 1}]" not in shown
 
 
-def test_load_ext_says_the_native_recorder_builds_in_the_background(monkeypatch):
+def test_load_ext_says_the_native_recorder_builds_in_the_background(monkeypatch, tmp_path):
+    """The line states the build time measured on this machine (the last build), else the usual range."""
     from backward_doctor import native
     from backward_doctor.frontends import magic
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(native, "needs_build", lambda: True)
+    monkeypatch.setattr(native, "missing_tool", lambda: None)
     monkeypatch.setattr(native, "_reason", None)
     line = magic.first_use_line()
-    assert "native recorder in the background (~40 s" in line and "footer" in line
+    assert "native recorder in the background (once per torch version; usually 1-2 minutes" in line
+    assert "records every iteration of a loop" in line and "footer" in line
+    native._write_stamp(93.6)                                  # what a build here leaves behind
+    assert "(once per torch version; the last build on this machine took 94 s)" in magic.first_use_line()
     monkeypatch.setattr(native, "needs_build", lambda: False)
     assert magic.first_use_line() == ""
 
@@ -267,11 +273,12 @@ def test_a_broken_compiler_banner_stays_out_of_the_notebook(monkeypatch, capfd, 
     banner = ("\n!! WARNING !!\n\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\nYour compiler (c++) is not compatible...\n"
               "RuntimeError: Error building extension 'backward_doctor_native'")
     ran = []
-    monkeypatch.setattr(native, "built_file", lambda: str(tmp_path / "none.so"))
+    monkeypatch.setattr(native, "cached", lambda: False)
     monkeypatch.setattr(native, "_reason", None)
     monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_thread", None)
     monkeypatch.setattr(sp, "run", lambda cmd, **kw: ran.append(cmd) or sp.CompletedProcess(cmd, 1, "", banner))
-    native._build_then_load()
+    native.build_in_background().join(60)
     out = capfd.readouterr()
     assert ran and "WARNING" not in out.out + out.err                 # nothing printed
     assert native.status()["reason"] == "RuntimeError: Error building extension 'backward_doctor_native'"
