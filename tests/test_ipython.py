@@ -309,3 +309,43 @@ def test_a_front_end_that_cannot_show_the_placeholder_still_gets_the_report():
     notice.replace("the report")
     assert ran and shown == ["the report"]
     assert not [t for t in threading.enumerate() if t.name == "backward_doctor-progress"]
+
+
+def test_no_temporary_file_name_reaches_the_screen(shell, monkeypatch):
+    """In a kernel IPython compiles each cell as a temporary file (``/tmp/ipykernel_1/2266957156.py``); every
+    place a person reads (the verdict, the root-cause box, the memory plot's peak label, the text report)
+    names it as tracebacks do, ``Cell In[2]``; the raw file stays in ``finding.file`` and the JSON."""
+    from ipykernel.compiler import XCachingCompiler
+
+    monkeypatch.setattr(shell, "compile", XCachingCompiler())
+    _run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\n"
+                "class Net(nn.Module):\n"
+                "    def __init__(self):\n"
+                "        super().__init__()\n"
+                "        self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256))\n"
+                "    def forward(self, x):\n"
+                "        h = self.body(x)\n"
+                "        return torch.cat([h, h * 2], 0)\n"
+                "net = Net()\nxb = torch.randn(1024, 64)")
+    defined = shell.execution_count - 1
+    result, cap = _run(shell, "%%backward_doctor --memory-limit 3MB\nout = net(xb)\nout.sum().backward()")
+    report = bd.last_report()
+    f = report.findings[0]
+    assert f.kind == "oom" and "ipykernel_" in f.file                   # the raw file is kept in the finding
+    assert report.trace.memory.peak_index is not None
+    shown = [cap.outputs[-1].data["text/plain"], cap.outputs[-1].data["text/html"], report.to_html(), str(report)]
+    for text in shown:
+        assert "ipykernel_" not in text and f.file.rsplit("/", 1)[-1] not in text, text[:300]
+    html = report.to_html()
+    assert f"root cause: Cell In[{defined}], line 8" in html
+    assert f"aten::relu · Cell In[{defined}], line 7 · net.body.1" in html    # the memory plot's peak label
+    assert f"(Cell In[{defined}], line 7)" in str(report).splitlines()[1]     # the text summary's peak
+    # A peak in backward: the op's forward line, said the same way by the summary line and the plot.
+    _run(shell, "small = torch.randn(8, 64)")
+    _run(shell, "%%backward_doctor\nout = net(small)\nout.pow(2).sum().backward()")
+    report = bd.last_report()
+    peak = report.trace.op(report.trace.memory.peak_index)
+    if peak.phase == "backward":
+        assert "(backward of Cell In[" in str(report).splitlines()[1]
+    for text in (str(report), report.to_html()):
+        assert "ipykernel_" not in text

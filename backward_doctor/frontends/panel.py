@@ -23,6 +23,7 @@ import ipywidgets as W
 
 from ..render import sections as S, style, view, wording
 from ..render.style import esc
+from ..report.places import CELL, name_places
 from .keep_code import keep_html
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ class Panel:
 
         tr = self.report.trace
         if self.memory_toggle.value == "timeline":
-            self.memory_plot.value = _wrap(svg_plots.memory_timeline_svg(tr))
+            self.memory_plot.value = _wrap(svg_plots.memory_timeline_svg(tr, places=self.report.places))
             self.memory_note.value = _wrap(
                 '<div class="sub">Live tensor bytes after each op, by category; shaded bands are the phases '
                 "of the step. The dashed line is the memory limit (or the device), ▼ the peak, ✖ where memory "
@@ -305,6 +306,8 @@ class Panel:
             self.status.value = _wrap(f'<div class="exc"><b>The fix run failed</b> <code>{esc(tb)}</code></div>')
             return
         self._done()
+        # The fixed run is named as the original was (``Cell In[2]``, never the kernel's temporary file).
+        name_places(after, self.namespace, lambda file: self.report.places.get(CELL if file is None else file))
         self.show_result(after)
 
     def _done(self) -> None:
@@ -337,7 +340,7 @@ class Panel:
             try:
                 from ..render import svg_plots
 
-                self.after_plot.value = _wrap(svg_plots.memory_timeline_svg(tr, height=300))
+                self.after_plot.value = _wrap(svg_plots.memory_timeline_svg(tr, height=300, places=after.places))
                 self.after_plot.layout.display = "block"
                 self.after_caption.value = _wrap("<div><b>Memory of the run with the fix</b></div>")
             except Exception:  # the comparison above already says what changed

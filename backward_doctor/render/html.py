@@ -46,7 +46,7 @@ def memory_section(report: "Report") -> str:
     from . import svg_plots
 
     data, how = view.memory_by_module(tr)
-    return (svg_plots.memory_timeline_svg(tr) + f'<details><summary>Memory by module {esc(how)}</summary>'
+    return (svg_plots.memory_timeline_svg(tr, places=report.places) + f'<details><summary>Memory by module {esc(how)}</summary>'
             f"{svg_plots.memory_by_module_svg(tr, data=(data, how))}</details>")
 
 

@@ -20,7 +20,7 @@ from ..report.places import line_label
 from ..trace.records import CATEGORIES, TensorMeta, Trace
 from ..util.units import format_bytes, format_us
 from .style import CATEGORY_LABELS, COLORS, esc, sev_color
-from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, hang_threads, offending_record, op_rows,
+from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, hang_threads, offending_record, op_place, op_rows,
                    phase_counts, source_context, tensor_bytes, used_parameters, verdict_parts)
 from .wording import finding_title, fix_failed, fix_next_step, frame_label, kind_words
 
@@ -128,8 +128,8 @@ def summary_html(report: "Report") -> str:
         frac = mem.peak_bytes / cap if cap else None
         peak = tr.op(mem.peak_index)
         if peak is not None:
-            w = forward_where(tr, peak) if peak.phase == "backward" else peak.where
-            sub += f" · at {peak.op} ({peak.phase}), {_line_label(w, report.places).replace('cell line', 'line')}"
+            place = op_place(tr, peak, report.places)
+            sub += f" · at {peak.op}" + (f" ({place})" if place else f" ({peak.phase})")
         facts.append(("peak memory", format_bytes(mem.peak_bytes), sub, frac))
     if tr.parameters.count:
         p = tr.parameters
@@ -261,13 +261,14 @@ def loop_plot_html(trace: Trace, f: Finding) -> str:
 
 
 def _src_caption(line: int | None, file: str | None, what: str, places: dict[str, str] | None = None) -> str:
-    """``root cause: Cell In[2], line 12`` (the raw file after it when the name is not the file's own)."""
+    """``root cause: Cell In[2], line 12``; a file the frontend did not name (a library's) with its path after it,
+    never a kernel's temporary file beside the name IPython gives it."""
     named = (places or {}).get("" if file is None else file)
     label = line_label(places or {}, line, file).replace(":", ", line ") if not named else \
         line_label(places or {}, line, file)
     if file is None and not named:
         label = f"cell, line {line}"
-    return f"{what}: {label}" + (f"  ({file})" if file else "")
+    return f"{what}: {label}" + (f"  ({file})" if file and not named else "")
 
 
 _CODE_SPAN = re.compile(r"`([^`]+)`")

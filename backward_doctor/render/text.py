@@ -13,8 +13,7 @@ from ..analysis.findings import source_line
 from ..capture.stats import format_stats
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
-from ..report.places import line_label
-from .view import hang_threads, phase_counts
+from .view import hang_threads, op_place, phase_counts
 from .wording import finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words
 
 if TYPE_CHECKING:
@@ -37,8 +36,8 @@ def summary_line(report: "Report") -> str:
     mem = tr.memory
     if mem.peak_bytes:
         peak = tr.op(mem.peak_index)
-        at = f" at {peak.op}, {line_label(report.places, peak.where.line, peak.where.file)}" \
-            if peak and peak.where.line else ""
+        place = op_place(tr, peak, report.places)
+        at = (f" at {peak.op} ({place})" if place else f" at {peak.op}") if peak else ""
         limit = f" of {format_bytes(mem.limit_bytes)} limit" if mem.limit_bytes else ""
         parts.append(f"peak live tensors {format_bytes(mem.peak_bytes)}{limit}{at}")
     return "; ".join(parts)

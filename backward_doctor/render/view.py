@@ -208,6 +208,23 @@ def _line_label(w: Where, places: dict[str, str] | None = None) -> str:
     return line_label(places or {}, w.line, w.file)
 
 
+def op_place(trace: Trace, op: OpRecord | None, places: dict[str, str] | None = None) -> str:
+    """Where an op ran, as IPython names it: its line, a backward op's forward line (``backward of Cell In[2],
+    line 7``); '' when no line is known. Text, HTML and plots all say it this way.
+
+    >>> t = Trace(ops=[OpRecord(0, "aten::mm", "forward", [], [], where=Where(line=3))])
+    >>> op_place(t, t.ops[0], {"": "Cell In[5]"})
+    'Cell In[5], line 3'
+    """
+    if op is None:
+        return ""
+    w = forward_where(trace, op) if op.phase == "backward" else op.where
+    if w.line is None:
+        return ""
+    label = _line_label(w, places)
+    return f"backward of {label}" if op.phase == "backward" else label
+
+
 SORT_KEYS = {"time": lambda r: -r.time_us, "memory": lambda r: -r.alloc_bytes, "count": lambda r: -r.count,
              "name": lambda r: r.name}
 
