@@ -349,3 +349,21 @@ def test_no_temporary_file_name_reaches_the_screen(shell, monkeypatch):
         assert "(backward of Cell In[" in str(report).splitlines()[1]
     for text in (str(report), report.to_html()):
         assert "ipykernel_" not in text
+
+
+def test_a_dataloader_hang_names_no_thread_of_the_kernel_or_the_doctor(kernel_like):
+    """A loop stuck on its DataLoader workers, in Jupyter (the progress poller runs): the message and the
+    stacks name the threads that matter, never the doctor's poller or multiprocessing's queue feeders."""
+    shell = kernel_like
+    _run(shell, "import time, torch\nfrom torch.utils.data import DataLoader, Dataset\n"
+                "class Slow(Dataset):\n    def __len__(self): return 64\n"
+                "    def __getitem__(self, i):\n        time.sleep(60)\n        return torch.randn(4)\n")
+    result, cap = _run(shell, "%%backward_doctor --timeout 3\nfor xb in DataLoader(Slow(), batch_size=8, "
+                              "num_workers=2):\n    xb.sum()")
+    report = bd.last_report()
+    f = report.findings[0]
+    assert f.kind == "hang" and f.line == 1
+    assert "QueueFeederThread" not in f.message and "backward_doctor" not in f.message
+    text = str(report)
+    assert "backward_doctor-progress" not in text and "MainThread (main)" in text
+    assert "profiler::" not in f.message

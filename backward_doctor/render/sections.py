@@ -292,9 +292,8 @@ def _threads_html(tr: Trace, places: dict[str, str] | None = None) -> str:
         out.append(f'<div class="src"><div class="cap">{esc(st.name)}{" (main)" if st.is_main else ""}</div>'
                    f'<div style="padding:2px 8px">{rows}</div></div>')
     if folded:
-        out.append(f'<details><summary>{len(folded)} more thread{"s" if len(folded) != 1 else ""} of the kernel '
-                   f'and libraries, idle: {esc(", ".join(folded[:6]))}{", …" if len(folded) > 6 else ""}</summary>'
-                   f'<div class="muted">They never ran your code.</div></details>')
+        out.append(f'<div class="muted">Library threads that never ran your code: {esc(", ".join(folded[:6]))}'
+                   f'{", …" if len(folded) > 6 else ""}</div>')
     return "".join(out)
 
 

@@ -96,8 +96,7 @@ def render_text(report: "Report") -> str:
                 loc = frame_label(fi, report.places)
                 out.append(f"    {loc} in {fi.function}: {fi.code}")
         if folded:
-            out.extend(_wrap(f"({len(folded)} more threads of the kernel and libraries, idle, never ran your "
-                             f"code: {', '.join(folded)})", "  "))
+            out.extend(_wrap(f"(library threads that never ran your code: {', '.join(folded)})", "  "))
     for note in tr.notes:
         out.append(f"  note: {note}")
     if report.fix_result is not None:

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..analysis.findings import forward_where
+from ..analysis.rules.hang import own_thread, worth_naming
 from ..report.places import line_label
+from ..trace.queries import is_bookkeeping
 from ..trace.records import OpRecord, TensorMeta, Trace, Where
 from .style import CATEGORY_LABELS
 from .wording import finding_title, original_verdict
@@ -34,20 +36,6 @@ FIX_INFO = {
     "sync": ("Synchronous replay",
              "Re-run with synchronous kernel launches to find the op that really failed."),
 }
-
-
-#: Ops the profiler and the recorder add around the user's own (``record_function`` markers): they are
-#: bookkeeping, not work the step asked for, so the ops table leaves them out.
-BOOKKEEPING_PREFIXES = ("profiler::",)
-
-
-def is_bookkeeping(op_name: str) -> bool:
-    """True for an op that is the recorder's or profiler's own marker (``profiler::_record_function_enter_new``).
-
-    >>> is_bookkeeping("profiler::_record_function_enter_new"), is_bookkeeping("aten::mm")
-    (True, False)
-    """
-    return op_name.startswith(BOOKKEEPING_PREFIXES)
 
 
 # --------------------------------------------------------------------------- derivations
@@ -299,16 +287,16 @@ def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
 
 # --------------------------------------------------------------------------- threads and parameters
 def hang_threads(trace: Trace) -> tuple[list, list[str]]:
-    """The thread stacks worth reading in a hang report, and the names of those folded away.
-
-    A thread that never ran the user's code (ipykernel's Heartbeat, IOPub, Control; a history saver)
-    says nothing about the hang: it is folded to its name. The main thread always shows.
+    """The thread stacks worth reading in a hang report, and the names of the library threads folded away
+    (``QueueFeederThread ×6``). The main thread always shows; threads that ran the user's code and a
+    DataLoader's own show; the doctor's and the kernel's threads (Heartbeat, IOPub, Shell channel, the
+    progress poller) are left out altogether.
 
     >>> from backward_doctor.trace.records import FrameInfo, ThreadStack
     >>> t = Trace(threads=[ThreadStack("MainThread", 1, True), ThreadStack("Heartbeat", 2, False,
-    ...                    [FrameInfo("/zmq/heartbeat.py", 5, "run")])])
+    ...                    [FrameInfo("/zmq/heartbeat.py", 5, "run")]), ThreadStack("pool-1", 3, False)])
     >>> [s.name for s in hang_threads(t)[0]], hang_threads(t)[1]
-    (['MainThread'], ['Heartbeat'])
+    (['MainThread'], ['pool-1'])
     """
     shown, folded = [], []
     exc = trace.exception
@@ -320,11 +308,12 @@ def hang_threads(trace: Trace) -> tuple[list, list[str]]:
     for st in trace.threads:
         if st.is_main and not st.frames and shown:
             continue
-        if st.is_main or any(fi.user or fi.in_cell for fi in st.frames):
+        if worth_naming(st):
             shown.append(st)
-        else:
+        elif not own_thread(st):
             folded.append(st.name)
-    return shown, folded
+    counts = Counter(folded)
+    return shown, [name if counts[name] == 1 else f"{name} ×{counts[name]}" for name in dict.fromkeys(folded)]
 
 
 def used_parameters(trace: Trace) -> tuple[int, int, int] | None:
