@@ -40,12 +40,20 @@ def param_infos(cap: "OpRecorder") -> list[ParamInfo]:
     for _, opt in ns_mod.optimizers(cap.namespace):
         if id(opt) in stepped_opts:
             stepped.update(id(p) for g in opt.param_groups for p in g["params"])
+    # The models the step ran, by identity (not by name: a model held in a list or only by a Trainer has
+    # none): the outermost module of every recorded op's module stack, with all its parameters.
+    in_run: set[int] = set()
+    for outer in {stack[0] for _, stack in cap._where_stacks if stack}:
+        mod = cap._modules.get(outer, (lambda: None, ""))[0]()
+        if mod is not None:
+            in_run.update(id(p) for p in mod.parameters())
     out = []
     for p in cap.parameters():
         out.append(ParamInfo(name=names.get(id(p), f"<parameter {tuple(shape_of(p))}>"), key=storage_key(p) or 0,
                              requires_grad=bool(p.requires_grad), got_grad=id(p) in cap._got_grad,
                              stepped=id(p) in stepped, numel=p.numel(),
-                             grad_fn=None if p.is_leaf else type(p.grad_fn).__name__))
+                             grad_fn=None if p.is_leaf else type(p.grad_fn).__name__,
+                             nbytes=p.numel() * p.element_size(), in_run_model=id(p) in in_run))
     return out
 
 

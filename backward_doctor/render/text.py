@@ -14,7 +14,8 @@ from ..capture.stats import format_stats
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
 from .view import hang_threads, op_place, phase_counts
-from .wording import finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words
+from .wording import (finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words,
+                      what_ran)
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
@@ -52,7 +53,7 @@ def render_text(report: "Report") -> str:
     if before:  # a fixed run: "OK" alone would hide what the original step did
         out.append(f"backward_doctor: FIXED - the step ran with {fr.name}; without it: {before}")
     elif report.ok:
-        out.append("backward_doctor: OK - the step ran and nothing looks wrong")
+        out.append(f"backward_doctor: OK - {what_ran(tr)} ran and nothing looks wrong")
     else:
         top = report.findings[0] if report.findings else None
         verdict = f"{finding_title(top)} at {top.location()}" if top else "the step did not complete"

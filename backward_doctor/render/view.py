@@ -19,7 +19,7 @@ from ..report.places import line_label
 from ..trace.queries import is_bookkeeping
 from ..trace.records import OpRecord, TensorMeta, Trace, Where
 from .style import CATEGORY_LABELS
-from .wording import finding_title, original_verdict
+from .wording import finding_title, original_verdict, what_ran
 
 if TYPE_CHECKING:
     from ..report.report import Report
@@ -272,7 +272,7 @@ def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
         before = original_verdict(fr) if fr is not None and fr.applied and fr.fits else ""
         if before:
             return "ok", "fixed", f"The step ran with {fr.name}", f"Without it: {before}."
-        return "ok", "OK", "The step ran and nothing looks wrong", ""
+        return "ok", "OK", f"{what_ran(tr).capitalize()} ran and nothing looks wrong", ""
     top = report.root_cause
     if top is None:
         what = "timed out" if tr.timed_out else "did not complete"
@@ -320,8 +320,9 @@ def used_parameters(trace: Trace) -> tuple[int, int, int] | None:
     """(tensors, trainable, bytes) of the parameters of the models the step ran, when fewer than all
     the namespace holds (None: the totals are the step's own).
 
-    A model is used when an op ran inside one of its modules or one of its parameters got a gradient or
-    was stepped. Bytes are the totals' share by element count (one dtype per model is the common case).
+    A model is used when its forward ran (known by identity at capture time, whatever it is called) or
+    one of its parameters got a gradient or was stepped. A report saved before parameters carried their
+    bytes gets the totals' share by element count.
 
     >>> used_parameters(Trace()) is None
     True
@@ -329,14 +330,10 @@ def used_parameters(trace: Trace) -> tuple[int, int, int] | None:
     params = trace.params
     if not params:
         return None
-    roots = {op.where.module.split(".")[0].split("[")[0] for op in trace.ops if op.where.module}
-
-    def root(name: str) -> str:
-        return name.split(".")[0].split("[")[0]
-
-    used = [p for p in params if root(p.name) in roots or p.got_grad or p.stepped]
+    used = [p for p in params if p.in_run_model or p.got_grad or p.stepped]
     if not used or len(used) >= len(params):
         return None
-    total_numel = sum(p.numel for p in params) or 1
-    share = sum(p.numel for p in used) / total_numel
-    return len(used), sum(p.requires_grad for p in used), int(trace.parameters.bytes * share)
+    nbytes = sum(p.nbytes for p in used)
+    if not nbytes:
+        nbytes = int(trace.parameters.bytes * sum(p.numel for p in used) / (sum(p.numel for p in params) or 1))
+    return len(used), sum(p.requires_grad for p in used), nbytes
