@@ -247,6 +247,22 @@ def _predicted(original: Report, name: str) -> tuple[int | None, bool]:
     return preds.get(key), bool(finding.evidence.get("lower_bound"))
 
 
+#: A fixed step this many times slower than the original (and by at least ``SLOW_MIN_S``) is said to be slow.
+SLOW_RATIO, SLOW_MIN_S = 3.0, 0.25
+
+
+def slowdown(before_s: float | None, after_s: float | None) -> float | None:
+    """after / before, rounded, when the fixed step is much slower than the original (None otherwise).
+
+    >>> slowdown(0.58, 11.5), slowdown(0.58, 0.9), slowdown(0.01, 0.05)
+    (19.8, None, None)
+    """
+    if not before_s or after_s is None or before_s <= 0:
+        return None
+    ratio = after_s / before_s
+    return round(ratio, 1) if ratio >= SLOW_RATIO and after_s - before_s >= SLOW_MIN_S else None
+
+
 def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit: int | None) -> str:
     before, after = result.comparison["before"], result.comparison["after"]
     parts = [what.rstrip(". ") + "."]
@@ -256,6 +272,14 @@ def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit
         of = f" (limit {format_bytes(limit)})" if limit else ""
         parts.append(f"The fixed step ran: peak live tensors {format_bytes(after['peak_bytes'])}{of}, "
                      f"was {was}{ran_out}.")
+        result.slowdown = slowdown(before.get("step_s"), after.get("step_s"))
+        if result.slowdown is not None:
+            until = "" if before.get("completed") else " until it ran out of memory"
+            why = (" bfloat16 autocast on a CPU runs without the fast kernels a GPU has (most CPUs lack them);"
+                   " on a GPU AMP is usually faster, on this machine prefer accumulation."
+                   if result.name.startswith("amp") and trace.device == "cpu" else "")
+            parts.append(f"It is much slower: {after['step_s']:.2f} s, {result.slowdown:g}x the original step's "
+                         f"{before['step_s']:.2f} s{until}.{why}")
         err = result.comparison.get("grad_max_rel_err")
         if err is not None:
             parts.append(f"Gradients differ from the original step's by at most {err:.2g} (relative).")

@@ -347,6 +347,10 @@ class Panel:
                 log.warning("the fixed run's memory plot could not be drawn", exc_info=True)
                 self.after_plot.layout.display = "none"
         code = result.code
+        slow = self.fix_buttons.get(result.name)
+        if result.slowdown and slow is not None:  # measured: the button says so from now on
+            slow.description = f"Try {result.name} ({result.slowdown:g}x slower here)"
+            slow.button_style = ""
         if code and result.applied and result.fits:  # only a fix that worked offers its code to insert
             self.keep.value = keep_html(code)
         elif wording.fix_failed(result):

@@ -361,6 +361,8 @@ def fix_result_parts(result: "FixResult") -> tuple[str, str, str]:
         color, badge, headline = COLORS["error"], "did not work", f"{name} did not fix the step"
     elif result.cancelled:
         color, badge, headline = COLORS["warning"], "cancelled", name
+    elif result.applied and result.slowdown:  # it fits, at a price the person should weigh
+        color, badge, headline = COLORS["warning"], "fits, but slow", f"{name}: the step ran, {result.slowdown:g}x slower"
     elif result.applied:
         color, badge, headline = COLORS["ok"], "after the fix", f"{name}: the step ran"
     else:
