@@ -1,0 +1,217 @@
+"""Training loops run by a library: tiny, offline setups for `transformers.Trainer`, Lightning and Accelerate.
+
+Most notebooks train through a library, so the doctor's loop rules are tested inside real library loops
+too, not only in loops written in a cell. Each builder here returns the namespace a notebook would hold
+(seeded, CPU-only, nothing downloaded: models from tiny random configs, data made in code), and each
+library has one cell that runs it (:data:`HF_TRAIN`, :data:`LIT_FIT`, :data:`ACCEL_LOOP`).
+
+Code a user writes (a ``Trainer`` subclass with its own ``compute_loss``, a ``LightningModule``) is
+passed as *source* and defined with :func:`define`, so its lines are the user's lines in a file of its
+own (as a notebook cell is), where a test can put a bug and find its line with :func:`marked_line`:
+
+>>> ns = define('''
+... def double(x):
+...     return 2 * x  # <-- here
+... ''', {})
+>>> ns["double"](3), marked_line(ns, "double", "# <-- here")
+(6, 3)
+
+Builders skip the test (``pytest.importorskip``) when their library is not installed.
+"""
+from __future__ import annotations
+
+import itertools
+import linecache
+import os
+import tempfile
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+#: The one-line cells that run each library's loop.
+HF_TRAIN = "trainer.train()\n"
+LIT_FIT = "trainer.fit(model, loader)\n"
+ACCEL_LOOP = """\
+for step, (x, y) in enumerate(loader):
+    with accelerator.accumulate(model):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+_counter = itertools.count()
+_DIR = tempfile.mkdtemp(prefix="bd-library-loops-")
+
+
+def define(source: str, ns: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """Run *source* (dedented) into *ns* from a real file of its own, as a notebook cell defines code.
+
+    The file is written under a temporary folder (not site-packages, not torch), so the doctor counts
+    its frames as the user's, and its lines are in ``linecache``. Returns *ns*.
+    """
+    source = textwrap.dedent(source)
+    path = os.path.join(_DIR, f"{name or 'user_code'}_{next(_counter)}.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(source)
+    linecache.checkcache(path)
+    exec(compile(source, path, "exec"), ns)
+    return ns
+
+
+def marked_line(ns: dict[str, Any], name: str, marker: str) -> int:
+    """The 1-based line, in the file :func:`define` wrote, of the first line containing *marker*, for the
+    code object *name* was defined from (a class or function of *ns*)."""
+    obj = ns[name]
+    # A class defined in a cell has no module file (``inspect.getsourcefile`` fails, as in IPython):
+    # its methods' code objects still name the file.
+    functions = [obj] if callable(obj) and hasattr(obj, "__code__") else [
+        v for v in vars(obj).values() if hasattr(getattr(v, "__func__", v), "__code__")]
+    path = getattr(functions[0], "__func__", functions[0]).__code__.co_filename
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if marker in line:
+                return i
+    raise ValueError(f"{marker!r} not in {path}")
+
+
+# ----------------------------------------------------------------------------- transformers.Trainer
+def _transformers() -> Any:
+    return pytest.importorskip("transformers", reason="transformers is a test dependency (pyproject [test])")
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """``n`` random token sequences with a class label each (what a tokenized dataset yields)."""
+
+    def __init__(self, n: int = 32, seq: int = 8, vocab: int = 99, classes: int = 3, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+        self.labels = torch.randint(0, classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
+
+
+def tiny_bert_classifier(seed: int = 0) -> nn.Module:
+    """A 2-layer BERT for 3-class sequence classification (~60k parameters), from a random config."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    cfg = tf.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=3)
+    return tf.BertForSequenceClassification(cfg)
+
+
+def hf_args(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5e-5, **extra: Any) -> Any:
+    """`TrainingArguments` for a quiet CPU run: no logging, saving, tqdm or reporting; *extra* overrides."""
+    tf = _transformers()
+    kw: dict[str, Any] = dict(output_dir=tempfile.mkdtemp(prefix="bd-hf-", dir=_DIR), max_steps=steps,
+                              per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+                              learning_rate=lr, use_cpu=True, report_to="none", save_strategy="no",
+                              logging_strategy="no", eval_strategy="no", disable_tqdm=True,
+                              dataloader_num_workers=0, seed=0)
+    kw.update(extra)
+    return tf.TrainingArguments(**kw)
+
+
+def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
+               **args: Any) -> dict[str, Any]:
+    """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier), ``model``,
+    ``args``, ``train_ds``; run it with :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass
+    named *trainer_name* (e.g. with its own ``compute_loss``) via :func:`define`; its namespace has
+    ``Trainer``, ``torch`` and ``F``. *args* go to :func:`hf_args`."""
+    tf = _transformers()
+    ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
+                          "TrainingArguments": tf.TrainingArguments}
+    cls = tf.Trainer
+    if trainer_source is not None:
+        cls = define(trainer_source, ns, name=trainer_name)[trainer_name]
+    ns["model"] = tiny_bert_classifier()
+    ns["args"] = hf_args(**args)
+    ns["train_ds"] = TokenDataset(n=n)
+    ns["trainer"] = cls(model=ns["model"], args=ns["args"], train_dataset=ns["train_ds"])
+    return ns
+
+
+# ----------------------------------------------------------------------------- Lightning
+def _lightning() -> Any:
+    return pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is a test dependency (pyproject [test])")
+
+
+#: A correct LightningModule: a small MLP classifier with automatic optimization.
+LIT_MODULE = """\
+import torch
+import pytorch_lightning as pl
+import torch.nn.functional as F
+
+
+class LitClassifier(pl.LightningModule):
+    def __init__(self, d_in=16, classes=5, lr=0.1):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(d_in, 32), torch.nn.ReLU(), torch.nn.Linear(32, classes))
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+"""
+
+
+def lit_trainer(steps: int = 4, **extra: Any) -> Any:
+    """A quiet CPU `pytorch_lightning.Trainer`: no logger, checkpoints, progress bar or summary."""
+    pl = _lightning()
+    kw: dict[str, Any] = dict(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                              num_sanity_val_steps=0, default_root_dir=tempfile.mkdtemp(prefix="bd-pl-", dir=_DIR))
+    kw.update(extra)
+    return pl.Trainer(**kw)
+
+
+def xy_loader(n: int = 64, d_in: int = 16, classes: int = 5, batch: int = 8, **extra: Any) -> Any:
+    """A DataLoader of ``n`` random (x, y) pairs, seeded, not shuffled unless *extra* says so."""
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=batch, **extra)
+
+
+def lit_fit(module_source: str = LIT_MODULE, module_name: str = "LitClassifier", steps: int = 4,
+            module_kwargs: dict[str, Any] | None = None, trainer_kwargs: dict[str, Any] | None = None,
+            loader_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A namespace holding ``model`` (the LightningModule *module_name* defined from *module_source* via
+    :func:`define`), ``loader`` and ``trainer``; run it with :data:`LIT_FIT`."""
+    _lightning()
+    ns: dict[str, Any] = {}
+    define(module_source, ns, name=module_name)
+    torch.manual_seed(0)
+    ns["model"] = ns[module_name](**(module_kwargs or {}))
+    ns["loader"] = xy_loader(**(loader_kwargs or {}))
+    ns["trainer"] = lit_trainer(steps, **(trainer_kwargs or {}))
+    return ns
+
+
+# ----------------------------------------------------------------------------- Accelerate
+def accelerate_loop(accum: int = 2, n: int = 32, batch: int = 8) -> dict[str, Any]:
+    """A namespace with an ``accelerator`` (CPU, *accum* accumulation steps) and the ``model``,
+    ``optimizer`` and ``loader`` it prepared; run it with :data:`ACCEL_LOOP` (or a cell of your own)."""
+    acc = pytest.importorskip("accelerate", reason="accelerate is a test dependency (pyproject [test])")
+    from accelerate.state import AcceleratorState, GradientState
+
+    # Accelerate keeps process-wide singletons: a fresh accelerator per namespace, not the last test's.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    accelerator = acc.Accelerator(cpu=True, gradient_accumulation_steps=accum)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, xy_loader(n=n, batch=batch))
+    return {"torch": torch, "accelerator": accelerator, "model": model, "optimizer": optimizer, "loader": loader}
