@@ -16,7 +16,7 @@ from ..report.report import Report
 from ..trace.parts import OomInfo
 from ..trace.records import Trace
 from ..util.units import format_bytes, parse_size
-from . import accumulate, amp, checkpoint, sync
+from . import accumulate, amp, checkpoint, library_knobs, sync
 from ..util.cell import Cell, NotApplicable, stored_names
 from .compare import GradProbe, Watch, grad_max_rel_err, loss_value, run_numbers
 from ..report.fix_result import FixResult
@@ -29,9 +29,16 @@ log = logging.getLogger(__name__)
 Progress = Callable[[float, str], None]
 
 
-def _rewrite(spec: FixSpec, source: str, namespace: dict[str, Any], original: Report | None):
+def rewrite_for(spec: FixSpec, source: str, namespace: dict[str, Any], original: Report | None,
+                reuse: set[str] = frozenset()):
+    """The cell rewritten for ``spec`` (``NotApplicable`` when it cannot be, with the reason)."""
+    # A loop a library runs (Trainer.train(), Trainer.fit(), Accelerate) is fixed with the library's own knobs.
+    cell = Cell(source)
+    loop = library_knobs.find_library_loop(cell, namespace)
+    if loop is not None:
+        return library_knobs.rewrite(spec, cell, namespace, original, loop)
     if spec.kind == "accumulate":
-        return accumulate.rewrite(source, namespace, spec.arg, original)
+        return accumulate.rewrite(source, namespace, spec.arg, original, reuse=reuse)
     if spec.kind == "amp":
         return amp.rewrite(source, namespace, spec.arg)
     if spec.kind == "checkpoint":
@@ -128,7 +135,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     # 3. The rewrite (an honest "cannot" leaves the namespace as the original run left it).
     say(0.47, f"rewriting the cell for {spec.name}")
     try:
-        rw = _rewrite(spec, source, ns, original)
+        rw = rewrite_for(spec, source, ns, original)
     except NotApplicable as exc:
         result.message = f"{spec.name} cannot be applied: {exc}"
         say(1.0, "done (fix not applicable)")
@@ -187,7 +194,8 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         last_failure = signature
         try:  # before restoring: batch tensors the cell makes itself exist now
             made = (_safe(lambda: stored_names(Cell(rw.code).stmts)) or set()) - rebinds
-            following = accumulate.rewrite(source, ns, min(2 * k, rw.details["batch_size"]), original, reuse=made)
+            following = rewrite_for(FixSpec("accumulate", min(2 * k, rw.details["batch_size"])), source, ns,
+                                    original, reuse=made)
         except NotApplicable:
             break
         tried.append(f"{name} still ran out of memory (peak {format_bytes(trace.memory.peak_bytes)})")
@@ -247,20 +255,26 @@ def _predicted(original: Report, name: str) -> tuple[int | None, bool]:
     return preds.get(key), bool(finding.evidence.get("lower_bound"))
 
 
-#: A fixed step this many times slower than the original (and by at least ``SLOW_MIN_S``) is said to be slow.
+#: A fixed run whose ops take this many times as long each (and that takes at least ``SLOW_MIN_S``) is slow.
 SLOW_RATIO, SLOW_MIN_S = 3.0, 0.25
 
 
-def slowdown(before_s: float | None, after_s: float | None) -> float | None:
-    """after / before, rounded, when the fixed step is much slower than the original (None otherwise).
+def slowdown(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """How many times as long each op of the fixed run took, on average, as the original run's, when that is
+    large (None otherwise). Per op, inside the ops: more micro-batches or a recomputed forward add work that the
+    step time shows anyway (and an original that failed part-way has no full step time); slower kernels
+    (bfloat16 autocast on a CPU without fast ones) make every op slower.
 
-    >>> slowdown(0.58, 11.5), slowdown(0.58, 0.9), slowdown(0.01, 0.05)
-    (19.8, None, None)
+    >>> slowdown({"ops": 100, "op_us": 5e4}, {"step_s": 11.5, "ops": 120, "op_us": 1.2e6})
+    20.0
+    >>> slowdown({"ops": 100, "op_us": 5e4}, {"step_s": 9.0, "ops": 2000, "op_us": 8e5}) is None
+    True
     """
-    if not before_s or after_s is None or before_s <= 0:
+    if not before.get("ops") or not before.get("op_us") or not after.get("ops") \
+            or (after.get("step_s") or 0) < SLOW_MIN_S:
         return None
-    ratio = after_s / before_s
-    return round(ratio, 1) if ratio >= SLOW_RATIO and after_s - before_s >= SLOW_MIN_S else None
+    ratio = (after["op_us"] / after["ops"]) / (before["op_us"] / before["ops"])
+    return round(ratio, 1) if ratio >= SLOW_RATIO else None
 
 
 def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit: int | None) -> str:
@@ -272,14 +286,15 @@ def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit
         of = f" (limit {format_bytes(limit)})" if limit else ""
         parts.append(f"The fixed step ran: peak live tensors {format_bytes(after['peak_bytes'])}{of}, "
                      f"was {was}{ran_out}.")
-        result.slowdown = slowdown(before.get("step_s"), after.get("step_s"))
+        result.slowdown = slowdown(before, after)
         if result.slowdown is not None:
-            until = "" if before.get("completed") else " until it ran out of memory"
             why = (" bfloat16 autocast on a CPU runs without the fast kernels a GPU has (most CPUs lack them);"
                    " on a GPU AMP is usually faster, on this machine prefer accumulation."
                    if result.name.startswith("amp") and trace.device == "cpu" else "")
-            parts.append(f"It is much slower: {after['step_s']:.2f} s, {result.slowdown:g}x the original step's "
-                         f"{before['step_s']:.2f} s{until}.{why}")
+            until = "" if before.get("completed") else " until it failed"
+            how = (f"each op took {result.slowdown:g}x as long as in the original run, on average "
+                   f"({after['step_s']:.2f} s for the fixed step; the original ran {before['step_s']:.2f} s{until})")
+            parts.append(f"It is much slower: {how}.{why}")
         err = result.comparison.get("grad_max_rel_err")
         if err is not None:
             parts.append(f"Gradients differ from the original step's by at most {err:.2g} (relative).")

@@ -91,9 +91,17 @@ def run_numbers(trace: Trace | None, loss: float | None) -> dict[str, Any]:
                 "exception": None}
     mem = trace.memory
     return {"peak_bytes": mem.peak_bytes, "peak_by_category": dict(mem.peak_by_category),
-            "step_s": round(trace.duration_s, 6), "loss": loss, "completed": trace.exception is None
+            "step_s": round(trace.duration_s, 6), "loss": loss, **_op_time(trace),
+            "completed": trace.exception is None
             and not trace.timed_out, "exception": trace.exception.summary().split("\n")[0][:300]
             if trace.exception else None}
+
+
+def _op_time(trace: Trace) -> dict[str, Any]:
+    """The ops the run dispatched and the time spent inside them (microseconds), the profiler's markers left
+    out: what says whether a fix made each op slower (bfloat16 on a CPU), apart from the work it adds."""
+    totals = [(c, us) for name, (c, us) in trace.op_totals.items() if not name.startswith("profiler::")]
+    return {"ops": int(sum(c for c, _ in totals)), "op_us": round(sum(us for _, us in totals), 1)}
 
 
 class FixCancelled(BaseException):

@@ -149,6 +149,9 @@ class BackwardDoctorMagics(Magics):
                           every_iteration=args.every_iteration, places=ipython_places(shell, filename, number))
         if args.engine == "auto" and report.trace.engine == "python":
             report.engine_note = python_tier_reason()
+        from ..fixes.offers import check_offers
+
+        check_offers(report, cell, shell.user_ns)  # a fix button only where the fix can be applied
         if report.trace.exception is not None and report.trace.exception.type == "OutOfMemoryError":
             _release_failed_frames(outer)
         return report

@@ -93,10 +93,14 @@ class Panel:
         self.keep = W.HTML("")
         fix_label = W.HTML('<div class="bd"><b>Fixes</b> <span class="sub">(re-run the cell with the fix and '
                            'compare)</span></div>' if self.fix_options else "")
+        from ..render.html import refused_html
+
+        refused = refused_html(report)  # the fixes this cell does not allow, and why: no button that refuses
+        self.refused = W.HTML(_wrap(refused) if refused else "")
         self.after_caption = W.HTML("")
         self.fix_box = W.VBox([fix_label, W.HBox(list(self.fix_buttons.values())), self.progress_box, self.status,
-                               self.after, self.keep, self.after_caption, self.after_plot],
-                              layout=W.Layout(display="flex" if self.fix_options else "none"))
+                               self.after, self.keep, self.after_caption, self.after_plot, self.refused],
+                              layout=W.Layout(display="flex" if self.fix_options or refused else "none"))
         self.fix_box.add_class("bd-fix-box")
         # Tabs, filled when first shown.
         self.memory_toggle = W.ToggleButtons(options=["timeline", "by module"], value="timeline",
@@ -349,7 +353,7 @@ class Panel:
         code = result.code
         slow = self.fix_buttons.get(result.name)
         if result.slowdown and slow is not None:  # measured: the button says so from now on
-            slow.description = f"Try {result.name} ({result.slowdown:g}x slower here)"
+            slow.description = f"Try {result.name} (ops {result.slowdown:g}x slower here)"
             slow.button_style = ""
         if code and result.applied and result.fits:  # only a fix that worked offers its code to insert
             self.keep.value = keep_html(code)

@@ -100,7 +100,18 @@ def fixes_section(report: "Report") -> str:
                    f'<code>bd.diagnose(source, namespace, fix="{esc(first)}")</code>.</div>')
     elif result is None:
         out.append('<div class="sub">No one-click fix applies to this report.</div>')
+    out.append(refused_html(report))
     return "".join(out)
+
+
+def refused_html(report: "Report") -> str:
+    """The fixes the findings name that cannot be applied to this cell, each with the reason ('' if none)."""
+    refused = view.refused_fixes(report)
+    if not refused:
+        return ""
+    items = "".join(f"<li><code>{esc(name)}</code>: {S.message_html(why)}</li>" for name, why in refused)
+    return f'<div class="sub bd-refused">Not offered for this cell:<ul>{items}</ul></div>'
+
 
 
 def fix_after_html(result: "FixResult", with_code: bool = True) -> str:

@@ -110,7 +110,7 @@ def summary_html(report: "Report") -> str:
     out = [f'<div class="verdict" style="--sev:{color}"><span class="badge">{esc(badge)}</span><div>'
            f'<div class="headline">{esc(headline)}</div>']
     if sentence:
-        out.append(f'<div class="sub">{_message_html(sentence)}</div>')
+        out.append(f'<div class="sub">{message_html(sentence)}</div>')
     out.append("</div></div>")
     if report.exception:
         first = report.exception.split("\n")[0]
@@ -225,7 +225,7 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
             ic = tr.failed_op.index_check
             out.append(f'<div>bad values <code>{esc(ic.bad)}</code>, valid range '
                        f'<code>{esc(ic.valid)}</code> ({esc(ic.what)})</div>')
-    out.append(f'<div style="margin-top:6px">{_message_html(f.message)}</div>')
+    out.append(f'<div style="margin-top:6px">{message_html(f.message)}</div>')
     ev = f.evidence
     out.append(loop_plot_html(tr, f))
     if f.kind == "oom" and ev.get("predicted_peak_text"):
@@ -274,7 +274,7 @@ def _src_caption(line: int | None, file: str | None, what: str, places: dict[str
 _CODE_SPAN = re.compile(r"`([^`]+)`")
 
 
-def _message_html(message: str) -> str:
+def message_html(message: str) -> str:
     """The teaching message with `code` spans as <code> (escaped first)."""
     return _CODE_SPAN.sub(lambda m: f"<code>{m.group(1)}</code>", esc(message))
 
@@ -362,7 +362,7 @@ def fix_result_parts(result: "FixResult") -> tuple[str, str, str]:
     elif result.cancelled:
         color, badge, headline = COLORS["warning"], "cancelled", name
     elif result.applied and result.slowdown:  # it fits, at a price the person should weigh
-        color, badge, headline = COLORS["warning"], "fits, but slow", f"{name}: the step ran, {result.slowdown:g}x slower"
+        color, badge, headline = COLORS["warning"], "fits, but slow", f"{name}: the step ran, its ops {result.slowdown:g}x slower"
     elif result.applied:
         color, badge, headline = COLORS["ok"], "after the fix", f"{name}: the step ran"
     else:
@@ -370,8 +370,8 @@ def fix_result_parts(result: "FixResult") -> tuple[str, str, str]:
     nxt = fix_next_step(result)
     head = (f'<div class="verdict bd-fix-verdict{" bd-fix-failed" if fix_failed(result) else ""}" '
             f'style="--sev:{color}"><span class="badge">{esc(badge)}</span><div>'
-            f'<div class="headline">{esc(headline)}</div><div class="sub">{_message_html(msg)}</div>'
-            + (f'<div class="bd-next"><b>Next:</b> {_message_html(nxt)}</div>' if nxt else "") + "</div></div>")
+            f'<div class="headline">{esc(headline)}</div><div class="sub">{message_html(msg)}</div>'
+            + (f'<div class="bd-next"><b>Next:</b> {message_html(nxt)}</div>' if nxt else "") + "</div></div>")
     return head, comparison_html(result), diff_html(result.diff)
 
 

@@ -13,7 +13,7 @@ from ..analysis.findings import source_line
 from ..capture.stats import format_stats
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
-from .view import hang_threads, op_place, phase_counts
+from .view import hang_threads, op_place, phase_counts, refused_fixes
 from .wording import (finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words,
                       what_ran)
 
@@ -51,7 +51,7 @@ def render_text(report: "Report") -> str:
     fr = report.fix_result
     before = original_verdict(fr) if report.ok and fr is not None and fr.applied and fr.fits else ""
     if before:  # a fixed run: "OK" alone would hide what the original step did
-        slow = f" ({fr.slowdown:g}x slower with it)" if fr.slowdown else ""
+        slow = f" (its ops {fr.slowdown:g}x slower with it)" if fr.slowdown else ""
         out.append(f"backward_doctor: FIXED - the step ran with {fr.name}{slow}; without it: {before}")
     elif report.ok:
         out.append(f"backward_doctor: OK - {what_ran(tr)} ran and nothing looks wrong")
@@ -71,8 +71,13 @@ def render_text(report: "Report") -> str:
         if f.op:
             out.append(f"    op: {f.op}")
         out.extend(_wrap(f.message, "    "))
-        if f.fixes:
-            out.append(f"    fixes: {', '.join(f.fixes)}  (re-run with fix=NAME / --fix NAME)")
+        refused = dict(refused_fixes(report))
+        offered = [n for n in f.fixes if n not in refused]
+        if offered:
+            out.append(f"    fixes: {', '.join(offered)}  (re-run with fix=NAME / --fix NAME)")
+        for name in f.fixes:
+            if name in refused:
+                out.extend(_wrap(f"not offered for this cell: {name} - {refused[name]}", "    "))
         ev = f.evidence
         if f.kind == "oom" and ev.get("predicted_peak_text"):
             preds = ", ".join(f"{k} {v}" for k, v in ev["predicted_peak_text"].items())
@@ -117,7 +122,7 @@ def _fix_lines(fr: "FixResult") -> list[str]:
     else:
         state = "applied, the step ran" if fr.fits else "DID NOT WORK: the step still fails with it"
         if fr.fits and fr.slowdown:
-            state += f", but {fr.slowdown:g}x slower than the original"
+            state += f", but its ops ran {fr.slowdown:g}x slower than the original's"
     out = ["", f"fix {fr.name}: {state}"]
     out.extend(_wrap(fr.message, "    "))
     cmp = fr.comparison or {}

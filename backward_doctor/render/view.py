@@ -228,14 +228,16 @@ class FixOption:
 
 
 def applicable_fixes(report: "Report") -> list[FixOption]:
-    """One option per fix the findings name, with the predicted peak where the rules gave one."""
+    """One option per fix the findings name that can be applied to the cell (``report.fix_offers``, when it was
+    checked), with the predicted peak where the rules gave one."""
     seen: list[FixOption] = []
     names: set[str] = set()
+    refused = dict(refused_fixes(report))
     for f in report.findings:
         preds = f.evidence.get("predicted_peak") or {}
         limit = f.evidence.get("limit")
         for name in f.fixes:
-            if name in names:
+            if name in names or name in refused:
                 continue
             names.add(name)
             arg, pred = name, preds.get(name)
@@ -247,6 +249,16 @@ def applicable_fixes(report: "Report") -> list[FixOption]:
             title, desc = FIX_INFO.get(name, (name, ""))
             seen.append(FixOption(arg, name, title, desc, pred))
     return seen
+
+
+def refused_fixes(report: "Report") -> list[tuple[str, str]]:
+    """(fix, why it cannot be applied to this cell) for the fixes the findings name but the cell does not allow.
+
+    >>> from backward_doctor.report import Report
+    >>> refused_fixes(Report(fix_offers={"accumulate": "", "amp": "no autocast here"}))
+    [('amp', 'no autocast here')]
+    """
+    return [(name, why) for name, why in (report.fix_offers or {}).items() if why]
 
 
 # --------------------------------------------------------------------------- pieces
@@ -271,7 +283,7 @@ def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
         fr = report.fix_result
         before = original_verdict(fr) if fr is not None and fr.applied and fr.fits else ""
         if before:
-            slow = f" With it the step is {fr.slowdown:g}x slower." if fr.slowdown else ""
+            slow = f" With it the step's ops run {fr.slowdown:g}x slower." if fr.slowdown else ""
             return "ok", "fixed", f"The step ran with {fr.name}", f"Without it: {before}.{slow}"
         return "ok", "OK", f"{what_ran(tr).capitalize()} ran and nothing looks wrong", ""
     top = report.root_cause
