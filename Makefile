@@ -65,7 +65,7 @@ torch-versions:
 	  venv=.venv-torch-$$v; spec=$$( [ $$v = newest ] && echo torch || echo torch==$$v ); \
 	  echo "== $$venv: installing $$spec (GBs the first time)"; \
 	  { [ -x $$venv/bin/python ] || $(PYTHON) -m venv $$venv; } && $$venv/bin/pip install -q --upgrade "$$spec" && \
-	  $$venv/bin/python -c 'import torch; print("torch==" + torch.__version__)' > $$venv/torch-pin.txt && \
+	  $$venv/bin/python -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $$venv/torch-pin.txt && \
 	  $$venv/bin/pip install -q -e '.[test]' -c $$venv/torch-pin.txt || { rc=1; continue; }; \
 	  echo "== torch $$($$venv/bin/python -c 'import torch; print(torch.__version__)') in $$venv"; \
 	  $$venv/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS) || rc=1; \
