@@ -10,7 +10,7 @@ fix           transformers (``TrainingArguments``)                 Lightning (``
 accumulate:k  ``gradient_accumulation_steps`` x k,                 ``accumulate_grad_batches`` x k,
               ``per_device_train_batch_size`` / k                  the ``DataLoader``'s ``batch_size`` / k
 amp           ``bf16=True`` (``fp16=True`` on CUDA)                ``precision="bf16-mixed"``
-checkpoint    ``gradient_checkpointing=True`` (a model that has     the modules the trace chose, inside
+checkpoint    ``activation_checkpointing=True`` (a model that has   the modules the trace chose, inside
               it), else as Lightning                              ``with checkpointing(...)`` around ``fit``
 ============  ===================================================  ===================================
 
@@ -62,11 +62,13 @@ def _is_loader_class(obj: Any) -> bool:
 
 @dataclass
 class LibraryLoop:
-    """A library's training loop in a cell: which library, the top-level statement that runs it, the calls
-    in the cell that build its arguments and its DataLoader (None: built elsewhere), the object that runs it."""
+    """A library's training loop in a cell: which library, the top-level statement that runs it and the call
+    (``trainer.fit(model, loader)``), the calls in the cell that build its arguments and its DataLoader (None:
+    built elsewhere), the object that runs it."""
 
     library: str
     index: int
+    call: ast.Call
     knobs: ast.Call | None
     loader: ast.Call | None
     runner: Any
@@ -74,20 +76,20 @@ class LibraryLoop:
 
 def find_library_loop(cell: Cell, namespace: dict[str, Any]) -> LibraryLoop | None:
     """The library loop the cell runs, if any (the namespace is read after the cell has run once)."""
-    found: tuple[str, int, Any] | None = None
+    found: tuple[str, int, ast.Call, Any] | None = None
     for i, stmt in enumerate(cell.stmts):
         for node in ast.walk(stmt):
             if found is None and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 obj, attr = resolve(node.func.value, namespace), node.func.attr
                 if attr == "train" and _is(obj, "transformers", "Trainer"):
-                    found = ("transformers", i, obj)
+                    found = ("transformers", i, node, obj)
                 elif attr == "fit" and _is(obj, "lightning", "Trainer"):
-                    found = ("lightning", i, obj)
+                    found = ("lightning", i, node, obj)
                 elif attr == "accumulate" and _is(obj, "accelerate", "Accelerator"):
-                    found = ("accelerate", i, obj)
+                    found = ("accelerate", i, node, obj)
     if found is None:
         return None
-    library, index, runner = found
+    library, index, call, runner = found
     knobs = loader = None
     for node in ast.walk(cell.tree):
         if isinstance(node, ast.Call):
@@ -96,7 +98,7 @@ def find_library_loop(cell: Cell, namespace: dict[str, Any]) -> LibraryLoop | No
                 knobs = node
             elif _is_loader_class(cls) and loader is None:
                 loader = node
-    return LibraryLoop(library, index, knobs, loader, runner)
+    return LibraryLoop(library, index, call, knobs, loader, runner)
 
 
 # --------------------------------------------------------------------------- editing a call's keywords
@@ -165,17 +167,35 @@ def _code(cell: Cell, edits: list[tuple[int, int, str]], comments: dict[int, lis
 # --------------------------------------------------------------------------- the fixes
 def _not_here(loop: LibraryLoop, setting: str) -> NotApplicable:
     lib, runs = WORDS[loop.library]
-    return NotApplicable(f"{lib} runs this loop ({runs}); the fix is its own setting, {setting}, which this cell "
-                         "does not build (it was built in another cell). Build it in this cell to let the doctor "
-                         "try it, or change it there yourself")
+    return NotApplicable(f"{lib} runs this loop ({runs}): the fix is {setting}, where those arguments are built "
+                         "(not in this cell). Build them in this cell and the doctor can try it")
+
+
+def _halved(loop: LibraryLoop, k: int) -> str:
+    """The accumulation setting in words, with the numbers the arguments built elsewhere hold."""
+    cls_name, accum_kw, batch_kw = KNOBS[loop.library]
+    args = getattr(loop.runner, "args", loop.runner)
+    accum = getattr(args, accum_kw, None)
+    accum = accum if isinstance(accum, int) else 1
+    if batch_kw is not None:
+        batch = getattr(args, batch_kw, None)
+        if isinstance(batch, int) and batch % k == 0:
+            return f"`{batch_kw}={batch // k}, {accum_kw}={accum * k}` in `{cls_name}`"
+        return f"`{accum_kw}={accum * k}` and `{batch_kw}` divided by {k} in `{cls_name}`"
+    return f"`{accum_kw}={accum * k}` in `{cls_name}` with the `DataLoader`'s `batch_size` divided by {k}"
 
 
 def _accumulate(cell: Cell, namespace: dict[str, Any], loop: LibraryLoop, k: int | None, original: Any) -> Rewrite:
     cls_name, accum_kw, batch_kw = KNOBS[loop.library]
-    if loop.knobs is None:
-        raise _not_here(loop, f"`{cls_name}({accum_kw}=...)`" + (f" with `{batch_kw}`" if batch_kw else ""))
-    if batch_kw is None and loop.loader is None:
-        raise _not_here(loop, f"the `DataLoader`'s `batch_size` (with `{cls_name}({accum_kw}=...)`)")
+    if loop.knobs is None or (batch_kw is None and loop.loader is None):
+        raise _not_here(loop, _halved(loop, k or _default_k(original, 1 << 30)[0]))
+    if loop.library == "lightning":
+        module = loop.call.args[0] if loop.call.args else next(
+            (k.value for k in loop.call.keywords if k.arg == "model"), None)
+        if module is not None and getattr(resolve(module, namespace), "automatic_optimization", True) is False:
+            raise NotApplicable("the LightningModule optimizes by hand (`automatic_optimization = False`), which "
+                                "Lightning's accumulate_grad_batches does not support: accumulate in its "
+                                "training_step (step every k batches)")
     if loop.library == "accelerate" and not any(
             isinstance(n, ast.Attribute) and n.attr == "accumulate" for n in ast.walk(cell.stmts[loop.index])):
         raise NotApplicable("the loop does not run its steps inside `with accelerator.accumulate(model):`, so "
@@ -236,7 +256,7 @@ def _amp(cell: Cell, namespace: dict[str, Any], loop: LibraryLoop, dtype: str | 
     if loop.library == "transformers":
         setting = "`fp16=True`" if fp16 else "`bf16=True`"
         if loop.knobs is None:
-            raise _not_here(loop, f"`TrainingArguments({setting[1:-1]})`")
+            raise _not_here(loop, f"{setting} in `TrainingArguments`")
         edits = [set_keyword(cell, loop.knobs, "fp16" if fp16 else "bf16", "True")]
         other = _keyword(loop.knobs, "bf16" if fp16 else "fp16")
         if other is not None:
@@ -245,7 +265,7 @@ def _amp(cell: Cell, namespace: dict[str, Any], loop: LibraryLoop, dtype: str | 
         value = '"16-mixed"' if fp16 else '"bf16-mixed"'
         setting = f"`precision={value}`"
         if loop.knobs is None:
-            raise _not_here(loop, f"`Trainer({setting[1:-1]})`")
+            raise _not_here(loop, f"{setting} in `Trainer`")
         edits = [set_keyword(cell, loop.knobs, "precision", value)]
     words = "float16" if fp16 else "bfloat16"
     comments = {cell.index_of(loop.knobs): [f"backward_doctor fix amp: {setting[1:-1]} - the forward pass in {words} "
@@ -261,14 +281,19 @@ def _checkpoint(cell: Cell, namespace: dict[str, Any], loop: LibraryLoop, origin
     if loop.library == "transformers":
         model = getattr(loop.runner, "model", None)
         if getattr(model, "supports_gradient_checkpointing", False):
+            # transformers 5 calls it activation_checkpointing (gradient_checkpointing is its deprecated alias).
+            args_cls = resolve(loop.knobs.func, namespace) if loop.knobs is not None else type(
+                getattr(loop.runner, "args", None))
+            fields = {f.name for f in dataclasses.fields(args_cls)} if dataclasses.is_dataclass(args_cls) else set()
+            knob = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
             if loop.knobs is None:
-                raise _not_here(loop, "`TrainingArguments(gradient_checkpointing=True)`")
-            edits = [set_keyword(cell, loop.knobs, "gradient_checkpointing", "True")]
-            comments = {cell.index_of(loop.knobs): ["backward_doctor fix checkpoint: gradient_checkpointing=True - "
-                                                    "the model's layers keep only their inputs in forward and "
-                                                    "recompute their activations in backward."]}
-            return Rewrite(code=_code(cell, edits, comments), details={"setting": "gradient_checkpointing=True"},
-                           message=f"transformers' own activation checkpointing, `gradient_checkpointing=True` in "
+                raise _not_here(loop, f"`{knob}=True` in `TrainingArguments`")
+            edits = [set_keyword(cell, loop.knobs, knob, "True")]
+            comments = {cell.index_of(loop.knobs): [f"backward_doctor fix checkpoint: {knob}=True - the model's "
+                                                    "layers keep only their inputs in forward and recompute their "
+                                                    "activations in backward."]}
+            return Rewrite(code=_code(cell, edits, comments), details={"setting": f"{knob}=True"},
+                           message=f"transformers' own activation checkpointing, `{knob}=True` in "
                                    f"`TrainingArguments(...)`: {type(model).__name__} recomputes each layer's "
                                    "activations in backward instead of keeping them (about one more forward pass).")
     chosen = checkpoint.plan(namespace, original)
