@@ -55,12 +55,15 @@ def _ns(*extra: nn.Module) -> dict:
 STEP = "opt.zero_grad()\nloss = F.cross_entropy(model(xb), yb)\nloss.backward()\nopt.step()\n"
 
 
-def test_slowdown_is_said_only_when_each_op_is_much_slower():
-    assert slowdown({"ops": 100, "op_us": 5e4}, {"step_s": 11.5, "ops": 120, "op_us": 1.2e6}) == 20.0
-    assert slowdown({"ops": 100, "op_us": 5e4}, {"step_s": 11.5, "ops": 120, "op_us": 1.2e5}) is None
-    assert slowdown({"ops": 100, "op_us": 5e2}, {"step_s": 0.02, "ops": 100, "op_us": 2e4}) is None  # 0.02 s
-    # More work (8 micro-batches, a recomputed forward) is not "slower": the step time says it anyway.
-    assert slowdown({"ops": 100, "op_us": 5e4}, {"step_s": 9.0, "ops": 800, "op_us": 4e5}) is None
+def test_slowdown_is_said_only_when_an_op_that_does_the_work_is_much_slower_per_call():
+    mm = {"aten::mm": [10, 5e4]}
+    assert slowdown({"op_time": mm}, {"op_time": {"aten::mm": [10, 1e6], "aten::add": [5, 1e3]}}) == (20.0, "aten::mm")
+    # More calls of the same op (8 micro-batches, a recomputed forward) are more work, not a slower op.
+    assert slowdown({"op_time": mm}, {"op_time": {"aten::mm": [80, 4e5]}}) is None
+    # A slower op that is a small part of the time, or a few milliseconds in all, is no reason to warn.
+    assert slowdown({"op_time": mm}, {"op_time": {"aten::mm": [10, 5e4], "aten::add": [5, 1e6], "aten::x": [1, 9e6]}}) \
+        is None
+    assert slowdown({"op_time": {"aten::mm": [10, 100.0]}}, {"op_time": {"aten::mm": [10, 5000.0]}}) is None
 
 
 @pytest.mark.parametrize("limit", ["5MB", None], ids=["original-ran-out", "original-ran"])
@@ -73,16 +76,16 @@ def test_a_fix_that_fits_but_whose_ops_are_much_slower_says_so_everywhere(limit)
     assert fr.applied and fr.fits and report.ok, fr.message
     assert fr.comparison["before"]["completed"] is (limit is None)
     assert fr.slowdown is not None and fr.slowdown >= 3, fr.comparison
-    assert f"It is much slower: each op took {fr.slowdown:g}x as long as in the original run" in fr.message
+    assert f"It is much slower: each call of `bd_test::slow_in_bf16` took {fr.slowdown:g}x as long" in fr.message
     assert "bfloat16 autocast on a CPU runs without the fast kernels" in fr.message
     text = str(report)
     if limit:  # a FIXED line only where the original step failed
-        assert text.startswith(f"backward_doctor: FIXED - the step ran with amp (its ops {fr.slowdown:g}x slower "
+        assert text.startswith(f"backward_doctor: FIXED - the step ran with amp (ops up to {fr.slowdown:g}x slower "
                                "with it)")
-        assert f"With it the step's ops run {fr.slowdown:g}x slower." in html.unescape(report.to_html())
-    assert f"applied, the step ran, but its ops ran {fr.slowdown:g}x slower than the original's" in text
+        assert f"With it ops run up to {fr.slowdown:g}x slower." in html.unescape(report.to_html())
+    assert f"applied, the step ran, but ops ran up to {fr.slowdown:g}x slower than in the original" in text
     page = html.unescape(report.to_html())
-    assert "fits, but slow" in page and f"amp: the step ran, its ops {fr.slowdown:g}x slower" in page
+    assert "fits, but slow" in page and f"amp: the step ran, ops up to {fr.slowdown:g}x slower" in page
 
 
 def test_more_work_is_not_called_slow():
@@ -108,5 +111,5 @@ def test_the_panel_button_of_a_slow_fix_says_so_after_it_ran():
     panel.show_result(bd.Report(fix_result=fast))
     assert panel.fix_buttons["amp"].description == "Try amp"
     panel.show_result(bd.Report(fix_result=slow))
-    assert panel.fix_buttons["amp"].description == "Try amp (ops 19.8x slower here)"
+    assert panel.fix_buttons["amp"].description == "Try amp (ops up to 19.8x slower here)"
     assert "fits, but slow" in panel.after.value and "x = 1" in panel.keep.value  # it works: the code is kept

@@ -255,26 +255,34 @@ def _predicted(original: Report, name: str) -> tuple[int | None, bool]:
     return preds.get(key), bool(finding.evidence.get("lower_bound"))
 
 
-#: A fixed run whose ops take this many times as long each (and that takes at least ``SLOW_MIN_S``) is slow.
-SLOW_RATIO, SLOW_MIN_S = 3.0, 0.25
+#: An op that takes this many times as long per call in the fixed run, and that is a large part of its time
+#: (``SLOW_SHARE`` of the time inside ops, at least ``SLOW_MIN_S`` more in all), makes the fix "much slower".
+SLOW_RATIO, SLOW_SHARE, SLOW_MIN_S = 3.0, 0.25, 0.25
 
 
-def slowdown(before: dict[str, Any], after: dict[str, Any]) -> float | None:
-    """How many times as long each op of the fixed run took, on average, as the original run's, when that is
-    large (None otherwise). Per op, inside the ops: more micro-batches or a recomputed forward add work that the
-    step time shows anyway (and an original that failed part-way has no full step time); slower kernels
-    (bfloat16 autocast on a CPU without fast ones) make every op slower.
+def slowdown(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, str] | None:
+    """(how many times as long per call, the op) for the op the fix made much slower, when one did. Per call of
+    the same op: more micro-batches or a recomputed forward add calls, which the step time shows anyway (and an
+    original that failed part-way has no full step time); slower kernels (bfloat16 autocast on a CPU without
+    fast ones) make each call of the ops that do the work slower.
 
-    >>> slowdown({"ops": 100, "op_us": 5e4}, {"step_s": 11.5, "ops": 120, "op_us": 1.2e6})
-    20.0
-    >>> slowdown({"ops": 100, "op_us": 5e4}, {"step_s": 9.0, "ops": 2000, "op_us": 8e5}) is None
+    >>> slowdown({"op_time": {"aten::mm": [10, 5e4]}}, {"op_time": {"aten::mm": [10, 1e6], "aten::add": [5, 1e3]}})
+    (20.0, 'aten::mm')
+    >>> slowdown({"op_time": {"aten::mm": [10, 5e4]}}, {"op_time": {"aten::mm": [80, 4e5]}}) is None
     True
     """
-    if not before.get("ops") or not before.get("op_us") or not after.get("ops") \
-            or (after.get("step_s") or 0) < SLOW_MIN_S:
-        return None
-    ratio = (after["op_us"] / after["ops"]) / (before["op_us"] / before["ops"])
-    return round(ratio, 1) if ratio >= SLOW_RATIO else None
+    was, now = before.get("op_time") or {}, after.get("op_time") or {}
+    inside = sum(us for _, us in now.values())
+    found = None
+    for name, (calls, us) in now.items():
+        old = was.get(name)
+        if not old or not calls or not old[0] or old[1] <= 0 or us < SLOW_SHARE * inside:
+            continue
+        per_call = old[1] / old[0]
+        ratio = (us / calls) / per_call
+        if ratio >= SLOW_RATIO and (us - calls * per_call) / 1e6 >= SLOW_MIN_S and (found is None or ratio > found[0]):
+            found = (round(ratio, 1), name)
+    return found
 
 
 def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit: int | None) -> str:
@@ -286,13 +294,14 @@ def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit
         of = f" (limit {format_bytes(limit)})" if limit else ""
         parts.append(f"The fixed step ran: peak live tensors {format_bytes(after['peak_bytes'])}{of}, "
                      f"was {was}{ran_out}.")
-        result.slowdown = slowdown(before, after)
-        if result.slowdown is not None:
+        slow = slowdown(before, after)
+        if slow is not None:
+            result.slowdown, op = slow
             why = (" bfloat16 autocast on a CPU runs without the fast kernels a GPU has (most CPUs lack them);"
                    " on a GPU AMP is usually faster, on this machine prefer accumulation."
                    if result.name.startswith("amp") and trace.device == "cpu" else "")
             until = "" if before.get("completed") else " until it failed"
-            how = (f"each op took {result.slowdown:g}x as long as in the original run, on average "
+            how = (f"each call of `{op}` took {result.slowdown:g}x as long as in the original run "
                    f"({after['step_s']:.2f} s for the fixed step; the original ran {before['step_s']:.2f} s{until})")
             parts.append(f"It is much slower: {how}.{why}")
         err = result.comparison.get("grad_max_rel_err")

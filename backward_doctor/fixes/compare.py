@@ -97,11 +97,12 @@ def run_numbers(trace: Trace | None, loss: float | None) -> dict[str, Any]:
             if trace.exception else None}
 
 
-def _op_time(trace: Trace) -> dict[str, Any]:
-    """The ops the run dispatched and the time spent inside them (microseconds), the profiler's markers left
-    out: what says whether a fix made each op slower (bfloat16 on a CPU), apart from the work it adds."""
-    totals = [(c, us) for name, (c, us) in trace.op_totals.items() if not name.startswith("profiler::")]
-    return {"ops": int(sum(c for c, _ in totals)), "op_us": round(sum(us for _, us in totals), 1)}
+def _op_time(trace: Trace, keep: int = 24) -> dict[str, Any]:
+    """The ops that took the most time inside them: name -> [calls, microseconds] (the profiler's markers left
+    out). What says whether a fix made an op slower per call (bfloat16 on a CPU), apart from the work it adds."""
+    totals = sorted(((name, c, us) for name, (c, us) in trace.op_totals.items() if not name.startswith("profiler::")),
+                    key=lambda t: -t[2])
+    return {"op_time": {name: [int(c), round(us, 1)] for name, c, us in totals[:keep]}}
 
 
 class FixCancelled(BaseException):

@@ -353,7 +353,7 @@ class Panel:
         code = result.code
         slow = self.fix_buttons.get(result.name)
         if result.slowdown and slow is not None:  # measured: the button says so from now on
-            slow.description = f"Try {result.name} (ops {result.slowdown:g}x slower here)"
+            slow.description = f"Try {result.name} (ops up to {result.slowdown:g}x slower here)"
             slow.button_style = ""
         if code and result.applied and result.fits:  # only a fix that worked offers its code to insert
             self.keep.value = keep_html(code)

@@ -51,7 +51,7 @@ def render_text(report: "Report") -> str:
     fr = report.fix_result
     before = original_verdict(fr) if report.ok and fr is not None and fr.applied and fr.fits else ""
     if before:  # a fixed run: "OK" alone would hide what the original step did
-        slow = f" (its ops {fr.slowdown:g}x slower with it)" if fr.slowdown else ""
+        slow = f" (ops up to {fr.slowdown:g}x slower with it)" if fr.slowdown else ""
         out.append(f"backward_doctor: FIXED - the step ran with {fr.name}{slow}; without it: {before}")
     elif report.ok:
         out.append(f"backward_doctor: OK - {what_ran(tr)} ran and nothing looks wrong")
@@ -122,7 +122,7 @@ def _fix_lines(fr: "FixResult") -> list[str]:
     else:
         state = "applied, the step ran" if fr.fits else "DID NOT WORK: the step still fails with it"
         if fr.fits and fr.slowdown:
-            state += f", but its ops ran {fr.slowdown:g}x slower than the original's"
+            state += f", but ops ran up to {fr.slowdown:g}x slower than in the original"
     out = ["", f"fix {fr.name}: {state}"]
     out.extend(_wrap(fr.message, "    "))
     cmp = fr.comparison or {}

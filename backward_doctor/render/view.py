@@ -283,7 +283,7 @@ def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
         fr = report.fix_result
         before = original_verdict(fr) if fr is not None and fr.applied and fr.fits else ""
         if before:
-            slow = f" With it the step's ops run {fr.slowdown:g}x slower." if fr.slowdown else ""
+            slow = f" With it ops run up to {fr.slowdown:g}x slower." if fr.slowdown else ""
             return "ok", "fixed", f"The step ran with {fr.name}", f"Without it: {before}.{slow}"
         return "ok", "OK", f"{what_ran(tr).capitalize()} ran and nothing looks wrong", ""
     top = report.root_cause
