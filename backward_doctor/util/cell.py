@@ -117,7 +117,7 @@ class Cell:
     def index_at(self, offset: int) -> int:
         """Index of the top-level statement whose text holds byte ``offset`` (an edit's start).
 
-        >>> Cell("a = 1\nb = f(2)\n").index_at(10)
+        >>> Cell("a = 1\\nb = f(2)\\n").index_at(10)
         1
         """
         for i, (lo, hi) in enumerate(self.bounds):
