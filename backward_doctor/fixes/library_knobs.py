@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,7 +156,7 @@ def _code(cell: Cell, edits: list[tuple[int, int, str]], comments: dict[int, lis
     out, start = [], 0
     for i in touched:
         out.append(cell.kept(range(start, i)))
-        out.extend(f"# {line}\n" for line in comments.get(i, []))
+        out.extend(f"# {part}\n" for line in comments.get(i, []) for part in textwrap.wrap(line, 98))
         out.append(cell.edited(i, edits))
         start = i + 1
     out.append(cell.kept(range(start, len(cell.stmts))))

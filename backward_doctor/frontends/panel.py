@@ -23,7 +23,7 @@ import ipywidgets as W
 
 from ..render import sections as S, style, view, wording
 from ..render.style import esc
-from ..report.places import CELL, name_places
+from ..report.places import name_places
 from .keep_code import keep_html
 
 if TYPE_CHECKING:
@@ -310,8 +310,9 @@ class Panel:
             self.status.value = _wrap(f'<div class="exc"><b>The fix run failed</b> <code>{esc(tb)}</code></div>')
             return
         self._done()
-        # The fixed run is named as the original was (``Cell In[2]``, never the kernel's temporary file).
-        name_places(after, self.namespace, lambda file: self.report.places.get(CELL if file is None else file))
+        # Code from other cells is named as in the original (``Cell In[2]``, never the kernel's temporary file);
+        # the rewritten cell is no cell of the notebook (its lines differ from the original's): "the fixed cell".
+        name_places(after, self.namespace, lambda file: "the fixed cell" if file is None else self.report.places.get(file))
         self.show_result(after)
 
     def _done(self) -> None:
