@@ -32,11 +32,30 @@ def test_the_declared_torch_is_the_oldest_tested_and_this_one_is_within_it():
     assert running >= low, f"torch {torch.__version__} is older than pyproject declares"
 
 
-def test_pytorchs_newer_wording_of_grad_without_inputs_is_what_the_report_quotes():
-    """`torch.autograd.grad(loss, [p for p in params if p.requires_grad])` with every parameter frozen: the
-    report quotes PyTorch's words. Pinned to the wording of torch 2.13 ("`inputs` argument to `grad()` cannot
-    be empty.", raised in Python); torch 2.10 said "grad requires non-empty inputs." (from C++), so on 2.10
-    this test fails by design: it is how a run on the oldest torch shows that wordings moved."""
+def test_pytorchs_newer_wording_of_int32_class_labels_is_pinned_and_both_wordings_are_read():
+    """Class labels stored as int32 (`np.int32` data): torch 2.13 says "expected target dtype to be Long or Byte,
+    but got Int"; torch 2.10 said "expected scalar type Long but found Int". The dtype rule reads both (the
+    second half of this test), and this test pins the newer wording, so on 2.10 it fails by design: it is how
+    `make torch-versions` shows, on the oldest torch, that a wording the report quotes has moved."""
+    from backward_doctor.analysis import analyze
+    from backward_doctor.trace.records import ExceptionInfo, Trace
+
+    torch.manual_seed(0)
+    ns = {"torch": torch, "F": torch.nn.functional, "model": torch.nn.Linear(4, 3), "x": torch.randn(8, 4),
+          "y": torch.randint(0, 3, (8,), dtype=torch.int32)}
+    report = bd.diagnose("loss = F.cross_entropy(model(x), y)\nloss.backward()", ns)
+    assert report.findings[0].kind == "dtype_mismatch" and report.findings[0].line == 1
+    assert report.exception == "RuntimeError: expected target dtype to be Long or Byte, but got Int"
+    for words in ("expected target dtype to be Long or Byte, but got Int", "expected scalar type Long but found Int"):
+        trace = Trace(exception=ExceptionInfo("RuntimeError", words))
+        assert [f.kind for f in analyze(trace)] == ["dtype_mismatch"], words
+
+
+def test_pytorchs_newer_wording_of_grad_without_inputs():
+    """`torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])` with every parameter
+    frozen: torch 2.13 raises RuntimeError "`inputs` argument to `grad()` cannot be empty." in Python; torch
+    2.10 raised ValueError "grad requires non-empty inputs." from C++. The report quotes PyTorch's words (this
+    test fails on 2.10 by design, as the one above)."""
     model = torch.nn.Linear(4, 2)
     model.requires_grad_(False)
     ns = {"torch": torch, "model": model, "x": torch.randn(3, 4, requires_grad=True)}  # the loss has a graph
