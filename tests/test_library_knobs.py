@@ -227,13 +227,7 @@ ACC_CELL = """\
 accelerator = Accelerator(cpu=True)
 loader = DataLoader(ds, batch_size=128)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-for step, (x, y) in enumerate(loader):
-    with accelerator.accumulate(model):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-"""
+""" + ll.ACCEL_LOOP
 ACC_LIMIT = "700KB"  # batch 128 needs 0.9 MB, 2 x 64 with gradient_accumulation_steps=2 0.53 MB
 
 

@@ -312,7 +312,8 @@ class Panel:
         self._done()
         # Code from other cells is named as in the original (``Cell In[2]``, never the kernel's temporary file);
         # the rewritten cell is no cell of the notebook (its lines differ from the original's): "the fixed cell".
-        name_places(after, self.namespace, lambda file: "the fixed cell" if file is None else self.report.places.get(file))
+        name_places(after, self.namespace,
+                    lambda file: "the fixed cell" if file is None else self.report.places.get(file))
         self.show_result(after)
 
     def _done(self) -> None:

@@ -46,7 +46,8 @@ def memory_section(report: "Report") -> str:
     from . import svg_plots
 
     data, how = view.memory_by_module(tr)
-    return (svg_plots.memory_timeline_svg(tr, places=report.places) + f'<details><summary>Memory by module {esc(how)}</summary>'
+    return (svg_plots.memory_timeline_svg(tr, places=report.places)
+            + f'<details><summary>Memory by module {esc(how)}</summary>'
             f"{svg_plots.memory_by_module_svg(tr, data=(data, how))}</details>")
 
 
@@ -111,7 +112,6 @@ def refused_html(report: "Report") -> str:
         return ""
     items = "".join(f"<li><code>{esc(name)}</code>: {S.message_html(why)}</li>" for name, why in refused)
     return f'<div class="sub bd-refused">Not offered for this cell:<ul>{items}</ul></div>'
-
 
 
 def fix_after_html(result: "FixResult", with_code: bool = True) -> str:

@@ -362,7 +362,8 @@ def fix_result_parts(result: "FixResult") -> tuple[str, str, str]:
     elif result.cancelled:
         color, badge, headline = COLORS["warning"], "cancelled", name
     elif result.applied and result.slowdown:  # it fits, at a price the person should weigh
-        color, badge, headline = COLORS["warning"], "fits, but slow", f"{name}: the step ran, ops up to {result.slowdown:g}x slower"
+        color, badge = COLORS["warning"], "fits, but slow"
+        headline = f"{name}: the step ran, ops up to {result.slowdown:g}x slower"
     elif result.applied:
         color, badge, headline = COLORS["ok"], "after the fix", f"{name}: the step ran"
     else:
