@@ -247,7 +247,7 @@ def test_load_ext_says_the_native_recorder_builds_in_the_background(monkeypatch,
     monkeypatch.setattr(native, "missing_tool", lambda: None)
     monkeypatch.setattr(native, "_reason", None)
     line = magic.first_use_line()
-    assert "native recorder in the background (once per torch version; usually 1-2 minutes" in line
+    assert "native recorder in the background (once per torch version; usually 1-2 minutes, up to 6" in line
     assert "records every iteration of a loop" in line and "footer" in line
     native._write_stamp(93.6)                                  # what a build here leaves behind
     assert "(once per torch version; the last build on this machine took 94 s)" in magic.first_use_line()

@@ -152,7 +152,7 @@ def build_time_words() -> str:
     last = last_build_seconds()
     if last is not None:
         return f"the last build on this machine took {last:.0f} s"
-    return "usually 1-2 minutes, up to 4 on a busy machine"
+    return "usually 1-2 minutes, up to 6 on a busy machine"
 
 
 def _compile() -> str | None:
