@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -123,9 +124,10 @@ def write_notebook(path: str, cells: list[str]) -> None:
         json.dump(nb, fh)
 
 
-def _run_cells(page, app: str, setup_s: float = 10) -> None:
+def _run_cells(page, app: str, setup_s: float = 120) -> None:
     """Run the setup cell, then the diagnosed one, as a user would (the classic UI through its API).
-    ``setup_s``: how long the setup cell may take (importing transformers takes a while on a busy machine)."""
+    ``setup_s``: how long the setup cell may take once the kernel took it (importing torch or transformers
+    takes a while on a busy machine)."""
     if app == "nbclassic":
         # Outputs that arrive before the widgets extension has loaded fall back to text/html.
         page.wait_for_function("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && "
@@ -152,11 +154,12 @@ def _run_cells(page, app: str, setup_s: float = 10) -> None:
         except sync_api.TimeoutError:
             continue
         page.keyboard.press("Shift+Enter")
-        try:
-            first.filter(has_text="[1]").wait_for(timeout=setup_s * 1000)
-            break
+        try:  # taken by the kernel ([*]: running) or already run: never run it twice (its In[] would move)
+            first.filter(has_text=re.compile(r"\[(\*|1)\]")).wait_for(timeout=10_000)
         except sync_api.TimeoutError:
             continue
+        first.filter(has_text="[1]").wait_for(timeout=setup_s * 1000)
+        break
     page.keyboard.press("Shift+Enter")
 
 
@@ -273,8 +276,6 @@ loss.backward()"""
 
 def _luminance(css_color: str) -> float:
     """0 (black) .. 1 (white) of an ``rgb(...)``/``rgba(...)`` computed colour."""
-    import re
-
     r, g, b = (int(v) for v in re.findall(r"[\d.]+", css_color)[:3])
     return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
 

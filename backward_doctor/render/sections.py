@@ -118,7 +118,7 @@ def summary_html(report: "Report") -> str:
     facts = []
     phases = phase_counts(tr)
     split = ", ".join(f"{n:,} {p}" for p, n in phases.items())
-    facts.append(("step time", f"{tr.duration_s:.2f} s" if tr.duration_s >= 0.1 else f"{tr.duration_s * 1e3:.0f} ms",
+    facts.append(("cell time" if tr.iterations.steps > 1 else "step time", f"{tr.duration_s:.2f} s" if tr.duration_s >= 0.1 else f"{tr.duration_s * 1e3:.0f} ms",
                   f"{tr.op_count:,} ops ({split})" if split else f"{tr.op_count:,} ops", None))
     mem = tr.memory
     cap = mem.limit_bytes or mem.device_total_bytes

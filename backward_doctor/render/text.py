@@ -71,13 +71,13 @@ def render_text(report: "Report") -> str:
         if f.op:
             out.append(f"    op: {f.op}")
         out.extend(_wrap(f.message, "    "))
-        refused = dict(refused_fixes(report))
-        offered = [n for n in f.fixes if n not in refused]
+        offers = report.fix_offers or {}
+        offered = [n for n in f.fixes if not offers.get(n)]
         if offered:
             out.append(f"    fixes: {', '.join(offered)}  (re-run with fix=NAME / --fix NAME)")
-        for name in f.fixes:
-            if name in refused:
-                out.extend(_wrap(f"not offered for this cell: {name} - {refused[name]}", "    "))
+        if i == 1:  # once, under the root cause
+            for names, why in refused_fixes(report):
+                out.extend(_wrap(f"not offered for this cell: {names} - {why}", "    "))
         ev = f.evidence
         if f.kind == "oom" and ev.get("predicted_peak_text"):
             preds = ", ".join(f"{k} {v}" for k, v in ev["predicted_peak_text"].items())

@@ -232,7 +232,7 @@ def applicable_fixes(report: "Report") -> list[FixOption]:
     checked), with the predicted peak where the rules gave one."""
     seen: list[FixOption] = []
     names: set[str] = set()
-    refused = dict(refused_fixes(report))
+    refused = {name for name, why in (report.fix_offers or {}).items() if why}
     for f in report.findings:
         preds = f.evidence.get("predicted_peak") or {}
         limit = f.evidence.get("limit")
@@ -252,13 +252,18 @@ def applicable_fixes(report: "Report") -> list[FixOption]:
 
 
 def refused_fixes(report: "Report") -> list[tuple[str, str]]:
-    """(fix, why it cannot be applied to this cell) for the fixes the findings name but the cell does not allow.
+    """(fixes, why they cannot be applied to this cell) for the fixes the findings name but the cell does not
+    allow; fixes refused for the same reason share one line (``accumulate, amp``).
 
     >>> from backward_doctor.report import Report
-    >>> refused_fixes(Report(fix_offers={"accumulate": "", "amp": "no autocast here"}))
-    [('amp', 'no autocast here')]
+    >>> refused_fixes(Report(fix_offers={"accumulate": "two backwards", "amp": "two backwards", "sync": ""}))
+    [('accumulate, amp', 'two backwards')]
     """
-    return [(name, why) for name, why in (report.fix_offers or {}).items() if why]
+    by_reason: dict[str, list[str]] = {}
+    for name, why in (report.fix_offers or {}).items():
+        if why:
+            by_reason.setdefault(why, []).append(name)
+    return [(", ".join(names), why) for why, names in by_reason.items()]
 
 
 # --------------------------------------------------------------------------- pieces
