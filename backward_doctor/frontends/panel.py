@@ -98,8 +98,8 @@ class Panel:
         refused = refused_html(report)  # the fixes this cell does not allow, and why: no button that refuses
         self.refused = W.HTML(_wrap(refused) if refused else "")
         self.after_caption = W.HTML("")
-        self.fix_box = W.VBox([fix_label, W.HBox(list(self.fix_buttons.values())), self.progress_box, self.status,
-                               self.after, self.keep, self.after_caption, self.after_plot, self.refused],
+        self.fix_box = W.VBox([fix_label, W.HBox(list(self.fix_buttons.values())), self.refused, self.progress_box,
+                               self.status, self.after, self.keep, self.after_caption, self.after_plot],
                               layout=W.Layout(display="flex" if self.fix_options or refused else "none"))
         self.fix_box.add_class("bd-fix-box")
         # Tabs, filled when first shown.
