@@ -40,8 +40,8 @@ def param_infos(cap: "OpRecorder") -> list[ParamInfo]:
     for _, opt in ns_mod.optimizers(cap.namespace):
         if id(opt) in stepped_opts:
             stepped.update(id(p) for g in opt.param_groups for p in g["params"])
-    # The models the step ran, by identity (not by name: a model held in a list or only by a Trainer has
-    # none): the outermost module of every recorded op's module stack, with all its parameters.
+    # The models the step ran, by identity (not by name: a model reached only through a library's internals,
+    # Lightning's `trainer.strategy`, has none): the outermost module of each recorded op's module stack.
     in_run: set[int] = set()
     for outer in {stack[0] for _, stack in cap._where_stacks if stack}:
         mod = cap._modules.get(outer, (lambda: None, ""))[0]()

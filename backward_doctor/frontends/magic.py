@@ -255,8 +255,9 @@ def load_ipython_extension(ipython: Any) -> None:
     from .. import native
 
     ipython.register_magics(BackwardDoctorMagics)
-    # The native recorder compiles once per torch version (1-2 min, cached); cells run on the Python tier meanwhile. Say so
-    # once, here: a first cell that runs on the slower tier, silently, looks like the doctor's cost.
+    # The native recorder compiles once per torch version (1-2 min, cached); cells run on the Python tier
+    # meanwhile. Say so once, here: a first cell that runs on the slower tier, silently, looks like the
+    # doctor's cost.
     line = first_use_line()
     native.build_in_background()
     if line:
