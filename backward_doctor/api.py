@@ -10,6 +10,7 @@ from typing import Any
 
 from .capture.process import one_run_at_a_time
 from .fixes.apply import run_fix
+from .fixes.offers import check_offers
 from .fixes.spec import parse_fix
 from .report import Report
 from .run.engine import check_engine
@@ -69,5 +70,7 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     with one_run_at_a_time():
         if fix is not None:
             return run_fix(source, ns, fix, timeout=timeout, memory_limit=limit, rollback=rollback)
-        return run_step(source, ns, timeout=timeout, memory_limit=limit, engine=engine, rollback=rollback,
-                        every_iteration=every_iteration)
+        report = run_step(source, ns, timeout=timeout, memory_limit=limit, engine=engine, rollback=rollback,
+                          every_iteration=every_iteration)
+    check_offers(report, source, ns)  # only the fixes that can be applied to this cell are offered
+    return report

@@ -124,8 +124,10 @@ def write_notebook(path: str, cells: list[str]) -> None:
         json.dump(nb, fh)
 
 
-def _run_cells(page, app: str) -> None:
-    """Run the setup cell, then the diagnosed one, as a user would (the classic UI through its API)."""
+def _run_cells(page, app: str, setup_s: float = 120) -> None:
+    """Run the setup cell, then the diagnosed one, as a user would (the classic UI through its API).
+    ``setup_s``: how long the setup cell may take once the kernel took it (importing torch or transformers
+    takes a while on a busy machine)."""
     if app == "nbclassic":
         # Outputs that arrive before the widgets extension has loaded fall back to text/html.
         page.wait_for_function("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && "
@@ -152,14 +154,12 @@ def _run_cells(page, app: str) -> None:
         except sync_api.TimeoutError:
             continue
         page.keyboard.press("Shift+Enter")
-        try:
-            # "[*]": the kernel took it and runs it (importing torch can take many seconds on a loaded
-            # machine): wait for it to finish rather than queue it again (the next cell would not be In[2]).
-            first.filter(has_text=re.compile(r"\[(1|\*)\]")).wait_for(timeout=10_000)
-            first.filter(has_text="[1]").wait_for(timeout=180_000)
-            break
+        try:  # taken by the kernel ([*]: running) or already run: never run it twice (its In[] would move)
+            first.filter(has_text=re.compile(r"\[(\*|1)\]")).wait_for(timeout=10_000)
         except sync_api.TimeoutError:
             continue
+        first.filter(has_text="[1]").wait_for(timeout=setup_s * 1000)
+        break
     page.keyboard.press("Shift+Enter")
 
 
@@ -276,8 +276,6 @@ loss.backward()"""
 
 def _luminance(css_color: str) -> float:
     """0 (black) .. 1 (white) of an ``rgb(...)``/``rgba(...)`` computed colour."""
-    import re
-
     r, g, b = (int(v) for v in re.findall(r"[\d.]+", css_color)[:3])
     return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
 
@@ -357,3 +355,56 @@ def test_a_fix_that_did_not_work_says_so_and_offers_the_next(tmp_path):
         nxt.click()
         panel.locator(".bd-keep").wait_for(timeout=90_000)           # the next step works: code to keep
         assert panel.locator(".bd-fix-failed").count() == 0
+
+
+# --------------------------------------------------------------------------- issue 30: a Trainer notebook
+TRAINER_SETUP = """\
+%load_ext backward_doctor
+import os
+os.environ["HF_HUB_OFFLINE"] = "1"
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+torch.manual_seed(0)
+model = BertForSequenceClassification(BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+    num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, num_labels=3))
+g = torch.Generator().manual_seed(0)
+ids, labels = torch.randint(0, 99, (64, 32), generator=g), torch.randint(0, 3, (64,), generator=g)
+train_ds = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y} for i, y in zip(ids, labels)]"""
+
+TRAINER_CELL = """\
+%%backward_doctor --memory-limit 5MB
+args = TrainingArguments(output_dir="out", max_steps=2, per_device_train_batch_size=32, use_cpu=True,
+                         report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0)
+trainer = Trainer(model=model, args=args, train_dataset=train_ds)
+trainer.train()"""
+
+
+def test_a_trainer_notebook_gets_the_trainers_own_knobs(tmp_path):
+    """A newcomer's `transformers.Trainer` notebook that runs out of memory: the panel offers the Trainer's own
+    settings (accumulation, bf16, activation checkpointing), each button applies and measures it, and the code
+    to keep is the cell with the changed TrainingArguments."""
+    pytest.importorskip("jupyterlab")
+    pytest.importorskip("transformers")
+    cells = [TRAINER_SETUP, TRAINER_CELL, "print('next cell')"]
+    with notebook_page(tmp_path, "trainer.ipynb", cells, height=2200) as (page, url, shots):
+        page.goto(url)
+        _run_cells(page, "lab", setup_s=180)
+        panel = page.locator(".backward-doctor-panel")
+        panel.wait_for(timeout=240_000)
+        assert "Out of memory at Cell In[2], line 4" in panel.inner_text()   # `trainer.train()`, as IPython names it
+        for arg in ("accumulate:2", "amp", "checkpoint"):
+            assert panel.locator("button", has_text=f"Try {arg}").count() == 1, arg
+        assert "Not offered" not in panel.inner_text()
+        panel.scroll_into_view_if_needed()
+        panel.screenshot(path=os.path.join(shots, "panel-trainer-oom.png"))
+        panel.locator("button", has_text="Try accumulate:2").click()
+        keep = panel.locator(".bd-keep")
+        keep.wait_for(timeout=300_000)
+        code = keep.locator("textarea").input_value()
+        assert "per_device_train_batch_size=16" in code and "gradient_accumulation_steps=2" in code, code
+        assert "trainer.train()" in code and ".backward(" not in code
+        text = panel.inner_text()
+        assert "accumulate:2: the step ran" in text and "transformers' own gradient accumulation" in text
+        fix_box = panel.locator(".bd-fix-box")
+        fix_box.scroll_into_view_if_needed()
+        fix_box.screenshot(path=os.path.join(shots, "panel-trainer-fix.png"))

@@ -237,14 +237,20 @@ def test_the_traceback_numbers_the_cell_as_its_prompt(shell):
     assert f"Cell In[{result.execution_count + 1}]" not in shown
 
 
-def test_load_ext_says_the_native_recorder_builds_in_the_background(monkeypatch):
+def test_load_ext_says_the_native_recorder_builds_in_the_background(monkeypatch, tmp_path):
+    """The line states the build time measured on this machine (the last build), else the usual range."""
     from backward_doctor import native
     from backward_doctor.frontends import magic
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(native, "needs_build", lambda: True)
+    monkeypatch.setattr(native, "missing_tool", lambda: None)
     monkeypatch.setattr(native, "_reason", None)
     line = magic.first_use_line()
-    assert "native recorder in the background (~40 s" in line and "footer" in line
+    assert "native recorder in the background (once per torch version; usually 1-2 minutes, up to 6" in line
+    assert "records every iteration of a loop" in line and "footer" in line
+    native._write_stamp(93.6)                                  # what a build here leaves behind
+    assert "(once per torch version; the last build on this machine took 94 s)" in magic.first_use_line()
     monkeypatch.setattr(native, "needs_build", lambda: False)
     assert magic.first_use_line() == ""
 
@@ -267,11 +273,12 @@ def test_a_broken_compiler_banner_stays_out_of_the_notebook(monkeypatch, capfd, 
     banner = ("\n!! WARNING !!\n\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\nYour compiler (c++) is not compatible...\n"
               "RuntimeError: Error building extension 'backward_doctor_native'")
     ran = []
-    monkeypatch.setattr(native, "built_file", lambda: str(tmp_path / "none.so"))
+    monkeypatch.setattr(native, "cached", lambda: False)
     monkeypatch.setattr(native, "_reason", None)
     monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_thread", None)
     monkeypatch.setattr(sp, "run", lambda cmd, **kw: ran.append(cmd) or sp.CompletedProcess(cmd, 1, "", banner))
-    native._build_then_load()
+    native.build_in_background().join(60)
     out = capfd.readouterr()
     assert ran and "WARNING" not in out.out + out.err                 # nothing printed
     assert native.status()["reason"] == "RuntimeError: Error building extension 'backward_doctor_native'"
@@ -302,3 +309,61 @@ def test_a_front_end_that_cannot_show_the_placeholder_still_gets_the_report():
     notice.replace("the report")
     assert ran and shown == ["the report"]
     assert not [t for t in threading.enumerate() if t.name == "backward_doctor-progress"]
+
+
+def test_no_temporary_file_name_reaches_the_screen(shell, monkeypatch):
+    """In a kernel IPython compiles each cell as a temporary file (``/tmp/ipykernel_1/2266957156.py``); every
+    place a person reads (the verdict, the root-cause box, the memory plot's peak label, the text report)
+    names it as tracebacks do, ``Cell In[2]``; the raw file stays in ``finding.file`` and the JSON."""
+    from ipykernel.compiler import XCachingCompiler
+
+    monkeypatch.setattr(shell, "compile", XCachingCompiler())
+    _run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\n"
+                "class Net(nn.Module):\n"
+                "    def __init__(self):\n"
+                "        super().__init__()\n"
+                "        self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256))\n"
+                "    def forward(self, x):\n"
+                "        h = self.body(x)\n"
+                "        return torch.cat([h, h * 2], 0)\n"
+                "net = Net()\nxb = torch.randn(1024, 64)")
+    defined = shell.execution_count - 1
+    result, cap = _run(shell, "%%backward_doctor --memory-limit 3MB\nout = net(xb)\nout.sum().backward()")
+    report = bd.last_report()
+    f = report.findings[0]
+    assert f.kind == "oom" and "ipykernel_" in f.file                   # the raw file is kept in the finding
+    assert report.trace.memory.peak_index is not None
+    shown = [cap.outputs[-1].data["text/plain"], cap.outputs[-1].data["text/html"], report.to_html(), str(report)]
+    for text in shown:
+        assert "ipykernel_" not in text and f.file.rsplit("/", 1)[-1] not in text, text[:300]
+    html = report.to_html()
+    assert f"root cause: Cell In[{defined}], line 8" in html
+    assert f"aten::relu · Cell In[{defined}], line 7 · net.body.1" in html    # the memory plot's peak label
+    assert f"(Cell In[{defined}], line 7)" in str(report).splitlines()[1]     # the text summary's peak
+    # A peak in backward: the op's forward line, said the same way by the summary line and the plot.
+    _run(shell, "small = torch.randn(8, 64)")
+    _run(shell, "%%backward_doctor\nout = net(small)\nout.pow(2).sum().backward()")
+    report = bd.last_report()
+    peak = report.trace.op(report.trace.memory.peak_index)
+    if peak.phase == "backward":
+        assert "(backward of Cell In[" in str(report).splitlines()[1]
+    for text in (str(report), report.to_html()):
+        assert "ipykernel_" not in text
+
+
+def test_a_dataloader_hang_names_no_thread_of_the_kernel_or_the_doctor(kernel_like):
+    """A loop stuck on its DataLoader workers, in Jupyter (the progress poller runs): the message and the
+    stacks name the threads that matter, never the doctor's poller or multiprocessing's queue feeders."""
+    shell = kernel_like
+    _run(shell, "import time, torch\nfrom torch.utils.data import DataLoader, Dataset\n"
+                "class Slow(Dataset):\n    def __len__(self): return 64\n"
+                "    def __getitem__(self, i):\n        time.sleep(60)\n        return torch.randn(4)\n")
+    result, cap = _run(shell, "%%backward_doctor --timeout 3\nfor xb in DataLoader(Slow(), batch_size=8, "
+                              "num_workers=2):\n    xb.sum()")
+    report = bd.last_report()
+    f = report.findings[0]
+    assert f.kind == "hang" and f.line == 1
+    assert "QueueFeederThread" not in f.message and "backward_doctor" not in f.message
+    text = str(report)
+    assert "backward_doctor-progress" not in text and "MainThread (main)" in text
+    assert "profiler::" not in f.message

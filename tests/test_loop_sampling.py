@@ -33,7 +33,13 @@ def test_a_loop_is_sampled_and_computes_what_a_plain_run_computes():
     its = report.trace.iterations
     assert its.steps == 40 and its.recorded == [0, 1, 2, 4, 8, 16, 32] and its.skipped == 33
     assert report.trace.op_count == len(report.trace.ops) and report.trace.op_count < 40 * 30 / 4
-    assert any("7 iterations recorded op by op" in n and "every_iteration=True" in n for n in report.trace.notes)
+    assert any("7 of the 40 iterations were recorded op by op (iterations 0, 1, 2, 4, 8, 16, 32, counted from 0), "
+               "the other 33 ran with the recorder off" in n and "every_iteration=True" in n for n in report.trace.notes)
+    # 16 steps: iterations 0-15; the part after the last step is recorded but is no iteration (5 + 11 = 16).
+    report = bd.diagnose(LOOP.format(n=16, bad=-1), _ns())
+    assert report.trace.iterations.recorded == [0, 1, 2, 4, 8, 16]
+    assert any("5 of the 16 iterations were recorded op by op (iterations 0, 1, 2, 4, 8, counted from 0), the "
+               "other 11 ran" in n for n in report.trace.notes), report.trace.notes
     # Rule 1: bit for bit the same weights and gradients as without the doctor.
     for p, q in zip(plain["model"].parameters(), doctored["model"].parameters()):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)

@@ -139,18 +139,37 @@ def test_ops_table_leaves_out_profiler_markers_and_empty_columns():
     assert "min" not in t and "not recorded" not in t and "<th>grad</th>" not in t and "all on cpu" in t
 
 
-def test_hang_report_folds_the_kernels_threads():
-    from backward_doctor.analysis.findings import Finding
-    from backward_doctor.trace.records import FrameInfo, ThreadStack
+def test_hang_report_shows_the_threads_that_matter():
+    """The main thread, a thread of the user's and a DataLoader's pin-memory thread show; multiprocessing's
+    queue feeders are folded to a count; the kernel's threads (ipykernel 6 and 7) and the doctor's own are
+    never named, in the stacks nor in the finding's message; the last op named is the user's, not the
+    profiler's ``record_function`` marker after it."""
+    from backward_doctor.analysis import analyze
+    from backward_doctor.trace.records import FrameInfo, OpRecord, ThreadStack, Where
 
     threads = [ThreadStack("MainThread", 1, True, [FrameInfo("<cell>", 3, "<module>", in_cell=True,
                                                              code="while True:")])]
     threads += [ThreadStack(n, i + 2, False, [FrameInfo("/site/zmq/x.py", 9, "run", code="poll()")])
                 for i, n in enumerate(["Heartbeat", "IOPub", "Control", "IPythonHistorySavingThread"])]
-    report = Report(findings=[Finding("hang", "The step hangs.", line=3, title="The step hangs")],
-                    trace=Trace(threads=threads, timed_out=True), places={"": "Cell In[5]"})
-    text = str(report)
-    assert "Cell In[5], line 3 in <module>: while True:" in text
-    assert "poll()" not in text and "4 more threads of the kernel" in text and "Heartbeat" in text
-    page = report.to_html()
-    assert "poll()" not in page and "4 more threads of the kernel and libraries" in page
+    threads += [ThreadStack(n, 10 + i, False, [FrameInfo("/py/threading.py", 320, "wait", code="waiter.acquire()")])
+                for i, n in enumerate(["Shell channel", "subshell-1f2e", "backward_doctor-progress",
+                                       "backward_doctor-native-build"])]
+    feeder = [FrameInfo("/py/multiprocessing/queues.py", 231, "_feed", code="nonempty.wait()")]
+    threads += [ThreadStack("QueueFeederThread", 20 + i, False, feeder) for i in range(6)]
+    threads += [ThreadStack("Thread-7 (_pin_memory_loop)", 30, False, [FrameInfo(
+        "/site/torch/utils/data/_utils/pin_memory.py", 52, "_pin_memory_loop", code="r = in_queue.get()")]),
+        ThreadStack("producer", 31, False, [FrameInfo("<cell>", 1, "produce", in_cell=True, code="q.put(x)")])]
+    ops = [OpRecord(0, "aten::mm", "forward", [], [], Where(line=2)),
+           OpRecord(1, "profiler::_record_function_exit", "optimizer", [], [], Where(line=2))]
+    trace = Trace(threads=threads, timed_out=True, timeout_s=5.0, ops=ops, op_count=2)
+    report = Report(findings=analyze(trace), trace=trace, places={"": "Cell In[5]"})
+    message = report.findings[0].message
+    assert "the last PyTorch op was `aten::mm` in forward" in message
+    assert "Other threads: Thread-7 (_pin_memory_loop), producer." in message
+    text, page = str(report), report.to_html()
+    for shown in (text, page):
+        assert "Cell In[5], line 3 in <module>: while True:" in shown.replace("<code>", "").replace("</code>", "") \
+            or "Cell In[5], line 3" in shown
+        assert "producer" in shown and "_pin_memory_loop" in shown and "QueueFeederThread ×6" in shown
+        for own in ("Heartbeat", "IOPub", "Control", "Shell channel", "subshell-", "backward_doctor-", "poll()"):
+            assert own not in shown, own

@@ -115,6 +115,16 @@ def forward_where(trace: Trace, rec: OpRecord | None) -> Where:
     return rec.where
 
 
+def sentence(text: str) -> str:
+    """``text`` ending in one full stop: PyTorch's messages often end in their own ("... worker process 0.").
+
+    >>> sentence("Caught ValueError in DataLoader worker process 0."), sentence("shapes differ")
+    ('Caught ValueError in DataLoader worker process 0.', 'shapes differ.')
+    """
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?")) else text + "."
+
+
 def at(kind: str, where: Where, message: str, **kw: Any) -> Finding:
     """A finding located at ``where``."""
     kw.setdefault("function", where.function)

@@ -199,11 +199,15 @@ class NativeCapture(NativeRecords, Capture):
         self._converted()
         its = self.trace.iterations
         if its.skipped:
-            shown = ", ".join(map(str, its.recorded[:12])) + (", ..." if len(its.recorded) > 12 else "")
+            # Counted in completed iterations (0-based, as loop variables count): the part of the cell after
+            # the last step is recorded too, but it is no iteration, so the two counts add up to the steps.
+            done = [r for r in its.recorded if r < its.steps]
+            shown = ", ".join(map(str, done[:12])) + (", ..." if len(done) > 12 else "")
             self.trace.notes.append(
-                f"training loop: {its.steps} optimizer steps; {len(its.recorded)} iterations recorded op by op "
-                f"({shown}), the other {its.skipped} ran with the recorder off (their ops and memory are not in "
-                "the trace). `every_iteration=True` (`--every-iteration`) records them all, at 2-4x a plain step.")
+                f"training loop: {its.steps} optimizer steps; {len(done)} of the {its.steps} iterations were "
+                f"recorded op by op (iterations {shown}, counted from 0), the other {its.skipped} ran with the "
+                "recorder off (their ops and memory are not in the trace). `every_iteration=True` "
+                "(`--every-iteration`) records them all, at 2-4x a plain step.")
         return super().finish()
 
     # ---------------------------------------------------------------- hooks

@@ -36,12 +36,20 @@ def param_infos(cap: "OpRecorder") -> list[ParamInfo]:
         if isinstance(t, nn.Parameter):
             names.setdefault(id(t), name)
     stepped = cap._stepped_params  # (an optimizer a library holds is not in the namespace: its hook saw it)
+    # The models the step ran, by identity (not by name: a model reached only through a library's internals,
+    # Lightning's `trainer.strategy`, has none): the outermost module of each recorded op's module stack.
+    in_run: set[int] = set()
+    for outer in {stack[0] for _, stack in cap._where_stacks if stack}:
+        mod = cap._modules.get(outer, (lambda: None, ""))[0]()
+        if mod is not None:
+            in_run.update(id(p) for p in mod.parameters())
     out = []
     for p in cap.parameters():
         out.append(ParamInfo(name=names.get(id(p), f"<parameter {tuple(shape_of(p))}>"), key=storage_key(p) or 0,
                              requires_grad=bool(p.requires_grad), got_grad=id(p) in cap._got_grad,
                              stepped=id(p) in stepped, numel=p.numel(),
-                             grad_fn=None if p.is_leaf else type(p.grad_fn).__name__))
+                             grad_fn=None if p.is_leaf else type(p.grad_fn).__name__,
+                             nbytes=p.numel() * p.element_size(), in_run_model=id(p) in in_run))
     return out
 
 

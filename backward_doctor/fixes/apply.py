@@ -16,7 +16,7 @@ from ..report.report import Report
 from ..trace.parts import OomInfo
 from ..trace.records import Trace
 from ..util.units import format_bytes, parse_size
-from . import accumulate, amp, checkpoint, sync
+from . import accumulate, amp, checkpoint, library_knobs, sync
 from ..util.cell import Cell, NotApplicable, stored_names
 from .compare import GradProbe, Watch, grad_max_rel_err, loss_value, run_numbers
 from ..report.fix_result import FixResult
@@ -29,9 +29,16 @@ log = logging.getLogger(__name__)
 Progress = Callable[[float, str], None]
 
 
-def _rewrite(spec: FixSpec, source: str, namespace: dict[str, Any], original: Report | None):
+def rewrite_for(spec: FixSpec, source: str, namespace: dict[str, Any], original: Report | None,
+                reuse: set[str] = frozenset()):
+    """The cell rewritten for ``spec`` (``NotApplicable`` when it cannot be, with the reason)."""
+    # A loop a library runs (Trainer.train(), Trainer.fit(), Accelerate) is fixed with the library's own knobs.
+    cell = Cell(source)
+    loop = library_knobs.find_library_loop(cell, namespace)
+    if loop is not None:
+        return library_knobs.rewrite(spec, cell, namespace, original, loop)
     if spec.kind == "accumulate":
-        return accumulate.rewrite(source, namespace, spec.arg, original)
+        return accumulate.rewrite(source, namespace, spec.arg, original, reuse=reuse)
     if spec.kind == "amp":
         return amp.rewrite(source, namespace, spec.arg)
     if spec.kind == "checkpoint":
@@ -128,7 +135,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     # 3. The rewrite (an honest "cannot" leaves the namespace as the original run left it).
     say(0.47, f"rewriting the cell for {spec.name}")
     try:
-        rw = _rewrite(spec, source, ns, original)
+        rw = rewrite_for(spec, source, ns, original)
     except NotApplicable as exc:
         result.message = f"{spec.name} cannot be applied: {exc}"
         say(1.0, "done (fix not applicable)")
@@ -187,7 +194,8 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         last_failure = signature
         try:  # before restoring: batch tensors the cell makes itself exist now
             made = (_safe(lambda: stored_names(Cell(rw.code).stmts)) or set()) - rebinds
-            following = accumulate.rewrite(source, ns, min(2 * k, rw.details["batch_size"]), original, reuse=made)
+            following = rewrite_for(FixSpec("accumulate", min(2 * k, rw.details["batch_size"])), source, ns,
+                                    original, reuse=made)
         except NotApplicable:
             break
         tried.append(f"{name} still ran out of memory (peak {format_bytes(trace.memory.peak_bytes)})")
@@ -247,6 +255,36 @@ def _predicted(original: Report, name: str) -> tuple[int | None, bool]:
     return preds.get(key), bool(finding.evidence.get("lower_bound"))
 
 
+#: An op that takes this many times as long per call in the fixed run, and that is a large part of its time
+#: (``SLOW_SHARE`` of the time inside ops, at least ``SLOW_MIN_S`` more in all), makes the fix "much slower".
+SLOW_RATIO, SLOW_SHARE, SLOW_MIN_S = 3.0, 0.25, 0.25
+
+
+def slowdown(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, str] | None:
+    """(how many times as long per call, the op) for the op the fix made much slower, when one did. Per call of
+    the same op: more micro-batches or a recomputed forward add calls, which the step time shows anyway (and an
+    original that failed part-way has no full step time); slower kernels (bfloat16 autocast on a CPU without
+    fast ones) make each call of the ops that do the work slower.
+
+    >>> slowdown({"op_time": {"aten::mm": [10, 5e4]}}, {"op_time": {"aten::mm": [10, 1e6], "aten::add": [5, 1e3]}})
+    (20.0, 'aten::mm')
+    >>> slowdown({"op_time": {"aten::mm": [10, 5e4]}}, {"op_time": {"aten::mm": [80, 4e5]}}) is None
+    True
+    """
+    was, now = before.get("op_time") or {}, after.get("op_time") or {}
+    inside = sum(us for _, us in now.values())
+    found = None
+    for name, (calls, us) in now.items():
+        old = was.get(name)
+        if not old or not calls or not old[0] or old[1] <= 0 or us < SLOW_SHARE * inside:
+            continue
+        per_call = old[1] / old[0]
+        ratio = (us / calls) / per_call
+        if ratio >= SLOW_RATIO and (us - calls * per_call) / 1e6 >= SLOW_MIN_S and (found is None or ratio > found[0]):
+            found = (round(ratio, 1), name)
+    return found
+
+
 def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit: int | None) -> str:
     before, after = result.comparison["before"], result.comparison["after"]
     parts = [what.rstrip(". ") + "."]
@@ -256,6 +294,16 @@ def _outcome(what: str, result: FixResult, original: Report, trace: Trace, limit
         of = f" (limit {format_bytes(limit)})" if limit else ""
         parts.append(f"The fixed step ran: peak live tensors {format_bytes(after['peak_bytes'])}{of}, "
                      f"was {was}{ran_out}.")
+        slow = slowdown(before, after)
+        if slow is not None:
+            result.slowdown, op = slow
+            why = (" bfloat16 autocast on a CPU runs without the fast kernels a GPU has (most CPUs lack them);"
+                   " on a GPU AMP is usually faster, on this machine prefer accumulation."
+                   if result.name.startswith("amp") and trace.device == "cpu" else "")
+            until = "" if before.get("completed") else " until it failed"
+            how = (f"each call of `{op}` took {result.slowdown:g}x as long as in the original run "
+                   f"({after['step_s']:.2f} s for the fixed step; the original ran {before['step_s']:.2f} s{until})")
+            parts.append(f"It is much slower: {how}.{why}")
         err = result.comparison.get("grad_max_rel_err")
         if err is not None:
             parts.append(f"Gradients differ from the original step's by at most {err:.2g} (relative).")

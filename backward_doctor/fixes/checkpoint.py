@@ -11,6 +11,7 @@ step, bit for bit on CPU.
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from .accumulate import Rewrite
 from ..analysis.fix_plan import checkpoint_plan, inclusive, path_key, saved_by_module
 from .amp import forward_region
 from ..util.cell import Cell, NotApplicable, check_compiles, fresh_name, indent
+from ..util.units import format_bytes
 
 def module_expr(namespace: dict[str, Any], path: str) -> tuple[str, torch.nn.Module] | None:
     """A readable expression for the module at ``path`` (``model.blocks[2]``) and the module itself."""
@@ -66,10 +68,20 @@ def _unseen_siblings(namespace: dict[str, Any], chosen: list[str]) -> list[str]:
     return extra
 
 
-def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
-    cell = Cell(source)
-    b = cell.backward_index()
-    first, last, with_backward = forward_region(cell, namespace)
+@dataclass
+class Plan:
+    """The modules to checkpoint (trace paths, and each as a readable expression with its module) and the
+    activations saved for backward in all, by the chosen ones, and kept at the peak with checkpointing."""
+
+    chosen: list[str]
+    exprs: list[tuple[str, torch.nn.Module]]
+    total: int
+    chosen_bytes: int
+    kept: int
+
+
+def plan(namespace: dict[str, Any], original: Any) -> Plan:
+    """The modules whose checkpointing keeps the fewest activations, from the original run's trace."""
     trace: Trace | None = getattr(original, "trace", None)
     if trace is None or not trace.ops:
         raise NotApplicable("checkpointing needs the original run's trace to choose modules, and there is none")
@@ -99,18 +111,23 @@ def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
             raise NotApplicable(f"{expr} already has its own `forward` attribute (patched or compiled); "
                                 "checkpointing it here could undo that")
         exprs.append((expr, mod))
+    return Plan(chosen, exprs, total, sum(incl.get(p, 0) for p in chosen), kept)
+
+
+def wrapped(cell: Cell, namespace: dict[str, Any], first: int, last: int, chosen: Plan) -> str:
+    """The cell with statements ``first..last`` inside ``with checkpointing(...)``, the small context manager
+    the rewritten cell defines first (the modules are patched for that block only)."""
     taken = cell.all_names() | set(namespace)
     helper = fresh_name("checkpointing", taken)
-    parent = chosen[0].rsplit(".", 1)[0]
+    exprs = chosen.exprs
+    parent = chosen.chosen[0].rsplit(".", 1)[0]
     parent_found = module_expr(namespace, parent)
     if parent_found and isinstance(parent_found[1], (torch.nn.Sequential, torch.nn.ModuleList)) \
             and [m for _, m in exprs] == list(parent_found[1]):
         # Every block of a Sequential / ModuleList: the container says it, and the comment lists them.
-        args = f"*{parent_found[0]}"
-        with_line = f"with {helper}({args}):\n"
+        with_line = f"with {helper}(*{parent_found[0]}):\n"
     else:
         with_line = f"with {helper}(\n" + "".join(f"    {e},  # {type(m).__name__}\n" for e, m in exprs) + "):\n"
-    names = ", ".join(f"{e} ({type(m).__name__})" for e, m in exprs)  # every module: nothing hidden
     head = ["import contextlib\n", "import functools\n", "from torch.utils.checkpoint import checkpoint\n", "\n",
             "\n",
             "@contextlib.contextmanager\n",
@@ -126,8 +143,8 @@ def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
             "        for module in modules:\n",
             "            del module.forward  # back to the class's own forward\n",
             "\n", "\n"]
-    about = (f"backward_doctor fix checkpoint: {names} keep only their inputs in forward; backward recomputes "
-             "their activations.")
+    about = (f"backward_doctor fix checkpoint: {module_names(chosen)} keep only their inputs in forward; backward "
+             "recomputes their activations.")
     lines = [f"# {text}\n" for text in textwrap.wrap(about, 98)] + [with_line]
     for i in range(first, last + 1):
         lines.append(indent(cell.chunks[i]))
@@ -135,12 +152,28 @@ def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
     suffix = cell.kept(range(last + 1, len(cell.stmts)))
     code = "".join(head) + prefix + "".join(lines) + suffix
     check_compiles(code)
+    return code
+
+
+def module_names(chosen: Plan) -> str:
+    """Every module, with its class: nothing hidden."""
+    return ", ".join(f"{e} ({type(m).__name__})" for e, m in chosen.exprs)
+
+
+def plan_message(chosen: Plan) -> str:
+    n = len(chosen.chosen)
+    return (f"Checkpoint {n} module{'s' if n > 1 else ''}: {module_names(chosen)}. They hold "
+            f"{format_bytes(chosen.chosen_bytes)} of the {format_bytes(chosen.total)} of activations saved for "
+            f"backward; with checkpointing about {format_bytes(chosen.kept)} stay saved at the peak.")
+
+
+def rewrite(source: str, namespace: dict[str, Any], original: Any) -> Rewrite:
+    cell = Cell(source)
+    first, last, with_backward = forward_region(cell, namespace)
+    chosen = plan(namespace, original)
+    code = wrapped(cell, namespace, first, last, chosen)
     warnings = []
     if with_backward:
         warnings.append("forward and backward are one statement here, so the modules stay patched during backward")
-    from ..util.units import format_bytes
-    msg = (f"Checkpoint {len(chosen)} module{'s' if len(chosen) > 1 else ''}: {names}. They hold "
-           f"{format_bytes(sum(incl.get(p, 0) for p in chosen))} of the {format_bytes(total)} of activations saved for "
-           f"backward; with checkpointing about {format_bytes(kept)} stay saved at the peak.")
-    return Rewrite(code=code, message=msg, warnings=warnings,
-                   details={"modules": chosen, "saved_bytes": total, "kept_bytes": kept})
+    return Rewrite(code=code, message=plan_message(chosen), warnings=warnings,
+                   details={"modules": chosen.chosen, "saved_bytes": chosen.total, "kept_bytes": chosen.kept})

@@ -91,9 +91,18 @@ def run_numbers(trace: Trace | None, loss: float | None) -> dict[str, Any]:
                 "exception": None}
     mem = trace.memory
     return {"peak_bytes": mem.peak_bytes, "peak_by_category": dict(mem.peak_by_category),
-            "step_s": round(trace.duration_s, 6), "loss": loss, "completed": trace.exception is None
+            "step_s": round(trace.duration_s, 6), "loss": loss, **_op_time(trace),
+            "completed": trace.exception is None
             and not trace.timed_out, "exception": trace.exception.summary().split("\n")[0][:300]
             if trace.exception else None}
+
+
+def _op_time(trace: Trace, keep: int = 24) -> dict[str, Any]:
+    """The ops that took the most time inside them: name -> [calls, microseconds] (the profiler's markers left
+    out). What says whether a fix made an op slower per call (bfloat16 on a CPU), apart from the work it adds."""
+    totals = sorted(((name, c, us) for name, (c, us) in trace.op_totals.items() if not name.startswith("profiler::")),
+                    key=lambda t: -t[2])
+    return {"op_time": {name: [int(c), round(us, 1)] for name, c, us in totals[:keep]}}
 
 
 class FixCancelled(BaseException):

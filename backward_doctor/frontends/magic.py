@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -157,6 +156,9 @@ class BackwardDoctorMagics(Magics):
                           every_iteration=args.every_iteration, places=ipython_places(shell, filename, number))
         if args.engine == "auto" and report.trace.engine == "python":
             report.engine_note = python_tier_reason()
+        from ..fixes.offers import check_offers
+
+        check_offers(report, cell, shell.user_ns)  # a fix button only where the fix can be applied
         if report.trace.exception is not None and report.trace.exception.type == "OutOfMemoryError":
             _release_failed_frames(outer)
         return report
@@ -291,8 +293,9 @@ def load_ipython_extension(ipython: Any) -> None:
     from .. import native
 
     ipython.register_magics(BackwardDoctorMagics)
-    # The native recorder compiles once (~40 s, cached); cells run on the Python tier meanwhile. Say so
-    # once, here: a first cell that runs on the slower tier, silently, looks like the doctor's cost.
+    # The native recorder compiles once per torch version (1-2 min, cached); cells run on the Python tier
+    # meanwhile. Say so once, here: a first cell that runs on the slower tier, silently, looks like the
+    # doctor's cost.
     line = first_use_line()
     native.build_in_background()
     if line:
@@ -315,16 +318,13 @@ def first_use_line() -> str:
                 f"{native.status()['reason']})")
     if not native.needs_build():
         return ""
-    import shutil
-
-    from torch.utils.cpp_extension import is_ninja_available
-
-    if not is_ninja_available() or not shutil.which(os.environ.get("CXX", "c++")):
-        missing = "ninja" if not is_ninja_available() else "a C++ compiler"
-        return (f"backward_doctor: no {missing} here, so the Python recorder records the ops (about 1.2x a step; "
-                "`pip install ninja` and a C++ compiler give the native one)")
-    return ("backward_doctor: building the native recorder in the background (~40 s, once); until it is ready "
-            "cells run on the Python recorder, and each report's footer says which one ran")
+    missing = native.missing_tool()
+    if missing:
+        return (f"backward_doctor: no {missing} here, so the Python recorder records the ops (about 1.2x a step, "
+                "every iteration of a loop recorded; `pip install ninja` and a C++ compiler give the native one)")
+    return (f"backward_doctor: building the native recorder in the background (once per torch version; "
+            f"{native.build_time_words()}). Until it is ready cells run on the Python recorder, which records "
+            "every iteration of a loop (slower), and each report's footer says which recorder ran")
 
 
 def unload_ipython_extension(ipython: Any) -> None:

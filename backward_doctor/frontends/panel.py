@@ -23,6 +23,7 @@ import ipywidgets as W
 
 from ..render import sections as S, style, view, wording
 from ..render.style import esc
+from ..report.places import name_places
 from .keep_code import keep_html
 from .panel_export import ExportRow
 
@@ -93,10 +94,14 @@ class Panel:
         self.keep = W.HTML("")
         fix_label = W.HTML('<div class="bd"><b>Fixes</b> <span class="sub">(re-run the cell with the fix and '
                            'compare)</span></div>' if self.fix_options else "")
+        from ..render.html import refused_html
+
+        refused = refused_html(report)  # the fixes this cell does not allow, and why: no button that refuses
+        self.refused = W.HTML(_wrap(refused) if refused else "")
         self.after_caption = W.HTML("")
-        self.fix_box = W.VBox([fix_label, W.HBox(list(self.fix_buttons.values())), self.progress_box, self.status,
-                               self.after, self.keep, self.after_caption, self.after_plot],
-                              layout=W.Layout(display="flex" if self.fix_options else "none"))
+        self.fix_box = W.VBox([fix_label, W.HBox(list(self.fix_buttons.values())), self.refused, self.progress_box,
+                               self.status, self.after, self.keep, self.after_caption, self.after_plot],
+                              layout=W.Layout(display="flex" if self.fix_options or refused else "none"))
         self.fix_box.add_class("bd-fix-box")
         # Tabs, filled when first shown.
         self.memory_toggle = W.ToggleButtons(options=["timeline", "by module"], value="timeline",
@@ -168,7 +173,7 @@ class Panel:
 
         tr = self.report.trace
         if self.memory_toggle.value == "timeline":
-            self.memory_plot.value = _wrap(svg_plots.memory_timeline_svg(tr))
+            self.memory_plot.value = _wrap(svg_plots.memory_timeline_svg(tr, places=self.report.places))
             self.memory_note.value = _wrap(
                 '<div class="sub">Live tensor bytes after each op, by category; shaded bands are the phases '
                 "of the step. The dashed line is the memory limit (or the device), ▼ the peak, ✖ where memory "
@@ -307,6 +312,10 @@ class Panel:
             self.status.value = _wrap(f'<div class="exc"><b>The fix run failed</b> <code>{esc(tb)}</code></div>')
             return
         self._done()
+        # Code from other cells is named as in the original (``Cell In[2]``, never the kernel's temporary file);
+        # the rewritten cell is no cell of the notebook (its lines differ from the original's): "the fixed cell".
+        name_places(after, self.namespace,
+                    lambda file: "the fixed cell" if file is None else self.report.places.get(file))
         self.show_result(after)
 
     def _done(self) -> None:
@@ -339,13 +348,17 @@ class Panel:
             try:
                 from ..render import svg_plots
 
-                self.after_plot.value = _wrap(svg_plots.memory_timeline_svg(tr, height=300))
+                self.after_plot.value = _wrap(svg_plots.memory_timeline_svg(tr, height=300, places=after.places))
                 self.after_plot.layout.display = "block"
                 self.after_caption.value = _wrap("<div><b>Memory of the run with the fix</b></div>")
             except Exception:  # the comparison above already says what changed
                 log.warning("the fixed run's memory plot could not be drawn", exc_info=True)
                 self.after_plot.layout.display = "none"
         code = result.code
+        slow = self.fix_buttons.get(result.name)
+        if result.slowdown and slow is not None:  # measured: the button says so from now on
+            slow.description = f"Try {result.name} (ops up to {result.slowdown:g}x slower here)"
+            slow.button_style = ""
         if code and result.applied and result.fits:  # only a fix that worked offers its code to insert
             self.keep.value = keep_html(code)
         elif wording.fix_failed(result):

@@ -46,7 +46,8 @@ def memory_section(report: "Report") -> str:
     from . import svg_plots
 
     data, how = view.memory_by_module(tr)
-    return (svg_plots.memory_timeline_svg(tr) + f'<details><summary>Memory by module {esc(how)}</summary>'
+    return (svg_plots.memory_timeline_svg(tr, places=report.places)
+            + f'<details><summary>Memory by module {esc(how)}</summary>'
             f"{svg_plots.memory_by_module_svg(tr, data=(data, how))}</details>")
 
 
@@ -100,7 +101,17 @@ def fixes_section(report: "Report") -> str:
                    f'<code>bd.diagnose(source, namespace, fix="{esc(first)}")</code>.</div>')
     elif result is None:
         out.append('<div class="sub">No one-click fix applies to this report.</div>')
+    out.append(refused_html(report))
     return "".join(out)
+
+
+def refused_html(report: "Report") -> str:
+    """The fixes the findings name that cannot be applied to this cell, each with the reason ('' if none)."""
+    refused = view.refused_fixes(report)
+    if not refused:
+        return ""
+    items = "".join(f"<li><code>{esc(name)}</code>: {S.message_html(why)}</li>" for name, why in refused)
+    return f'<div class="sub bd-refused">Not offered for this cell:<ul>{items}</ul></div>'
 
 
 def fix_after_html(result: "FixResult", with_code: bool = True) -> str:

@@ -21,7 +21,7 @@ from ..trace.records import CATEGORIES, TensorMeta, Trace
 from ..util.units import format_bytes, format_us
 from .style import CATEGORY_LABELS, COLORS, esc, sev_color
 from .workers import workers_html
-from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, hang_threads, offending_record, op_rows,
+from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, hang_threads, offending_record, op_place, op_rows,
                    phase_counts, source_context, tensor_bytes, used_parameters, verdict_parts)
 from .wording import finding_title, fix_failed, fix_next_step, frame_label, kind_words
 
@@ -111,7 +111,7 @@ def summary_html(report: "Report") -> str:
     out = [f'<div class="verdict" style="--sev:{color}"><span class="badge">{esc(badge)}</span><div>'
            f'<div class="headline">{esc(headline)}</div>']
     if sentence:
-        out.append(f'<div class="sub">{_message_html(sentence)}</div>')
+        out.append(f'<div class="sub">{message_html(sentence)}</div>')
     out.append("</div></div>")
     if report.exception:
         first = report.exception.split("\n")[0]
@@ -119,7 +119,7 @@ def summary_html(report: "Report") -> str:
     facts = []
     phases = phase_counts(tr)
     split = ", ".join(f"{n:,} {p}" for p, n in phases.items())
-    facts.append(("step time", f"{tr.duration_s:.2f} s" if tr.duration_s >= 0.1 else f"{tr.duration_s * 1e3:.0f} ms",
+    facts.append(("cell time" if tr.iterations.steps > 1 else "step time", f"{tr.duration_s:.2f} s" if tr.duration_s >= 0.1 else f"{tr.duration_s * 1e3:.0f} ms",
                   f"{tr.op_count:,} ops ({split})" if split else f"{tr.op_count:,} ops", None))
     mem = tr.memory
     cap = mem.limit_bytes or mem.device_total_bytes
@@ -129,8 +129,8 @@ def summary_html(report: "Report") -> str:
         frac = mem.peak_bytes / cap if cap else None
         peak = tr.op(mem.peak_index)
         if peak is not None:
-            w = forward_where(tr, peak) if peak.phase == "backward" else peak.where
-            sub += f" · at {peak.op} ({peak.phase}), {_line_label(w, report.places).replace('cell line', 'line')}"
+            place = op_place(tr, peak, report.places)
+            sub += f" · at {peak.op}" + (f" ({place})" if place else f" ({peak.phase})")
         facts.append(("peak memory", format_bytes(mem.peak_bytes), sub, frac))
     if tr.parameters.count:
         p = tr.parameters
@@ -226,7 +226,7 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
             ic = tr.failed_op.index_check
             out.append(f'<div>bad values <code>{esc(ic.bad)}</code>, valid range '
                        f'<code>{esc(ic.valid)}</code> ({esc(ic.what)})</div>')
-    out.append(f'<div style="margin-top:6px">{_message_html(f.message)}</div>')
+    out.append(f'<div style="margin-top:6px">{message_html(f.message)}</div>')
     ev = f.evidence
     if ev.get("fix_code"):  # the fix as code, as the user would write it
         out.append(f'<div class="src"><pre style="padding:6px 8px">{esc(str(ev["fix_code"]))}</pre></div>')
@@ -266,19 +266,20 @@ def loop_plot_html(trace: Trace, f: Finding) -> str:
 
 
 def _src_caption(line: int | None, file: str | None, what: str, places: dict[str, str] | None = None) -> str:
-    """``root cause: Cell In[2], line 12`` (the raw file after it when the name is not the file's own)."""
+    """``root cause: Cell In[2], line 12``; a file the frontend did not name (a library's) with its path after it,
+    never a kernel's temporary file beside the name IPython gives it."""
     named = (places or {}).get("" if file is None else file)
     label = line_label(places or {}, line, file).replace(":", ", line ") if not named else \
         line_label(places or {}, line, file)
     if file is None and not named:
         label = f"cell, line {line}"
-    return f"{what}: {label}" + (f"  ({file})" if file else "")
+    return f"{what}: {label}" + (f"  ({file})" if file and not named else "")
 
 
 _CODE_SPAN = re.compile(r"`([^`]+)`")
 
 
-def _message_html(message: str) -> str:
+def message_html(message: str) -> str:
     """The teaching message with `code` spans as <code> (escaped first)."""
     return _CODE_SPAN.sub(lambda m: f"<code>{m.group(1)}</code>", esc(message))
 
@@ -296,9 +297,8 @@ def _threads_html(tr: Trace, places: dict[str, str] | None = None) -> str:
         out.append(f'<div class="src"><div class="cap">{esc(st.name)}{" (main)" if st.is_main else ""}</div>'
                    f'<div style="padding:2px 8px">{rows}</div></div>')
     if folded:
-        out.append(f'<details><summary>{len(folded)} more thread{"s" if len(folded) != 1 else ""} of the kernel '
-                   f'and libraries, idle: {esc(", ".join(folded[:6]))}{", …" if len(folded) > 6 else ""}</summary>'
-                   f'<div class="muted">They never ran your code.</div></details>')
+        out.append(f'<div class="muted">Library threads that never ran your code: {esc(", ".join(folded[:6]))}'
+                   f'{", …" if len(folded) > 6 else ""}</div>')
     return "".join(out)
 
 
@@ -366,6 +366,9 @@ def fix_result_parts(result: "FixResult") -> tuple[str, str, str]:
         color, badge, headline = COLORS["error"], "did not work", f"{name} did not fix the step"
     elif result.cancelled:
         color, badge, headline = COLORS["warning"], "cancelled", name
+    elif result.applied and result.slowdown:  # it fits, at a price the person should weigh
+        color, badge = COLORS["warning"], "fits, but slow"
+        headline = f"{name}: the step ran, ops up to {result.slowdown:g}x slower"
     elif result.applied:
         color, badge, headline = COLORS["ok"], "after the fix", f"{name}: the step ran"
     else:
@@ -373,8 +376,8 @@ def fix_result_parts(result: "FixResult") -> tuple[str, str, str]:
     nxt = fix_next_step(result)
     head = (f'<div class="verdict bd-fix-verdict{" bd-fix-failed" if fix_failed(result) else ""}" '
             f'style="--sev:{color}"><span class="badge">{esc(badge)}</span><div>'
-            f'<div class="headline">{esc(headline)}</div><div class="sub">{_message_html(msg)}</div>'
-            + (f'<div class="bd-next"><b>Next:</b> {_message_html(nxt)}</div>' if nxt else "") + "</div></div>")
+            f'<div class="headline">{esc(headline)}</div><div class="sub">{message_html(msg)}</div>'
+            + (f'<div class="bd-next"><b>Next:</b> {message_html(nxt)}</div>' if nxt else "") + "</div></div>")
     return head, comparison_html(result), diff_html(result.diff)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..analysis.findings import forward_where
 from .style import CATEGORY_COLORS, CATEGORY_LABELS, esc
-from .view import memory_by_module
+from .view import memory_by_module, op_place
 from ..trace.records import CATEGORIES, Trace
 from ..util.units import format_bytes, scale_unit
 
@@ -63,15 +63,12 @@ def _nice(top: float) -> float:
     return next(m * mag for m in (1, 2, 2.5, 5, 10) if raw <= m * mag)
 
 
-def _op_label(trace: Trace, index: int | None) -> str:
+def _op_label(trace: Trace, index: int | None, places: dict[str, str] | None = None) -> str:
     rec = trace.op(index)
     if rec is None:
         return ""
     w = forward_where(trace, rec)
-    where = "" if w.line is None else (f"line {w.line}" if w.file is None else f"{w.file.rsplit('/', 1)[-1]}:{w.line}")
-    if where and rec.phase == "backward":
-        where = "backward of " + where
-    return " · ".join(b for b in (rec.op, where, w.module or "") if b)
+    return " · ".join(b for b in (rec.op, op_place(trace, rec, places), w.module or "") if b)
 
 
 def phase_spans(trace: Trace) -> list[tuple[str, int, int]]:
@@ -91,8 +88,10 @@ def _svg(width: int, height: int, body: list[str], label: str) -> str:
             + "".join(body) + "</svg>")
 
 
-def memory_timeline_svg(trace: Trace, *, width: int = 1000, height: int = 320) -> str:
-    """Live bytes over the step, stacked by category, with phases, peak, limit and OOM marked."""
+def memory_timeline_svg(trace: Trace, *, width: int = 1000, height: int = 320,
+                        places: dict[str, str] | None = None) -> str:
+    """Live bytes over the step, stacked by category, with phases, peak, limit and OOM marked; ``places``:
+    the report's names of the cell and files (``Cell In[2]``), for the peak's label."""
     mem = trace.memory
     if not mem.op_index:
         return _svg(width, 60, [f'<text x="{width / 2}" y="34" text-anchor="middle" fill="{_MUTED}">no ops were '
@@ -164,7 +163,7 @@ def memory_timeline_svg(trace: Trace, *, width: int = 1000, height: int = 320) -
         out.append(f'<path d="M{px - 5},{py - 9} L{px + 5},{py - 9} L{px},{py} Z" fill="{_INK}"/>'
                    f'<text x="{px + dx}" y="{py + 12}" text-anchor="{anchor}" fill="{_INK}">'
                    f'<tspan font-weight="600">{what} {esc(format_bytes(mem.peak_bytes))}</tspan>'
-                   f'<tspan x="{px + dx}" dy="13" fill="{_MUTED}">{esc(_op_label(trace, mem.peak_index))}</tspan>'
+                   f'<tspan x="{px + dx}" dy="13" fill="{_MUTED}">{esc(_op_label(trace, mem.peak_index, places))}</tspan>'
                    "</text>")
     if oom and oom.index is not None:
         ox, oy = X(oom.index + 0.5), max(Y(oom.live or mem.peak_bytes or 0), up + 6)  # (clipped to the plot)

@@ -14,9 +14,10 @@ from ..capture.stats import format_stats
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
 from ..report.places import line_label
-from .view import hang_threads, phase_counts
+from .view import hang_threads, op_place, phase_counts, refused_fixes
 from .workers import worker_lines
-from .wording import finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words
+from .wording import (finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words,
+                      what_ran)
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
@@ -38,8 +39,8 @@ def summary_line(report: "Report") -> str:
     mem = tr.memory
     if mem.peak_bytes:
         peak = tr.op(mem.peak_index)
-        at = f" at {peak.op}, {line_label(report.places, peak.where.line, peak.where.file)}" \
-            if peak and peak.where.line else ""
+        place = op_place(tr, peak, report.places)
+        at = (f" at {peak.op} ({place})" if place else f" at {peak.op}") if peak else ""
         limit = f" of {format_bytes(mem.limit_bytes)} limit" if mem.limit_bytes else ""
         parts.append(f"peak live tensors {format_bytes(mem.peak_bytes)}{limit}{at}")
     return "; ".join(parts)
@@ -52,9 +53,10 @@ def render_text(report: "Report") -> str:
     fr = report.fix_result
     before = original_verdict(fr) if report.ok and fr is not None and fr.applied and fr.fits else ""
     if before:  # a fixed run: "OK" alone would hide what the original step did
-        out.append(f"backward_doctor: FIXED - the step ran with {fr.name}; without it: {before}")
+        slow = f" (ops up to {fr.slowdown:g}x slower with it)" if fr.slowdown else ""
+        out.append(f"backward_doctor: FIXED - the step ran with {fr.name}{slow}; without it: {before}")
     elif report.ok:
-        out.append("backward_doctor: OK - the step ran and nothing looks wrong")
+        out.append(f"backward_doctor: OK - {what_ran(tr)} ran and nothing looks wrong")
     else:
         top = report.findings[0] if report.findings else None
         verdict = f"{finding_title(top)} at {top.location()}" if top else "the step did not complete"
@@ -74,12 +76,14 @@ def render_text(report: "Report") -> str:
         if f.evidence.get("fix_code"):  # the fix as code, as the user would write it
             out.append("    fix:")
             out.extend("      " + ln for ln in str(f.evidence["fix_code"]).splitlines())
-        if f.fixes:
-            out.append(f"    fixes: {', '.join(f.fixes)}  (re-run with fix=NAME / --fix NAME)")
+        offers = report.fix_offers or {}
+        offered = [n for n in f.fixes if not offers.get(n)]
+        if offered:
+            out.append(f"    fixes: {', '.join(offered)}  (re-run with fix=NAME / --fix NAME)")
+        if i == 1:  # once, under the root cause
+            for names, why in refused_fixes(report):
+                out.extend(_wrap(f"not offered for this cell: {names} - {why}", "    "))
         ev = f.evidence
-        if isinstance(ev.get("fix_code"), str) and "\n" in ev["fix_code"]:  # a fix of several lines, as code
-            out.append("    fix:")
-            out.extend("      " + line for line in ev["fix_code"].splitlines())
         if f.kind == "oom" and ev.get("predicted_peak_text"):
             preds = ", ".join(f"{k} {v}" for k, v in ev["predicted_peak_text"].items())
             bound = " (lower bounds: the step failed before its peak)" if ev.get("lower_bound") else ""
@@ -104,8 +108,7 @@ def render_text(report: "Report") -> str:
                 loc = frame_label(fi, report.places)
                 out.append(f"    {loc} in {fi.function}: {fi.code}")
         if folded:
-            out.extend(_wrap(f"({len(folded)} more threads of the kernel and libraries, idle, never ran your "
-                             f"code: {', '.join(folded)})", "  "))
+            out.extend(_wrap(f"(library threads that never ran your code: {', '.join(folded)})", "  "))
     if tr.loaders and any(f.kind == "dataloader_worker" for f in report.findings):
         out.append("")
         out.extend(worker_lines(tr, report.places))
@@ -126,6 +129,8 @@ def _fix_lines(fr: "FixResult") -> list[str]:
         state = "not applied"
     else:
         state = "applied, the step ran" if fr.fits else "DID NOT WORK: the step still fails with it"
+        if fr.fits and fr.slowdown:
+            state += f", but ops ran up to {fr.slowdown:g}x slower than in the original"
     out = ["", f"fix {fr.name}: {state}"]
     out.extend(_wrap(fr.message, "    "))
     cmp = fr.comparison or {}

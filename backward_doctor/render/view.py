@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..analysis.findings import forward_where
+from ..analysis.rules.hang import own_thread, worth_naming
 from ..report.places import line_label
-from ..trace.queries import source_lines
+from ..trace.queries import is_bookkeeping, source_lines
 from ..trace.records import OpRecord, TensorMeta, Trace, Where
 from .style import CATEGORY_LABELS
-from .wording import finding_title, original_verdict
+from .wording import finding_title, original_verdict, what_ran
 
 if TYPE_CHECKING:
     from ..report.report import Report
@@ -34,20 +35,6 @@ FIX_INFO = {
     "sync": ("Synchronous replay",
              "Re-run with synchronous kernel launches to find the op that really failed."),
 }
-
-
-#: Ops the profiler and the recorder add around the user's own (``record_function`` markers): they are
-#: bookkeeping, not work the step asked for, so the ops table leaves them out.
-BOOKKEEPING_PREFIXES = ("profiler::",)
-
-
-def is_bookkeeping(op_name: str) -> bool:
-    """True for an op that is the recorder's or profiler's own marker (``profiler::_record_function_enter_new``).
-
-    >>> is_bookkeeping("profiler::_record_function_enter_new"), is_bookkeeping("aten::mm")
-    (True, False)
-    """
-    return op_name.startswith(BOOKKEEPING_PREFIXES)
 
 
 # --------------------------------------------------------------------------- derivations
@@ -208,6 +195,23 @@ def _line_label(w: Where, places: dict[str, str] | None = None) -> str:
     return line_label(places or {}, w.line, w.file)
 
 
+def op_place(trace: Trace, op: OpRecord | None, places: dict[str, str] | None = None) -> str:
+    """Where an op ran, as IPython names it: its line, a backward op's forward line (``backward of Cell In[2],
+    line 7``); '' when no line is known. Text, HTML and plots all say it this way.
+
+    >>> t = Trace(ops=[OpRecord(0, "aten::mm", "forward", [], [], where=Where(line=3))])
+    >>> op_place(t, t.ops[0], {"": "Cell In[5]"})
+    'Cell In[5], line 3'
+    """
+    if op is None:
+        return ""
+    w = forward_where(trace, op) if op.phase == "backward" else op.where
+    if w.line is None:
+        return ""
+    label = _line_label(w, places)
+    return f"backward of {label}" if op.phase == "backward" else label
+
+
 SORT_KEYS = {"time": lambda r: -r.time_us, "memory": lambda r: -r.alloc_bytes, "count": lambda r: -r.count,
              "name": lambda r: r.name}
 
@@ -223,14 +227,16 @@ class FixOption:
 
 
 def applicable_fixes(report: "Report") -> list[FixOption]:
-    """One option per fix the findings name, with the predicted peak where the rules gave one."""
+    """One option per fix the findings name that can be applied to the cell (``report.fix_offers``, when it was
+    checked), with the predicted peak where the rules gave one."""
     seen: list[FixOption] = []
     names: set[str] = set()
+    refused = {name for name, why in (report.fix_offers or {}).items() if why}
     for f in report.findings:
         preds = f.evidence.get("predicted_peak") or {}
         limit = f.evidence.get("limit")
         for name in f.fixes:
-            if name in names:
+            if name in names or name in refused:
                 continue
             names.add(name)
             arg, pred = name, preds.get(name)
@@ -242,6 +248,21 @@ def applicable_fixes(report: "Report") -> list[FixOption]:
             title, desc = FIX_INFO.get(name, (name, ""))
             seen.append(FixOption(arg, name, title, desc, pred))
     return seen
+
+
+def refused_fixes(report: "Report") -> list[tuple[str, str]]:
+    """(fixes, why they cannot be applied to this cell) for the fixes the findings name but the cell does not
+    allow; fixes refused for the same reason share one line (``accumulate, amp``).
+
+    >>> from backward_doctor.report import Report
+    >>> refused_fixes(Report(fix_offers={"accumulate": "two backwards", "amp": "two backwards", "sync": ""}))
+    [('accumulate, amp', 'two backwards')]
+    """
+    by_reason: dict[str, list[str]] = {}
+    for name, why in (report.fix_offers or {}).items():
+        if why:
+            by_reason.setdefault(why, []).append(name)
+    return [(", ".join(names), why) for why, names in by_reason.items()]
 
 
 # --------------------------------------------------------------------------- pieces
@@ -267,8 +288,9 @@ def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
         fr = report.fix_result
         before = original_verdict(fr) if fr is not None and fr.applied and fr.fits else ""
         if before:
-            return "ok", "fixed", f"The step ran with {fr.name}", f"Without it: {before}."
-        return "ok", "OK", "The step ran and nothing looks wrong", ""
+            slow = f" With it ops run up to {fr.slowdown:g}x slower." if fr.slowdown else ""
+            return "ok", "fixed", f"The step ran with {fr.name}", f"Without it: {before}.{slow}"
+        return "ok", "OK", f"{what_ran(tr).capitalize()} ran and nothing looks wrong", ""
     top = report.root_cause
     if top is None:
         what = "timed out" if tr.timed_out else "did not complete"
@@ -283,16 +305,16 @@ def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
 
 # --------------------------------------------------------------------------- threads and parameters
 def hang_threads(trace: Trace) -> tuple[list, list[str]]:
-    """The thread stacks worth reading in a hang report, and the names of those folded away.
-
-    A thread that never ran the user's code (ipykernel's Heartbeat, IOPub, Control; a history saver)
-    says nothing about the hang: it is folded to its name. The main thread always shows.
+    """The thread stacks worth reading in a hang report, and the names of the library threads folded away
+    (``QueueFeederThread ×6``). The main thread always shows; threads that ran the user's code and a
+    DataLoader's own show; the doctor's and the kernel's threads (Heartbeat, IOPub, Shell channel, the
+    progress poller) are left out altogether.
 
     >>> from backward_doctor.trace.records import FrameInfo, ThreadStack
     >>> t = Trace(threads=[ThreadStack("MainThread", 1, True), ThreadStack("Heartbeat", 2, False,
-    ...                    [FrameInfo("/zmq/heartbeat.py", 5, "run")])])
+    ...                    [FrameInfo("/zmq/heartbeat.py", 5, "run")]), ThreadStack("pool-1", 3, False)])
     >>> [s.name for s in hang_threads(t)[0]], hang_threads(t)[1]
-    (['MainThread'], ['Heartbeat'])
+    (['MainThread'], ['pool-1'])
     """
     shown, folded = [], []
     exc = trace.exception
@@ -304,19 +326,21 @@ def hang_threads(trace: Trace) -> tuple[list, list[str]]:
     for st in trace.threads:
         if st.is_main and not st.frames and shown:
             continue
-        if st.is_main or any(fi.user or fi.in_cell for fi in st.frames):
+        if worth_naming(st):
             shown.append(st)
-        else:
+        elif not own_thread(st):
             folded.append(st.name)
-    return shown, folded
+    counts = Counter(folded)
+    return shown, [name if counts[name] == 1 else f"{name} ×{counts[name]}" for name in dict.fromkeys(folded)]
 
 
 def used_parameters(trace: Trace) -> tuple[int, int, int] | None:
     """(tensors, trainable, bytes) of the parameters of the models the step ran, when fewer than all
     the namespace holds (None: the totals are the step's own).
 
-    A model is used when an op ran inside one of its modules or one of its parameters got a gradient or
-    was stepped. Bytes are the totals' share by element count (one dtype per model is the common case).
+    A model is used when its forward ran (known by identity at capture time, whatever it is called) or
+    one of its parameters got a gradient or was stepped. A report saved before parameters carried their
+    bytes gets the totals' share by element count.
 
     >>> used_parameters(Trace()) is None
     True
@@ -324,14 +348,10 @@ def used_parameters(trace: Trace) -> tuple[int, int, int] | None:
     params = trace.params
     if not params:
         return None
-    roots = {op.where.module.split(".")[0].split("[")[0] for op in trace.ops if op.where.module}
-
-    def root(name: str) -> str:
-        return name.split(".")[0].split("[")[0]
-
-    used = [p for p in params if root(p.name) in roots or p.got_grad or p.stepped]
+    used = [p for p in params if p.in_run_model or p.got_grad or p.stepped]
     if not used or len(used) >= len(params):
         return None
-    total_numel = sum(p.numel for p in params) or 1
-    share = sum(p.numel for p in used) / total_numel
-    return len(used), sum(p.requires_grad for p in used), int(trace.parameters.bytes * share)
+    nbytes = sum(p.nbytes for p in used)
+    if not nbytes:
+        nbytes = int(trace.parameters.bytes * sum(p.numel for p in used) / (sum(p.numel for p in params) or 1))
+    return len(used), sum(p.requires_grad for p in used), nbytes

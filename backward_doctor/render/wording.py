@@ -15,7 +15,7 @@ from ..analysis.findings import Finding
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
     from ..report.report import Report
-    from ..trace.records import FrameInfo
+    from ..trace.records import FrameInfo, Trace
 
 #: Each kind of finding in plain words, for badges and headlines (the kind itself stays in the JSON).
 KIND_WORDS = {
@@ -26,7 +26,8 @@ KIND_WORDS = {
     "nonfinite": "NaN / Inf", "nonleaf_param": "Parameters not leaves", "oom": "Out of memory",
     "orphan_params": "Parameters without gradient", "shape_mismatch": "Shapes do not fit",
     "stale_grad": "Gradients never zeroed", "grad_accumulation": "Gradient accumulation", "amp_misuse":
-    "Mixed precision misused", "timeout": "Time limit reached",
+    "Mixed precision misused", "timeout": "Time limit reached", "dataloader_worker": "DataLoader worker",
+    "compile_divergence": "Compiled differs from eager",
 }
 
 
@@ -80,6 +81,20 @@ def fix_next_step(result: "FixResult") -> str:
     if kind == "amp":
         return "Try `accumulate:2` (smaller micro-batches), or keep `amp` and add accumulation on top of it."
     return "The findings above say what to change by hand."
+
+
+def what_ran(trace: "Trace") -> str:
+    """What a clean report says ran: "the step", or for a loop "the cell (60 optimizer steps)".
+
+    >>> from backward_doctor.trace.records import Trace
+    >>> what_ran(Trace())
+    'the step'
+    >>> t = Trace(); t.iterations.steps = 60
+    >>> what_ran(t)
+    'the cell (60 optimizer steps)'
+    """
+    steps = trace.iterations.steps
+    return f"the cell ({steps} optimizer steps)" if steps > 1 else "the step"
 
 
 def original_verdict(result: "FixResult") -> str:

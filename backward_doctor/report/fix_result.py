@@ -35,6 +35,9 @@ class FixResult:
     fits: bool | None = None          # the fixed run completed (None: it did not run)
     cancelled: bool = False
     rolled_back: bool = False         # the state was restored from the snapshot at some point
+    #: the op the fix made slowest took this many times as long per call as in the original run (set only when
+    #: much slower: it fits, at a price; ``fixes.apply.slowdown``)
+    slowdown: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

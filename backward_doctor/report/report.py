@@ -33,6 +33,8 @@ class Report:
     places: dict[str, str] = field(default_factory=dict)
     #: why the ops were recorded by the Python recorder when the native one was wanted (None: no reason to say)
     engine_note: str | None = None
+    #: fix name -> '' when it can be applied to the cell, else why not (None: not checked; see ``fixes/offers.py``)
+    fix_offers: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -49,7 +51,8 @@ class Report:
         return {"format": FORMAT, "version": VERSION, "ok": self.ok, "exception": self.exception, "fix": self.fix,
                 "findings": [f.to_dict() for f in self.findings], "trace": self.trace.to_dict(),
                 "fix_result": self.fix_result.to_dict() if self.fix_result is not None else None,
-                "places": dict(self.places), "engine_note": self.engine_note}
+                "places": dict(self.places), "engine_note": self.engine_note,
+                "fix_offers": dict(self.fix_offers) if self.fix_offers is not None else None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Report":
@@ -61,7 +64,8 @@ class Report:
                    exception=data.get("exception"), fix=data.get("fix"),
                    trace=Trace.from_dict(data.get("trace", {})),
                    fix_result=FixResult.from_dict(data["fix_result"]) if data.get("fix_result") else None,
-                   places=dict(data.get("places") or {}), engine_note=data.get("engine_note"))
+                   places=dict(data.get("places") or {}), engine_note=data.get("engine_note"),
+                   fix_offers=dict(data["fix_offers"]) if data.get("fix_offers") is not None else None)
 
     def __str__(self) -> str:
         return renderer("text").render(self)

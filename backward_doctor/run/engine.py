@@ -58,7 +58,7 @@ def choose_engine(engine: str, *, memory_limit: int | None = None, build: bool =
     """The engine the run records on: ``"native"`` or ``"python"``.
 
     ``auto`` takes the native recorder when it is built (building it the first time,
-    ~40 s, cached after) and torch has no CUDA (its CUDA path has not run on a GPU yet).
+    once per torch version, cached after) and torch has no CUDA (its CUDA path has not run on a GPU yet).
     A simulated ``memory_limit`` runs on either: the native recorder fails the allocation
     that would overflow the device, inside the op, as a real device does. ``native``
     insists (ValueError, saying why, if it cannot be had); ``python`` never uses it.

@@ -102,7 +102,7 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     """Run the cell ``source`` in ``namespace`` under a capture and diagnose it (arguments already
     checked). ``execute``: runs the cell and returns its exception (default: ``exec`` of ``source``
     compiled as ``cell_file``). ``build``: whether the native recorder may be built now (the magic
-    says no: a first cell must not wait ~40 s). ``history``: compare with the cell's earlier runs (stale
+    says no: a first cell must not wait for a 1-2 min build). ``history``: compare with the cell's earlier runs (stale
     gradients, growing memory; a fix's rewritten cell has none). ``detail``: screen every op for
     NaN/Inf in this run (default: where that is cheap, see ``engine.screens_every_op``). ``fix``: the name the report is labelled
     with. ``every_iteration``: record every iteration of a loop (the native recorder samples them). ``places``:

@@ -8,6 +8,19 @@ from __future__ import annotations
 
 from .records import OpRecord, Trace
 
+#: Ops the profiler and the recorder add around the user's own (``record_function`` markers): bookkeeping,
+#: not work the step asked for (the ops table and the hang report leave them out).
+BOOKKEEPING_PREFIXES = ("profiler::",)
+
+
+def is_bookkeeping(op_name: str) -> bool:
+    """True for an op that is the recorder's or profiler's own marker (``profiler::_record_function_enter_new``).
+
+    >>> is_bookkeeping("profiler::_record_function_enter_new"), is_bookkeeping("aten::mm")
+    (True, False)
+    """
+    return op_name.startswith(BOOKKEEPING_PREFIXES)
+
 
 def source_lines(trace: Trace, file: str | None) -> dict[int, str]:
     """The lines of the cell (``file`` None) or of ``file`` that the trace holds, by number: the whole cell,

@@ -236,7 +236,7 @@ class ExceptionInfo:
     raised: bool = False
 
     def summary(self) -> str:
-        return f"{self.type}: {self.message}"
+        return f"{self.type}: {self.message}" if self.message else self.type  # "KeyboardInterrupt", no colon
 
 
 @dataclass
@@ -250,6 +250,8 @@ class ParamInfo:
     stepped: bool           # it belongs to an optimizer that stepped during this run
     numel: int = 0
     grad_fn: str | None = None  # a parameter that is no longer a leaf: the node it hangs from
+    nbytes: int = 0         # its bytes (numel x element size)
+    in_run_model: bool = False  # it belongs to a model whose forward ran in this step (its outermost module)
 
 
 @dataclass

@@ -114,6 +114,17 @@ class Cell:
                 return i
         raise LookupError("node not in cell")
 
+    def index_at(self, offset: int) -> int:
+        """Index of the top-level statement whose text holds byte ``offset`` (an edit's start).
+
+        >>> Cell("a = 1\\nb = f(2)\\n").index_at(10)
+        1
+        """
+        for i, (lo, hi) in enumerate(self.bounds):
+            if lo <= offset < hi or (offset == hi and i == len(self.bounds) - 1):
+                return i
+        raise LookupError(f"offset {offset} is not in the cell")
+
     def backward_calls(self) -> list[ast.Call]:
         """``x.backward(...)`` and ``torch.autograd.backward(...)`` calls, in source order."""
         calls = [n for n in ast.walk(self.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
@@ -261,6 +272,18 @@ def _resolve(node: ast.AST, namespace: dict) -> object:
             return _UNRESOLVED
         return value if not isinstance(value, (property, staticmethod, classmethod)) else _UNRESOLVED
     return _UNRESOLVED
+
+
+def resolve(node: ast.AST, namespace: dict) -> object:
+    """The object a ``name`` / ``name.attr`` expression refers to in ``namespace``, read without running
+    code (no properties); None when it cannot be told.
+
+    >>> import types
+    >>> resolve(ast.parse("a.b", mode="eval").body, {"a": types.SimpleNamespace(b=3)})
+    3
+    """
+    value = _resolve(node, namespace)
+    return None if value is _UNRESOLVED else value
 
 
 def _is_module(obj: object) -> bool:

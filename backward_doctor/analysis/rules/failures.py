@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..findings import Finding, at, forward_where, same_exception, source_line
+from ..findings import Finding, at, forward_where, same_exception, sentence, source_line
 from ...trace.records import FailedOp, Trace, Where
 
 _DEVICE = re.compile(r"same device|expected device|is not on the expected device|device type|"
@@ -86,7 +86,7 @@ def mismatch(trace: Trace) -> list[Finding]:
         return [_attention(where, text, "shape_mismatch", ev)]
     if _SHAPE.search(text) and not _INDEX.search(text):
         msg = (f"{what} cannot combine these shapes: {args or text}. "
-               f"PyTorch said: {text.splitlines()[0]}. Check that the layer's input size matches the "
+               f"PyTorch said: {sentence(text.splitlines()[0])} Check that the layer's input size matches the "
                "data (for `nn.Linear(in, out)`, the last dimension of the input must equal `in`; "
                "flatten conv features before a Linear), and that prediction and target have the same batch size.")
         return [at("shape_mismatch", where, msg, op=op, title="Shapes do not fit", evidence=ev)]
@@ -139,7 +139,7 @@ def index_out_of_range(trace: Trace) -> list[Finding]:
                f"observed range {check.min}..{check.max}) but only {lo}..{hi} is valid "
                f"({check.what}). ")
     else:
-        msg = f"An index was out of range: {exc.message.splitlines()[0]}. "
+        msg = f"An index was out of range: {sentence(exc.message.splitlines()[0])} "
     if op and "nll_loss" in op:
         msg += ("Class targets must be 0..C-1 for C output classes: a label of C (or -1) means the "
                 "last layer has too few outputs or the labels are 1-based. Fix the labels "
@@ -165,8 +165,8 @@ def generic_exception(trace: Trace) -> list[Finding]:
     if exc is None or (exc.type == "KeyboardInterrupt" and not exc.raised):  # (a Ctrl-C: the hang rule's)
         return []
     where, failed = _failed_where(trace)
-    first = exc.message.splitlines()[0] if exc.message else ""
-    msg = f"The step raised {exc.type}: {first}"
+    first = exc.message.splitlines()[0].strip() if exc.message else ""
+    msg = f"The cell raised {exc.type}" + (f": {first}" if first else "")
     if failed is not None:
-        msg += f" (in `{failed.op}` with inputs {_inputs(failed)})"
-    return [at("exception", where, msg + ".", op=failed.op if failed else None, title=f"{exc.type} in the step")]
+        msg = sentence(msg) + f" It came from `{failed.op}` with inputs {_inputs(failed)}"
+    return [at("exception", where, sentence(msg), op=failed.op if failed else None, title=f"{exc.type} in the step")]

@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 from ..findings import Finding, at
-from ...trace.records import Trace, Where
+from ...trace.queries import is_bookkeeping
+from ...trace.records import FrameInfo, OpRecord, ThreadStack, Trace, Where  # noqa: F401 (FrameInfo: the doctests)
 
 
 def _main_where(trace: Trace) -> Where:
@@ -28,13 +29,39 @@ def _main_where(trace: Trace) -> Where:
     return trace.exception.where if trace.exception else Where()
 
 
-_IDLE_THREADS = ("Control", "Heartbeat", "IOPub", "IPythonHistorySavingThread", "backward_doctor-watchdog")
+#: Jupyter's service threads (ipykernel 6 and 7: its shell channel and subshells) and IPython's history saver.
+_KERNEL_THREADS = ("Control", "Heartbeat", "IOPub", "IPythonHistorySavingThread", "Shell channel", "subshell-")
+_KERNEL_FILES = ("ipykernel", "zmq", "jupyter_client", "tornado")
 
 
-def _idle(stack) -> bool:
-    """Jupyter's own service threads are always there, waiting: not part of the story."""
-    return stack.name.startswith(_IDLE_THREADS) or any("ipykernel" in f.file or "zmq" in f.file
-                                                        for f in stack.frames[-3:])
+def own_thread(stack: ThreadStack) -> bool:
+    """The doctor's own threads and the kernel's (its service threads, the pipes it watches): never part of
+    the user's hang, so never named in a report.
+
+    >>> own_thread(ThreadStack("backward_doctor-progress", 1, False)), own_thread(ThreadStack("Shell channel", 2, False))
+    (True, True)
+    """
+    return stack.name.startswith(("backward_doctor",) + _KERNEL_THREADS) or any(
+        part in fi.file for fi in stack.frames[-3:] for part in _KERNEL_FILES)
+
+
+def worth_naming(stack: ThreadStack) -> bool:
+    """A thread the hang may be about: the main one, one that ran the user's code, a DataLoader's own (its
+    pin-memory thread). Not a multiprocessing queue's feeder thread, a library's idle pool, the kernel's.
+
+    >>> worth_naming(ThreadStack("QueueFeederThread", 1, False, [FrameInfo("/py/multiprocessing/queues.py", 1, "_feed")]))
+    False
+    """
+    if stack.is_main:
+        return True
+    if own_thread(stack):
+        return False
+    return any(fi.user or fi.in_cell or "torch/utils/data/" in fi.file.replace("\\", "/") for fi in stack.frames)
+
+
+def _last_user_op(trace: Trace) -> OpRecord | None:
+    """The last op the step itself asked for: not the profiler's ``record_function`` markers around it."""
+    return next((op for op in reversed(trace.ops) if not is_bookkeeping(op.op)), None)
 
 
 def _steps(trace: Trace) -> str:
@@ -65,9 +92,9 @@ def hang(trace: Trace) -> list[Finding]:
     how = ("was interrupted by hand" if not trace.timed_out
            else f"made no progress for {trace.timeout_s:g} s (no optimizer step completed; {_steps(trace)} had)"
            if trace.timeout_stall else f"did not finish within the {trace.timeout_s:g} s timeout")
-    last = trace.ops[-1] if trace.ops else None
+    last = _last_user_op(trace)
     phase = f"; the last PyTorch op was `{last.op}` in {last.phase}" if last else "; no PyTorch op had run yet"
-    others = [s.name for s in trace.threads if not s.is_main and not _idle(s)]
+    others = [s.name for s in trace.threads if not s.is_main and worth_naming(s)]
     msg = (f"The step {how}. The main thread was waiting in {waiting}, called from line {where.line}{phase}. "
            "A hang is Python waiting on something that never comes: a lock or event another thread should "
            "release, a queue or DataLoader worker that died, an endless loop, or (on CUDA) a synchronisation "
