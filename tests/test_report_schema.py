@@ -176,8 +176,8 @@ def test_an_undescribed_field_is_named():
                                           r"not describe \(add it to \$defs\.Iterations\.properties\)"):
         check_report(data, strict=True)
     check_report(data)  # (loading is lenient: a newer report that only adds fields loads)
-    data["findings"] = [{"kind": "grad_accumulation", "message": "x"}]
-    with pytest.raises(ReportError, match=r"findings\[0\]\.kind: \"grad_accumulation\" is not one of"):
+    data["findings"] = [{"kind": "weight_decay_twice", "message": "x"}]
+    with pytest.raises(ReportError, match=r"findings\[0\]\.kind: \"weight_decay_twice\" is not one of"):
         check_report(data)
 
 
