@@ -35,6 +35,7 @@ import torch
 
 from ..trace.accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWindow, ZeroGradCall
 from .accum_check import EquivalenceCheck, divisor, number
+from .process import doctors_own
 from ..util.units import available_ram, format_bytes
 
 _DETAILED = 16      # windows recorded in detail (where each call was made), then only counted
@@ -177,6 +178,8 @@ class AccumulationWatch:
             with self._quiet():
                 getattr(self._check, when)()
         except Exception as exc:  # a gradient of a subclass, a sparse one: no measurement this run
+            if not doctors_own(exc):  # (a signal handler's exception, a hook of the user's: theirs, it goes on)
+                raise
             self.record.check = AccumulationCheck(iteration=self._check.iteration, micro_batches=0,
                                                   why_not=f"{type(exc).__name__}: {exc}"[:200])
             self._check = None
@@ -202,6 +205,8 @@ class AccumulationWatch:
             with self._quiet():
                 self._check = EquivalenceCheck(params, self._iteration())
         except Exception as exc:  # a gradient that cannot be copied (a subclass): no measurement
+            if not doctors_own(exc):
+                raise
             self.record.check = AccumulationCheck(iteration=self._iteration(), micro_batches=0,
                                                   why_not=f"{type(exc).__name__}: {exc}")
         if self._check is not None and self._calls:
@@ -288,8 +293,9 @@ class AccumulationWatch:
             ids = {id(p) for g in opt.param_groups for p in g["params"]}
             params = obj.parameters() if call.target == "module" else (p for g in obj.param_groups for p in g["params"])
             call.stepped = any(id(p) in ids for p in params)
-        except Exception:  # an object that does not list its parameters: assume it cleared them
-            pass
+        except Exception as exc:  # an object that does not list its parameters: assume it cleared them
+            if not doctors_own(exc):
+                raise
         return call
 
     def finish(self, namespace: dict[str, Any]) -> None:
@@ -309,7 +315,9 @@ def _accelerate_state(mod: Any) -> tuple[bool | None, int]:
         state = mod.GradientState._shared_state
         num = int((state.get("plugin_kwargs") or {}).get("num_steps", 0) or 0)
         sync = state.get("sync_gradients")
-    except Exception:  # another version's layout: not worth failing the step for
+    except Exception as exc:  # another version's layout: not worth failing the step for
+        if not doctors_own(exc):
+            raise
         return None, 0
     return (bool(sync) if num > 1 and sync is not None else None), num
 

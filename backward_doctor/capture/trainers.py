@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 
 from ..trace.parts import LrSetting
 from ..trace.records import Trace
+from .process import doctors_own
 
 #: (library, the module its Trainer class lives in, the methods that run its loop)
 _LIBRARIES = (("transformers", "transformers.trainer", ("train",)),
@@ -50,7 +51,9 @@ class LibraryLoop:
                 return f"epoch {int(obj.current_epoch)}, batch {int(obj.fit_loop.epoch_loop.batch_idx)}"
             epoch = getattr(getattr(obj, "state", None), "epoch", None)  # transformers: epochs done, a float
             return f"epoch {int(epoch)}" if isinstance(epoch, (int, float)) else ""
-        except Exception:  # a library version that names them otherwise: no position, nothing fails
+        except Exception as exc:  # a library version that names them otherwise: no position, nothing fails
+            if not doctors_own(exc):  # (a signal handler's exception: the user's, it goes on)
+                raise
             return ""
 
 
