@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import traceback
 from typing import Any, Callable, Iterator
 
