@@ -1,8 +1,8 @@
 """The exporters (``render/memory_viz.py``, ``render/perfetto.py``) read back by real readers: the memory
 snapshot by PyTorch's own ``torch.cuda._memory_viz`` (its ``trace_plot``, ``segment_plot``, ``segsum`` with its
 consistency checks, ``trace``, and the flame graph text of ``memory``/``segments``) and by the opcodes the
-viewer's JavaScript unpickler knows; the trace by a strict Trace Event Format reader (``trace_reader.py``:
-Perfetto's trace processor downloads its binary on first use, not possible offline). Each on both engines,
+viewer's JavaScript unpickler knows; the trace by a strict Trace Event Format reader (``trace_reader.py``;
+Perfetto's own trace processor reads it in ``test_perfetto_reader.py``). Each on both engines,
 on a plain loop, a Hugging Face model, an out-of-memory step and a NaN; the entry points (``save_*``, ``render
 --as``, the magic's and the CLI's options, the panel's buttons).
 """

@@ -1,8 +1,8 @@
 """A strict reader of the Chrome Trace Event Format (JSON object form), for the tests of the ``perfetto``
 exporter: what Perfetto's and chrome://tracing's importers need, checked, then queried.
 
-Perfetto's own trace processor (the ``perfetto`` package) downloads its binary on first use, which this
-offline machine cannot do, so the tests read the file with this: every event's phase, name, process,
+Perfetto's own trace processor reads the file too (``test_perfetto_reader.py``, in a browser); this reader
+needs none and checks it strictly: every event's phase, name, process,
 thread, time and arguments checked against the format, complete events (``X``) properly nested on each
 thread (a viewer drops or misdraws slices that overlap partly), counters numeric, no NaN/Infinity.
 
