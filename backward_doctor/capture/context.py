@@ -16,8 +16,6 @@ optimizer hooks, per-parameter hooks) is restored on exit, exceptions included.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 import sys
 import time
@@ -31,11 +29,12 @@ from . import namespace as ns_mod
 from .compile_watch import CompileWatch
 from .worker_watch import WorkerWatch
 from .loop_hooks import LoopHooks
+from .optim_hooks import OptimizerHooks
 from .process import complete, interrupts_deferred
 from .mode import _DoctorMode, take_off
 from .record import OpRecorder
-from .memory import grad_of, shape_of, storage_key
-from ..trace.parts import Carrier, OptimizerStep, StaleStep
+from .memory import shape_of, storage_key
+from ..trace.parts import Carrier
 from ..trace.records import Trace, Where
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ _WRAPPER_FILES = (os.path.join("torch", "_dynamo", "eval_frame.py"), os.path.joi
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
 
-class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields)
+class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields)
     """Record the ops and memory of the code run inside ``with Capture(...)``.
 
     ``namespace``: the user's globals, read to name variables and modules and to
@@ -241,105 +240,6 @@ class Capture(LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds
         elif id(module) in stack:  # an exception skipped inner post-hooks
             del stack[stack.index(id(module)):]
         self._stack_key = tuple(stack)
-
-    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
-        outermost = self._opt_depth == 0
-        if outermost:
-            self._outer_step_began(opt, args, kwargs)
-        self._opt_depth += 1
-        self._where_cache.clear()
-        for group in opt.param_groups:
-            for p in group["params"]:
-                self._register_param(p)
-                self._stepped_params.add(id(p))
-        where = self._frames.where(sys._getframe(1))
-        step = OptimizerStep(index=self._count, optimizer=type(opt).__name__, id=id(opt),
-                             line=where.line, file=where.file, cell_line=where.cell_line, function=where.function)
-        self.trace.optimizer_steps.append(step)
-        wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, step, outermost))
-        if wrapped is None:  # no closure: the gradients the update uses are there now
-            self._before_update(opt, step, outermost)
-        return wrapped
-
-    def _before_update(self, opt: torch.optim.Optimizer, step: OptimizerStep | None, outermost: bool) -> None:
-        """The optimizer's own update is about to use the gradients (after its closure, if it got one):
-        the loop watch reads them, and whether an earlier step had already used them."""
-        if outermost:
-            self._watch.before_step(opt)
-        if self.history is not None and step is not None:
-            self._check_stale(opt, step)
-
-    def _wrap_closure(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict,
-                      first_returned: Any) -> tuple[tuple, dict] | None:
-        """``step(closure)`` (L-BFGS; Lightning runs ``training_step`` and ``backward`` in one): the new
-        (args, kwargs) with the closure wrapped so that what it runs is recorded as the forward and backward
-        it is, not as the optimizer's update, and ``first_returned`` is called when it first returns (the
-        update uses the gradients it left). None when there is no closure. The wrapper calls the closure
-        with the same arguments and returns what it returns: the step computes exactly the same."""
-        # (args[0] is the optimizer itself: torch passes the bound call's arguments)
-        if callable(kwargs.get("closure")):
-            kwargs = dict(kwargs, closure=self._closure_wrapper(kwargs["closure"], first_returned))
-        elif len(args) > 1 and callable(args[1]):
-            args = (args[0], self._closure_wrapper(args[1], first_returned)) + tuple(args[2:])
-        else:
-            return None
-        return args, kwargs
-
-    def _closure_wrapper(self, closure: Any, first_returned: Any) -> Any:
-        capture, pending = self, [first_returned]
-
-        @functools.wraps(closure)
-        def closure_under_doctor(*a: Any, **kw: Any) -> Any:
-            __tracebackhide__ = True
-            depth = capture._opt_depth
-            capture._set_optimizer_depth(0)  # (its ops run outside the optimizer's own update)
-            try:
-                out = closure(*a, **kw)
-            finally:
-                capture._set_optimizer_depth(depth)
-            if pending:
-                pending.pop()()
-            return out
-
-        return closure_under_doctor
-
-    def _set_optimizer_depth(self, depth: int) -> None:
-        """Inside (depth > 0) or outside the optimizer's own update, from the next op on."""
-        self._opt_depth = depth
-        self._where_cache.clear()
-
-    def _check_stale(self, opt: torch.optim.Optimizer, step: OptimizerStep) -> None:
-        """A gradient an earlier step already consumed, never cleared since: accumulation by accident."""
-        marks = self.history.stepped_grads
-        # Only gradients this run's backward added to: a step cell fed by another cell's backward
-        # cannot see whether that cell zeroed them in between.
-        stale = [(p, marks[grad_of(p)]) for g in opt.param_groups for p in g["params"]
-                 if grad_of(p) is not None and id(p) in self._got_grad and grad_of(p) in marks]
-        if stale:
-            self.trace.stale_steps.append(StaleStep(**dataclasses.asdict(step), params=len(stale),
-                                                    since_run=min(m[0] for _, m in stale),
-                                                    previous_line=stale[0][1][1]))
-
-    def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._opt_depth = max(0, self._opt_depth - 1)
-        for t in ns_mod.optimizer_state_tensors(opt):
-            self._ledger.reclassify(t, "optimizer")
-        self._mark_stepped(opt)
-        self._after_step()
-
-    def _mark_stepped(self, opt: torch.optim.Optimizer) -> None:
-        """The gradients this step consumed, for the next run's stale-gradient check."""
-        if self.history is not None:
-            line = self.trace.optimizer_steps[-1].line if self.trace.optimizer_steps else None
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    grad = grad_of(p)
-                    if grad is not None:
-                        self.history.stepped_grads[grad] = (self._run_id, line)
-
-    def _after_step(self) -> None:
-        if self._opt_depth == 0:
-            self._iteration_ended()
 
     # ---------------------------------------------------------------- per op
     def _caller(self) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import checks
+from .op_schema import _FUNCS, _bump_versions, _func_info, _tensors
 from .memory import shape_of, storage_key
 from .process import doctors_own
 from .state import _NODE_BUDGET, PHASES, CaptureState
@@ -42,51 +43,6 @@ _UNINITIALISED = frozenset({"aten::empty", "aten::empty_strided", "aten::empty_l
                             "aten::new_empty_strided", "aten::empty_permuted"})
 _MAX_SCALARS = 64  # non-finite scalar outputs the first tier remembers
 _CLEARING = ("aten::zero_", "aten::_foreach_zero_")  # what zero_grad(set_to_none=False) does
-
-#: op overload -> (name, positions it writes into, is a view, has an index check, tensor lists whose
-#: versions the dispatch mode must bump itself)
-_FUNCS: dict[Any, tuple[str, tuple[int, ...], bool, bool, tuple[int, ...]]] = {}
-
-
-def _func_info(func: Any) -> tuple[str, tuple[int, ...], bool, bool, tuple[int, ...]]:
-    schema = func._schema
-    mutated = tuple(i for i, a in enumerate(schema.arguments)
-                    if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only)
-    is_view = not mutated and any(r.alias_info is not None for r in schema.returns)
-    # Under a Python dispatch mode an in-place foreach op (a foreach optimizer's `_foreach_add_` on the
-    # weights) leaves the tensors' version counters where they were, where a plain run bumps them
-    # (pytorch/pytorch#191154): autograd would then miss a step that changed weights a graph saved,
-    # and compute wrong gradients instead of raising. We bump them as PyTorch does without the mode.
-    bump = tuple(i for i in mutated if str(schema.arguments[i].type) == "List[Tensor]") \
-        if schema.name.startswith("aten::_foreach_") else ()
-    info = (schema.name, mutated, is_view, checks.has_index_check(func), bump)
-    _FUNCS[func] = info
-    return info
-
-
-def _bump_versions(args: tuple, positions: tuple[int, ...]) -> None:
-    """What the ADInplaceOrView kernel does for an in-place foreach op outside a dispatch mode."""
-    for i in positions:
-        if i < len(args) and isinstance(args[i], (list, tuple)):
-            torch._C._increment_version([t for t in args[i] if isinstance(t, torch.Tensor)])
-
-
-def _tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
-    """Tensor arguments, looking one level into lists/tuples (``cat``'s list) — faster than pytree."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(x for x in a if isinstance(x, torch.Tensor))
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, torch.Tensor):
-                out.append(a)
-            elif isinstance(a, (list, tuple)):
-                out.extend(x for x in a if isinstance(x, torch.Tensor))
-    return out
-
 
 #: per kept op in ``Capture._rec_ints``: index, name id, phase id, forward op (-1: none), grad mode,
 #: where id, inputs, outputs, offset in ``_rec_io`` (meta id and storage key per tensor), live bytes
