@@ -122,11 +122,11 @@ class OpRecorder(CaptureState):
         __tracebackhide__ = True
         try:
             self._after(*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a tensor kind the recorder cannot describe
-            if not doctors_own(exc):  # a signal handler's or the user's code's: theirs, as without the doctor
-                raise
+        except BaseException as exc:  # noqa: BLE001 - a tensor kind the recorder cannot describe
+            if _grad_enabled() is not args[4]:  # (it landed in the screens before their `finally` put grad
+                _set_grad(args[4])              # mode back: the user's mode, as the op ran under it)
+            if isinstance(exc, torch.OutOfMemoryError) or not isinstance(exc, Exception) or not doctors_own(exc):
+                raise  # the simulated device's OOM; a signal handler's or the user's code's, as without the doctor
             self._unrecorded += 1
             if self._unrecorded == 1:
                 self.trace.notes.append(f"some ops could not be recorded (the first: {args[0][0]}: "
