@@ -231,7 +231,9 @@ def test_a_build_killed_mid_compile_blocks_nobody():
     try:
         with open(lock, "w"):
             pass
-        out = _load_in_child()  # (before: waited on that file forever)
+        # A build is needed (a cached one is loaded by Python's importer and never meets torch's lock): the
+        # compile finds everything up to date, after the stale lock is gone (before: waited on it forever).
+        out = _load_in_child("n.cached = lambda: False\n")
         assert "LOADED" in out.stdout, out.stdout + out.stderr
         assert not os.path.exists(lock)
     finally:
@@ -249,7 +251,7 @@ def test_a_wait_for_a_live_builder_is_bounded_and_says_why():
     fd = os.open(os.path.join(native._build_dir(), "build.lock"), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # another process is building right now
-        out = _load_in_child("n.WAIT_S = 1.0\n")
+        out = _load_in_child("n.WAIT_S = 1.0\nn.cached = lambda: False\n")  # (a build is needed)
         assert "NONE" in out.stdout and "another process has been building" in out.stdout, out.stdout + out.stderr
         assert "waiting for another process building the native recorder" in out.stderr
     finally:

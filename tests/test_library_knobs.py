@@ -63,6 +63,10 @@ def test_trainer_train_out_of_memory_is_fixed_with_training_arguments(tmp_path):
     assert "trainer.train()" in fr.code and ".backward(" not in fr.code        # the library's loop, its knobs
     assert not fr.comparison["before"]["completed"] and fr.comparison["after"]["peak_bytes"] <= 5e6
     assert "transformers' own gradient accumulation" in fr.message
+    # This BERT's forward takes **kwargs but its loss is a per-batch mean: the Trainer would leave it undivided
+    # (measured in the first try); the fix tells it so, and the fixed run's accumulation is checked clean.
+    assert "trainer.loss_is_scaled_for_ga = False" in fr.code and "left each micro-batch's loss undivided" in fr.message
+    assert fixed.trace.accumulation.check is not None and abs(fixed.trace.accumulation.check.factor - 1.0) < 1e-5
     doctored = _weights(ns["model"])
     plain = _hf(tmp_path)
     exec(fr.code, plain)                                                       # the code to keep, no doctor

@@ -256,3 +256,10 @@ def test_validate_names_the_definition():
         validate({"rank": 0, "world_size": None}, "RankRecord")
     with pytest.raises(ReportError, match=r"^name: 3 is not a string$"):
         validate({"name": 3}, "FixResult")
+
+
+def test_the_storage_history_fits_its_cap():
+    """The ledger's history may hold its whole cap (5 ints per event): a report at the cap still loads."""
+    from backward_doctor.trace.parts import STORAGE_EVENTS_CAP
+
+    assert schema()["$defs"]["StorageEvents"]["properties"]["flat"]["maxItems"] == STORAGE_EVENTS_CAP * 5

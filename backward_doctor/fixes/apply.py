@@ -175,6 +175,13 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
             trace = fixed.trace
         if _cancelled(trace):
             return _stop(original, result, snap, ns, "Cancelled while the fixed cell ran.")
+        told = library_knobs.undivided_loss_followup(rw, fixed) if snap is not None else None
+        if told is not None:  # (at most once: the follow-up clears what asks for it)
+            tried.append(f"{name} as first written left each micro-batch's loss undivided (the gradients "
+                         f"{rw.details['k']}x one full batch's)")
+            _restore(snap, ns, result)
+            rw = told
+            continue
         oom = trace.exception is not None and trace.exception.type == "OutOfMemoryError"
         k = rw.details.get("k")
         if not (oom and spec.kind == "accumulate" and spec.arg is None and snap is not None

@@ -224,9 +224,51 @@ def _accumulate(cell: Cell, namespace: dict[str, Any], loop: LibraryLoop, k: int
     comments = {cell.index_of(loop.knobs): [f"backward_doctor fix accumulate:{k} - {what}."]}
     code = _code(cell, edits, comments)
     msg = f"{_owner(loop)} own gradient accumulation: {what}. Each micro-batch holds 1/{k} of the activations."
-    return Rewrite(code=code, message=msg, details={"k": k, "batch_size": batch},
+    details = {"k": k, "batch_size": batch}
+    func = loop.call.func
+    if loop.library == "transformers" and isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        details["trainer_var"] = func.value.id  # (for the follow-up below, should the fixed run need it)
+        details["loss_flag"] = ("loss_is_scaled_for_ga" if hasattr(type(loop.runner), "loss_is_scaled_for_ga")
+                                else "model_accepts_loss_kwargs")
+    return Rewrite(code=code, message=msg, details=details,
                    warnings=["dropout draws different random masks per micro-batch (same distribution)"]
                    if _has_dropout(namespace) else [])
+
+
+def undivided_loss_followup(rw: Rewrite, fixed: Any) -> Rewrite | None:
+    """The Trainer's own accumulation, measured in the fixed run, left each micro-batch's loss undivided (a model
+    whose ``forward`` takes ``**kwargs``, so the Trainer trusts it to normalise by ``num_items_in_batch``, but
+    whose loss is a per-batch mean): the same fix with the Trainer told so, or None when nothing is to add.
+
+    >>> rw = Rewrite(code="trainer = Trainer(model=m, args=a)\\ntrainer.train()\\n", message="m.",
+    ...              details={"k": 2, "trainer_var": "trainer", "loss_flag": "loss_is_scaled_for_ga"})
+    >>> from backward_doctor.analysis.findings import Finding
+    >>> from backward_doctor.report import Report
+    >>> bad = Report(findings=[Finding(kind="grad_accumulation", message="x",
+    ...                                evidence={"library": "trainer", "problem": "loss_not_divided"})])
+    >>> print(undivided_loss_followup(rw, bad).code.splitlines()[1][:44])
+    trainer.loss_is_scaled_for_ga = False  # bac
+    >>> undivided_loss_followup(rw, Report()) is None
+    True
+    """
+    var, flag = rw.details.get("trainer_var"), rw.details.get("loss_flag")
+    if not var or not flag or fixed.trace.exception is not None:
+        return None
+    if not any(f.kind == "grad_accumulation" and f.evidence.get("library") == "trainer"
+               and f.evidence.get("problem") == "loss_not_divided" for f in fixed.findings):
+        return None
+    lines = rw.code.splitlines(keepends=True)
+    at = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith(f"{var}.train(")), None)
+    if at is None:
+        return None
+    indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+    told = (f"{indent}{var}.{flag} = False  # backward_doctor: this model's loss is a per-batch mean, "
+            "so the Trainer must divide it by gradient_accumulation_steps\n")
+    msg = (rw.message + f" With `{var}.{flag} = False`: this model's `forward` takes `**kwargs`, so the Trainer "
+           "expected its loss to be normalised over the whole accumulated batch, but it is a per-batch mean (measured "
+           "in the first try: each micro-batch's gradient was not divided).")
+    return dataclasses.replace(rw, code="".join(lines[:at] + [told] + lines[at:]), message=msg,
+                               details={**rw.details, "trainer_var": None})
 
 
 def _owner(loop: LibraryLoop) -> str:
