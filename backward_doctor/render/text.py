@@ -13,7 +13,6 @@ from ..analysis.findings import source_line
 from ..capture.stats import format_stats
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
-from ..report.places import line_label
 from .view import hang_threads, op_place, phase_counts, refused_fixes
 from .workers import worker_lines
 from .wording import (finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words,
