@@ -9,6 +9,17 @@ import torch
 torch.set_num_threads(1)  # deterministic, and fair on a shared 2-core machine
 
 
+@pytest.fixture(params=["native", "python"])
+def engine(request):
+    """Both engines, for a test that takes ``engine``; the native one where its recorder builds here (a
+    machine without a compiler has only the Python tier)."""
+    from backward_doctor.capture.native_capture import native_available
+
+    if request.param == "native" and not native_available(build=True):
+        pytest.skip("native recorder unavailable")
+    return request.param
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

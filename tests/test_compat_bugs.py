@@ -5,22 +5,11 @@ test breaks one the way users break theirs and runs the tier's training cell und
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 import backward_doctor as bd
-from backward_doctor.capture.native_capture import native_available
 
 from compat_workloads import WORKLOADS, _lm_batch
-
-ENGINES = ["native", "python"]
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    if request.param == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
-    return request.param
 
 
 def _hook_line() -> int:

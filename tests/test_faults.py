@@ -19,15 +19,7 @@ from backward_doctor.capture.native_capture import native_available
 
 import fault_injection as fi
 
-ENGINES = ["native", "python"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    if request.param == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
-    return request.param
 
 
 @pytest.mark.slow

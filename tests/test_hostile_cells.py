@@ -18,18 +18,6 @@ from torch import nn
 import backward_doctor as bd
 import fault_injection as fi
 
-ENGINES = ["native", "python"]
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    """Both engines; the native one where its recorder builds here (a machine without a compiler has only
-    the Python tier)."""
-    from backward_doctor.capture.native_capture import native_available
-
-    if request.param == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
-    return request.param
 
 # A loop whose iteration 3 has a long forward (2,000 small ops: tens of ms even plainly); the cell starts a
 # one-shot SIGALRM timer there, whose handler raises TimeoutError: a plain run stops inside that forward,

@@ -8,22 +8,11 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 import backward_doctor as bd
-from backward_doctor.capture.native_capture import native_available
-
-ENGINES = ["native", "python"]
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    if request.param == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
-    return request.param
 
 
 def _ns():

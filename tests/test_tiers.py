@@ -5,13 +5,11 @@ from __future__ import annotations
 import contextlib
 import io
 
-import pytest
 import torch
 
 import backward_doctor as bd
 from backward_doctor.run import engine as tiers
 from backward_doctor.run import step
-from backward_doctor.capture.native_capture import native_available
 
 CELL = """
 print("step")
@@ -28,13 +26,6 @@ def _ns():
     model = torch.nn.Linear(4, 3)
     return {"torch": torch, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
             "x": torch.randn(8, 4), "batches": iter(range(100)), "seen": []}
-
-
-@pytest.fixture(params=["native", "python"])
-def engine(request):
-    if request.param == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
-    return request.param
 
 
 def test_nan_origin_found_in_the_one_run(engine):

@@ -24,18 +24,6 @@ from backward_doctor.report.schema import ReportError
 from backward_doctor.trace.distributed import RankRecord
 
 SECRET = "TOP-SECRET-0xC0FFEE"
-ENGINES = ["native", "python"]
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    """Both engines; the native one where its recorder builds here (a machine without a compiler has only
-    the Python tier)."""
-    from backward_doctor.capture.native_capture import native_available
-
-    if request.param == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
-    return request.param
 
 
 @pytest.fixture()
