@@ -1,0 +1,410 @@
+"""The GPU checklist (issue 31) as one script for a lent GPU: what the doctor sees on CUDA, against what CUDA says.
+
+    python benchmarks/gpu_validation.py --json OUT.json [--only memory oom ...]
+
+Sections (each bounded, each a dict in the JSON; one failing section does not end the run):
+
+- ``memory``: the doctor's live bytes against ``torch.cuda.max_memory_allocated()`` of the same step run
+  plain, reserved vs allocated, NVML's view, the categories at the peak (backward runs on autograd's device
+  threads on CUDA), gradients bit-identical;
+- ``oom``: a real allocator OOM under ``set_per_process_memory_fraction``: the finding, each fix's
+  predicted peak against the peak its fixed run really reached, and memory reclaimed afterwards;
+- ``assert``: a device-side assert (advanced indexing, which the doctor does not pre-check) in child
+  processes: plain (where Python reports it), under the doctor, and the ``sync`` fix's rewrite;
+- ``snapshot``: the exported memory snapshot against ``torch.cuda.memory._snapshot()`` of the same step;
+- ``async``: what notebook 02 says about asynchronous execution, measured;
+- ``always_on``: ``%backward_doctor on`` on a CUDA training loop against the plain cell (wall time, synced);
+- ``native``: the native recorder forced on for CUDA, op by op against the Python tier.
+
+Nothing here runs without CUDA (it says so and exits 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP = "loss = torch.nn.functional.cross_entropy(model(x), y)\nloss.backward()\nopt.step()\n"
+MiB = 1 << 20
+
+
+def _mlp(width: int = 1024, depth: int = 4, batch: int = 512, seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10)).cuda()
+    return {"torch": torch, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.01),
+            "x": torch.randn(batch, width, device="cuda"), "y": torch.randint(0, 10, (batch,), device="cuda")}
+
+
+def _finding(report: Any) -> dict[str, Any] | None:
+    if not report.findings:
+        return None
+    f = report.findings[0]
+    ev = {k: v for k, v in f.evidence.items() if isinstance(v, (int, float, str, bool, type(None)))}
+    return {"kind": f.kind, "line": f.line, "message": f.message[:600], "fixes": list(f.fixes), "evidence": ev}
+
+
+def memory() -> dict[str, Any]:
+    import backward_doctor as bd
+
+    out: dict[str, Any] = {}
+    for name, build in (("mlp", lambda s: _mlp(seed=s)), ("transformer", lambda s: _transformer(s))):
+        plain, doc = build(0), build(0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        exec(STEP, plain)
+        torch.cuda.synchronize()
+        plain_peak = torch.cuda.max_memory_allocated()
+        plain_after = torch.cuda.memory_allocated()
+        report = bd.diagnose(STEP, doc)
+        mem = report.trace.memory
+        cuda = dict(mem.cuda or {})
+        cuda.pop("allocated_per_op", None)
+        cuda.pop("allocator_snapshot", None)
+        phases: dict[str, int] = {}
+        for op in report.trace.ops:
+            phases[op.phase] = phases.get(op.phase, 0) + 1
+        out[name] = {
+            "ok": report.ok, "engine": getattr(report.trace, "engine", None),
+            "plain": {"allocated_before": base, "max_allocated": plain_peak, "allocated_after": plain_after,
+                      "peak_above_start": plain_peak - base},
+            "doctor": {"peak_bytes": mem.peak_bytes, "baseline_bytes": mem.baseline_bytes,
+                       "peak_by_category": mem.peak_by_category, "device_total_bytes": mem.device_total_bytes,
+                       "allocator": cuda},
+            "ops_by_phase": phases, "op_count": report.trace.op_count,
+            "grads_bit_identical": all(torch.equal(p.grad, q.grad) for p, q in
+                                       zip(plain["model"].parameters(), doc["model"].parameters())),
+        }
+    return out
+
+
+def _transformer(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.0)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 4), torch.nn.Flatten(), torch.nn.Linear(256 * 64, 10))
+    model = model.cuda()
+    return {"torch": torch, "model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4),
+            "x": torch.randn(32, 64, 256, device="cuda"), "y": torch.randint(0, 10, (32,), device="cuda")}
+
+
+def oom() -> dict[str, Any]:
+    import backward_doctor as bd
+
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = 1536 * MiB
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    out: dict[str, Any] = {"cap_bytes": cap}
+    try:
+        def ns() -> dict[str, Any]:
+            return _mlp(width=2048, depth=8, batch=16384)
+
+        start = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        report = bd.diagnose(STEP, ns())
+        out["diagnose_s"] = time.perf_counter() - t0
+        out["finding"] = _finding(report)
+        f = report.findings[0] if report.findings else None
+        out["predicted"] = {k: v for k, v in (f.evidence if f else {}).items()
+                            if "peak" in k or "predict" in k or k in ("fixes_fit", "by_category", "live")}
+        torch.cuda.empty_cache()
+        out["allocated_after_oom"] = torch.cuda.memory_allocated() - start
+        fixes = {}
+        for fix in ("accumulate", "amp", "checkpoint"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                r = bd.diagnose(STEP, ns(), fix=fix)
+                fr = r.fix_result
+                comp = fr.comparison if fr else {}
+                fixes[fix] = {"applied": fr.applied if fr else None, "fits": fr.fits if fr else None,
+                              "message": (fr.message if fr else "")[:300], "code": (fr.code if fr else "")[:600],
+                              "after_peak_bytes": (comp.get("after") or {}).get("peak_bytes"),
+                              "before_peak_bytes": (comp.get("before") or {}).get("peak_bytes"),
+                              "grad_max_rel_err": comp.get("grad_max_rel_err"),
+                              "cuda_max_allocated_in_call": torch.cuda.max_memory_allocated(),
+                              "finding": _finding(r)}
+            except Exception as exc:  # noqa: BLE001
+                fixes[fix] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        out["fixes"] = fixes
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.empty_cache()
+    x = torch.ones(1024, 1024, device="cuda")
+    out["usable_after"] = float(x.sum().item()) == 1024 * 1024
+    out["allocated_at_end"] = torch.cuda.memory_allocated()
+    return out
+
+
+_ASSERT_SRC = "h = model(ids)\nloss = h.pow(2).sum()\nloss.backward()\nprint('loss', loss.item())\n"
+_CHILD = r"""
+import json, sys, traceback, torch
+sys.path.insert(0, {root!r})
+mode = {mode!r}
+torch.manual_seed(0)
+
+
+class Lookup(torch.nn.Module):  # a table read by advanced indexing (aten.index), which the doctor does not pre-check
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids):
+        return self.w[ids]
+
+
+ns = {{"torch": torch, "model": Lookup().cuda(), "ids": torch.tensor([1, 2, 30], device="cuda")}}
+src = {src!r}
+res = {{"mode": mode}}
+if mode == "plain":
+    try:
+        exec(compile(src, "<cell>", "exec"), ns)
+    except Exception as exc:
+        tb = traceback.extract_tb(exc.__traceback__)
+        res["error"] = type(exc).__name__ + ": " + str(exc).splitlines()[0]
+        res["cell_line"] = [f.lineno for f in tb if f.filename == "<cell>"][-1:]
+else:
+    import backward_doctor as bd
+    if mode == "sync":
+        from backward_doctor.fixes import sync
+        src = sync.rewrite(src, ns, None).code
+        res["code"] = src
+    r = bd.diagnose(src, ns)
+    f = r.findings[0] if r.findings else None
+    res["exception"] = (r.exception or "").splitlines()[:2]
+    if f is not None:
+        res["finding"] = {{"kind": f.kind, "line": f.line, "message": f.message[:500], "fixes": list(f.fixes),
+                          "cuda_context_lost": f.evidence.get("cuda_context_lost")}}
+        res["line_text"] = src.splitlines()[f.line - 1] if f.line else None
+print("RESULT " + json.dumps(res))
+"""
+
+
+def device_assert() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode, env in (("plain", {}), ("plain_launch_blocking", {"CUDA_LAUNCH_BLOCKING": "1"}), ("doctor", {}),
+                      ("sync", {})):
+        code = _CHILD.format(root=ROOT, mode=mode.split("_")[0], src=_ASSERT_SRC)
+        try:
+            p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                               env={**os.environ, **env})
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            out[mode] = json.loads(line[7:]) if line else {"rc": p.returncode, "stderr": p.stderr[-1500:]}
+        except subprocess.TimeoutExpired:
+            out[mode] = {"error": "timed out after 120 s"}
+    return out
+
+
+def snapshot() -> dict[str, Any]:
+    import pickle
+    import tempfile
+
+    import backward_doctor as bd
+
+    def peak_of(snap: dict) -> tuple[int, int]:
+        live = peak = n = 0
+        for e in snap["device_traces"][torch.cuda.current_device()]:
+            if e["action"] == "alloc":
+                live += e["size"]
+                n += 1
+                peak = max(peak, live)
+            elif e["action"] == "free_completed":
+                live -= e["size"]
+        return peak, n
+
+    ns = _mlp()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=100000, stacks="python")
+    exec(STEP, ns)
+    torch.cuda.synchronize()
+    own = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    report = bd.diagnose(STEP, _mlp())
+    with tempfile.TemporaryDirectory() as d:
+        path = report.save_memory_snapshot(os.path.join(d, "s.pickle"))
+        with open(path, "rb") as fh:
+            exported = pickle.load(fh)
+    (p_own, n_own), (p_exp, n_exp) = peak_of(own), peak_of(exported)
+    return {"plain_history_peak_bytes": p_own, "plain_allocs": n_own, "exported_peak_bytes": p_exp,
+            "exported_allocs": n_exp, "report_peak_bytes": report.trace.memory.peak_bytes,
+            "segments_exported": len(exported.get("segments", []))}
+
+
+def async_claims() -> dict[str, Any]:
+    a = torch.randn(8192, 8192, device="cuda")
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    c = a @ a
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    c = a @ a
+    t3 = time.perf_counter()
+    c.sum().item()
+    t4 = time.perf_counter()
+    out: dict[str, Any] = {"matmul_8192_queue_us": (t1 - t0) * 1e6, "matmul_8192_done_ms": (t2 - t0) * 1e3,
+                           "item_waits_ms": (t4 - t3) * 1e3}
+
+    def train(sync: bool) -> list[torch.Tensor]:
+        ns = _mlp(seed=1)
+        model, opt, x, y = ns["model"], ns["opt"], ns["x"], ns["y"]
+        for _ in range(200):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if sync:
+                torch.cuda.synchronize()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        plain, synced = train(False), train(True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    out["sync_between_backward_and_step_bit_identical_200_steps"] = all(torch.equal(p, q) for p, q in zip(plain, synced))
+    big = torch.cuda.get_device_properties(0).total_memory * 2
+    t0 = time.perf_counter()
+    try:
+        torch.empty(big, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as exc:
+        out["oom_raises_after_ms"] = (time.perf_counter() - t0) * 1e3
+        out["oom_message"] = str(exc).splitlines()[0][:200]
+    return out
+
+
+_LOOP = ("for _ in range(100):\n    opt.zero_grad()\n    loss = torch.nn.functional.cross_entropy(model(x), y)\n"
+         "    loss.backward()\n    opt.step()\ntorch.cuda.synchronize()\n")
+
+
+def always_on() -> dict[str, Any]:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import backward_doctor as bd
+
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext backward_doctor", store_history=False)
+    out: dict[str, Any] = {}
+    for cell_name, cell in (("loop_100", _LOOP), ("step", STEP + "torch.cuda.synchronize()\n")):
+        times: dict[str, list[float]] = {"plain": [], "on": []}
+        states = {"plain": _mlp(seed=2), "on": _mlp(seed=2)}
+        for r in range(6):
+            for mode in (("plain", "on") if r % 2 else ("on", "plain")):
+                sh.run_cell("%backward_doctor " + ("on" if mode == "on" else "off"), store_history=False)
+                sh.user_ns.update(states[mode])
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                res = sh.run_cell(cell, store_history=False)
+                t = time.perf_counter() - t0
+                if not res.success:
+                    raise RuntimeError(f"cell failed: {res.error_in_exec}")
+                if r:
+                    times[mode].append(t)
+        sh.run_cell("%backward_doctor off", store_history=False)
+        p, o = statistics.median(times["plain"]), statistics.median(times["on"])
+        same = all(torch.equal(a, b) for a, b in zip(states["plain"]["model"].parameters(),
+                                                      states["on"]["model"].parameters()))
+        out[cell_name] = {"plain_ms": p * 1e3, "on_ms": o * 1e3, "x": o / p, "extra_ms": (o - p) * 1e3,
+                          "weights_bit_identical": same,
+                          "last_report_ops": bd.last_report().trace.op_count if bd.last_report() else None}
+    return out
+
+
+def native() -> dict[str, Any]:
+    """The native recorder forced on for CUDA (``auto`` keeps CUDA on the Python tier), op by op."""
+    from unittest import mock
+
+    import backward_doctor as bd
+    from backward_doctor import native as nat
+    from backward_doctor.capture import native_capture
+
+    t0 = time.perf_counter()
+    ext = nat.load()
+    out: dict[str, Any] = {"build_or_load_s": time.perf_counter() - t0, "status": nat.status()}
+    if ext is None:
+        return out
+
+    def forced(build: bool = False) -> bool:
+        e = nat.load() if build else nat.ready()
+        return e is not None and not e.running()
+
+    with mock.patch.object(native_capture, "native_available", forced):
+        for name, build in (("mlp", lambda: _mlp(seed=3)), ("transformer", lambda: _transformer(3))):
+            plain, py, nv = build(), build(), build()
+            exec(STEP, plain)
+            torch.cuda.synchronize()
+            res: dict[str, Any] = {}
+            reports = {}
+            for engine, ns in (("python", py), ("native", nv)):
+                try:
+                    reports[engine] = bd.diagnose(STEP, ns, engine=engine)
+                except Exception as exc:  # noqa: BLE001
+                    res[engine] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            for engine, r in reports.items():
+                ops = [(o.op, o.phase) for o in r.trace.ops]
+                res[engine] = {"ok": r.ok, "op_count": r.trace.op_count, "peak_bytes": r.trace.memory.peak_bytes,
+                               "peak_by_category": r.trace.memory.peak_by_category, "findings": _finding(r),
+                               "backward_ops": sum(1 for o in ops if o[1] == "backward"),
+                               "ops_head": ops[:6]}
+            if len(reports) == 2:
+                a = [(o.op, o.phase) for o in reports["python"].trace.ops]
+                b = [(o.op, o.phase) for o in reports["native"].trace.ops]
+                first = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), None)
+                res["same_ops"] = a == b
+                res["first_difference"] = None if first is None else {"index": first, "python": a[first],
+                                                                      "native": b[first]}
+                res["grads_bit_identical_native"] = all(torch.equal(p.grad, q.grad) for p, q in
+                                                        zip(plain["model"].parameters(), nv["model"].parameters()))
+            out[name] = res
+    return out
+
+
+SECTIONS: dict[str, Callable[[], dict[str, Any]]] = {
+    "memory": memory, "oom": oom, "assert": device_assert, "snapshot": snapshot, "async": async_claims,
+    "always_on": always_on, "native": native}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", nargs="*", default=None, choices=sorted(SECTIONS))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_validation: no CUDA device here; nothing run", file=sys.stderr)
+        return 2
+    sys.path.insert(0, ROOT)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                               "cuda": torch.version.cuda}
+    for name in args.only or list(SECTIONS):
+        t0 = time.perf_counter()
+        try:
+            results[name] = SECTIONS[name]()
+        except Exception as exc:  # noqa: BLE001 - one section's failure is a result, the next still runs
+            import traceback
+
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:600],
+                             "traceback": traceback.format_exc()[-2500:]}
+        results[name + "_s"] = round(time.perf_counter() - t0, 1)
+        print(f"== {name} ({results[name + '_s']} s)\n{json.dumps(results[name], indent=1, default=str)[:6000]}",
+              flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
