@@ -113,6 +113,34 @@ def test_doctor_keeps_no_activation_alive(limit):
     assert ns["freed"] == [True], "the activation's storage is still alive after the step"
 
 
+FAILS_INSIDE_A_FUNCTION = textwrap.dedent("""
+    import weakref
+    def forward(x):                          # (a module's forward: its locals live on the traceback)
+        h = model[0](x.repeat(200, 1))
+        freed.append(False)
+        weakref.finalize(h.untyped_storage(), freed.__setitem__, 0, True)
+        out = model[2](model[1](h))
+        raise MemoryError("out of memory")
+    loss = forward(x).sum()
+""")
+
+
+def test_a_failed_steps_tensors_are_freed_at_once_not_at_the_next_garbage_collection(engine):
+    """After an OOM the user's next cell (or the fix that would fit) needs the memory back now. The failed
+    step's activations hang off the exception's traceback; a cycle through the doctor's own frames kept them
+    until the garbage collector ran (1.3 GB on an H200, and every fix then ran out of memory too)."""
+    ns = _mlp_ns()
+    ns["freed"] = []
+    gc.collect()
+    gc.disable()  # (what a collection would free is exactly what must not wait for one)
+    try:
+        report = bd.diagnose(FAILS_INSIDE_A_FUNCTION, ns, engine=engine)
+        assert report.exception.startswith("MemoryError")
+        assert ns["freed"] == [True], "the failed step's activation is held until a garbage collection"
+    finally:
+        gc.enable()
+
+
 def test_report_holds_no_tensors():
     ns = _mlp_ns()
     report = bd.diagnose(CELLS["ok"], ns)
