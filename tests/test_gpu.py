@@ -85,3 +85,16 @@ def test_memory_snapshot_is_the_allocators_own_history(tmp_path):
     again = bd.Report.from_dict(report.to_dict())
     assert again.save_memory_snapshot(str(tmp_path / "again.pickle")) and \
         (tmp_path / "again.pickle").read_bytes() == (tmp_path / "cuda.pickle").read_bytes()
+
+
+def test_advanced_indexing_past_the_end_is_caught_before_the_kernel_and_context_survives():
+    """Found on an H200 (benchmarks/gpu_validation.py): ``w[ids]`` with an id past the table was a device-side
+    assert reported at the next line, the CUDA context lost; now checked before the launch."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(10, 4, device="cuda"))
+    ns = {"torch": torch, "w": w, "ids": torch.tensor([1, 2, 30], device="cuda")}
+    report = bd.diagnose("h = w[ids]\nloss = h.pow(2).sum()\nloss.backward()", ns)
+    f = report.findings[0]
+    assert (f.kind, f.line) == ("index_out_of_range", 1) and f.evidence["bad"] == [30]
+    assert "checked by backward_doctor before the kernel ran" in report.exception
+    assert torch.ones(2, device="cuda").sum().item() == 2.0

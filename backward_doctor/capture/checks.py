@@ -61,12 +61,52 @@ def _dim_index(args, kwargs):
     return _range_check(index, 0, size - 1, "index", f"size {size} of dimension {dim}")
 
 
+def _advanced(args, kwargs):
+    """``x[idx]`` / ``x[idx] = v`` (``aten.index`` / ``index_put``): each integer index tensor indexes the
+    dimension at its position; negative values count from the end, as in Python. Boolean masks are
+    checked by shape in PyTorch itself (an error on the host), so they are left alone."""
+    inp, indices = args[0], args[1]
+    for d, index in enumerate(indices or ()):
+        if index is None or not isinstance(index, torch.Tensor) or index.dtype in (torch.bool, torch.uint8):
+            continue
+        if d >= inp.dim():
+            return None  # (PyTorch says "too many indices" itself, before any kernel)
+        size = inp.shape[d]
+        found = _range_check(index, -size, size - 1, "indices", f"size {size} of dimension {d}")
+        if found is not None:
+            return found
+    return None
+
+
+def _scatter(args, kwargs):
+    """``scatter``/``scatter_add``/``index_add``/``index_copy`` write at ``index`` along ``dim``: 0..size-1."""
+    out, dim, index = args[0], args[1], args[2]
+    size = out.shape[dim] if out.dim() else 1
+    return _range_check(index, 0, size - 1, "index", f"size {size} of dimension {dim}")
+
+
 _CHECKS: dict[Any, Callable] = {
     aten.embedding.default: _embedding,
     aten.nll_loss_forward.default: _nll,
     aten.nll_loss2d_forward.default: _nll,
     aten.gather.default: _dim_index,
     aten.index_select.default: _dim_index,
+    # Found on an H200 (benchmarks/gpu_validation.py): a table read as ``w[ids]`` with an id past its end was a
+    # device-side assert reported a line later, and the CUDA context lost. Checked before launch, as above.
+    aten.index.Tensor: _advanced,
+    aten.index_put.default: _advanced,
+    aten.index_put_.default: _advanced,
+    aten._index_put_impl_.default: _advanced,
+    aten.scatter.src: _scatter,
+    aten.scatter_.src: _scatter,
+    aten.scatter.value: _scatter,
+    aten.scatter_.value: _scatter,
+    aten.scatter_add.default: _scatter,
+    aten.scatter_add_.default: _scatter,
+    aten.index_add.default: _scatter,
+    aten.index_add_.default: _scatter,
+    aten.index_copy.default: _scatter,
+    aten.index_copy_.default: _scatter,
 }
 
 
