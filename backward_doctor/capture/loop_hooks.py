@@ -33,7 +33,7 @@ class LoopHooks:
         """The per-iteration watch (``loop_watch.py``): live bytes by the allocator on CUDA (the loss and
         gradients there are not read: a read would synchronise every iteration), by the ledger here."""
         if self._cuda:
-            return LoopWatch(self.trace.iterations, live=torch.cuda.memory_allocated,
+            return LoopWatch(self.trace.iterations, live=lambda: self._cuda_allocated(),
                              on_nonfinite=self._went_nonfinite)
         self.trace.iterations.live_kind = "ledger"
         return LoopWatch(self.trace.iterations, live=lambda: self._ledger.total, sumsq=python_sumsq,

@@ -192,7 +192,7 @@ class OpRecorder(CaptureState):
         total = led.total
         self._timeline.add(index, led.totals, total)
         if self._cuda:
-            self._cuda_alloc.append(torch.cuda.memory_allocated())
+            self._cuda_alloc.append(self._cuda_allocated())
         if total > self._peak:
             self._peak, self._peak_index, self._peak_by_category = total, index, led.snapshot()
         self._keep(index, name, phase, fwd_index, grad_enabled, where, ins, outs, in_keys, out_keys, total,
