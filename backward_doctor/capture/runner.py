@@ -262,7 +262,10 @@ def traced(capture: Capture, watchdog: Watchdog, exc: BaseException | None) -> T
             if isinstance(exc, KeyboardInterrupt) and not trace.threads:
                 trace.threads = capture._frames.thread_stacks()
         del exc
-        return capture.finish()
+        try:
+            return capture.finish()
+        finally:
+            capture.release()
 
 
 @contextlib.contextmanager

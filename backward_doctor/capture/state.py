@@ -16,7 +16,7 @@ import collections
 import itertools
 import weakref
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -117,6 +117,7 @@ class CaptureState:
         self._cuda_history_wanted = cuda_history
         self._cuda_history = False  # the allocator's history is being recorded (cuda.start)
         self._cuda_alloc = array("q")
+        self._cuda_allocated: Callable[[], int] = torch.cuda.memory_allocated  # (cuda.start: a cheaper reader)
         self._t0 = self._t_last = 0.0  # start, and end of the latest op (what a failed step took)
         self._loop_names: list[str] | None = None  # the cell's loop variables (found when first needed)
         self._library: Any = None  # a library's training loop the cell calls (``trainers.LibraryLoop``)
@@ -163,6 +164,14 @@ class CaptureState:
         grad = grad_of(param)
         if grad is not None:
             self._ledger.reclassify(grad, "gradients")
+
+    def release(self) -> None:
+        """Let go of the user's objects once the trace is finished. A capture is a cycle of its own (its
+        ledger and watches call back into it), so what it refers to lives until the garbage collector runs:
+        the namespace (a model, a batch, an optimizer's state) must not wait for that (seen on an H200: a
+        diagnosed OOM's namespace held 270 MB on the device after the call returned)."""
+        self.namespace = {}
+        self.rollback = None  # (it keeps the state an iteration can be replayed from: the caller holds it as long as needed)
 
     def parameters(self) -> list[torch.Tensor]:
         """The live parameters seen during the run (strong refs only for the caller's use)."""
