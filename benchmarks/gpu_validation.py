@@ -59,6 +59,7 @@ def memory() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, build in (("mlp", lambda s: _mlp(seed=s)), ("transformer", lambda s: _transformer(s))):
         plain, doc = build(0), build(0)
+        exec(STEP, build(9))  # a warm-up step: cuBLAS's workspaces (one per thread: backward runs on another) exist
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -370,9 +371,47 @@ def native() -> dict[str, Any]:
     return out
 
 
+def reader() -> dict[str, Any]:
+    """What one read of the allocator's allocated bytes costs: ``torch.cuda.memory_allocated()`` against the
+    doctor's reader (``capture/cuda.py``); they must agree."""
+    from backward_doctor.capture.cuda import allocated_reader
+
+    fast = allocated_reader()
+    keep = torch.ones(1000, device="cuda")
+    out: dict[str, Any] = {"agree": fast() == torch.cuda.memory_allocated(), "reader": fast.__qualname__}
+    for name, fn in (("memory_allocated", torch.cuda.memory_allocated), ("reader", fast)):
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        out[name + "_us"] = (time.perf_counter() - t0) / 2000 * 1e6
+    del keep
+    return out
+
+
+def profile() -> dict[str, Any]:
+    """Where the Python tier's time goes on a CUDA step (cProfile of diagnose() on the transformer)."""
+    import cProfile
+    import io
+    import pstats
+
+    import backward_doctor as bd
+
+    bd.diagnose(STEP, _transformer(4))  # warm
+    ns = _transformer(4)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    report = bd.diagnose(STEP, ns)
+    prof.disable()
+    total = time.perf_counter() - t0
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+    return {"diagnose_s": total, "ops": report.trace.op_count, "top_tottime": buf.getvalue()[-5000:]}
+
+
 SECTIONS: dict[str, Callable[[], dict[str, Any]]] = {
     "memory": memory, "oom": oom, "assert": device_assert, "snapshot": snapshot, "async": async_claims,
-    "always_on": always_on, "native": native}
+    "always_on": always_on, "native": native, "reader": reader, "profile": profile}
 
 
 def main(argv: list[str] | None = None) -> int:
