@@ -121,7 +121,7 @@ def oom() -> dict[str, Any]:
         torch.cuda.empty_cache()
         out["allocated_after_oom"] = torch.cuda.memory_allocated() - start
         fixes = {}
-        for fix in ("accumulate", "amp", "checkpoint"):
+        for fix in ("accumulate", "amp", "amp:fp16", "checkpoint"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             try:
@@ -180,7 +180,11 @@ else:
         from backward_doctor.fixes import sync
         src = sync.rewrite(src, ns, None).code
         res["code"] = src
-    r = bd.diagnose(src, ns)
+    r = bd.diagnose(src, ns, fix="sync" if mode == "syncfix" else None)
+    if r.fix_result is not None:
+        res["fix"] = {{"applied": r.fix_result.applied, "message": r.fix_result.message[:300],
+                      "code": r.fix_result.code[:900]}}
+        src = r.fix_result.code or src
     f = r.findings[0] if r.findings else None
     res["exception"] = (r.exception or "").splitlines()[:2]
     if f is not None:
@@ -194,7 +198,7 @@ print("RESULT " + json.dumps(res))
 def device_assert() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode, env in (("plain", {}), ("plain_launch_blocking", {"CUDA_LAUNCH_BLOCKING": "1"}), ("doctor", {}),
-                      ("sync", {})):
+                      ("sync", {}), ("syncfix", {})):
         code = _CHILD.format(root=ROOT, mode=mode.split("_")[0], src=_ASSERT_SRC)
         try:
             p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -409,9 +413,47 @@ def profile() -> dict[str, Any]:
     return {"diagnose_s": total, "ops": report.trace.op_count, "top_tottime": buf.getvalue()[-5000:]}
 
 
+_AMP_LOOP = """\
+for xb, yb in loader:
+    optimizer.zero_grad()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+    scaler.scale(loss).backward()
+{clip}
+    scaler.step(optimizer)
+    scaler.update()
+"""
+
+
+def amp() -> dict[str, Any]:
+    """The float16 GradScaler recipe on CUDA: clipping before ``unscale_`` (amp_misuse) and the documented order."""
+    import backward_doctor as bd
+
+    def ns() -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()
+        xs, ys = torch.randn(8, 32, 64, device="cuda"), torch.randint(0, 10, (8, 32), device="cuda")
+        return {"torch": torch, "model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+                "loader": list(zip(xs, ys)), "scaler": torch.amp.GradScaler("cuda")}
+
+    clip = "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
+    cells = {"clip_before_unscale": _AMP_LOOP.format(clip=clip),
+             "unscale_then_clip": _AMP_LOOP.format(clip="    scaler.unscale_(optimizer)\n" + clip)}
+    out: dict[str, Any] = {}
+    for name, cell in cells.items():
+        plain, doc = ns(), ns()
+        exec(cell, plain)
+        r = bd.diagnose(cell, doc)
+        out[name] = {"finding": _finding(r), "kinds": [f.kind for f in r.findings],
+                     "weights_bit_identical": all(torch.equal(p, q) for p, q in zip(plain["model"].parameters(),
+                                                                                    doc["model"].parameters())),
+                     "scale": doc["scaler"].get_scale()}
+    return out
+
+
 SECTIONS: dict[str, Callable[[], dict[str, Any]]] = {
     "memory": memory, "oom": oom, "assert": device_assert, "snapshot": snapshot, "async": async_claims,
-    "always_on": always_on, "native": native, "reader": reader, "profile": profile}
+    "always_on": always_on, "native": native, "reader": reader, "profile": profile, "amp": amp}
 
 
 def main(argv: list[str] | None = None) -> int:

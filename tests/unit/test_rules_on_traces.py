@@ -111,3 +111,15 @@ def test_analyze_is_pure(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_fixtures_stay_small(name):
     assert (FIXTURES / f"{name}.json").stat().st_size < 100_000
+
+
+def test_clip_before_unscale_without_the_scale_says_why_not_a_garbled_number():
+    """On CUDA the GradScaler's scale is not read (a read would synchronise): the sentence must still read
+    (seen on an H200: "their norm is the loss scalex the true one")."""
+    data = load("amp_clip_before_unscale")
+    data["trace"]["precision"]["clips"][0]["scale"] = None
+    f = next(f for f in analyze(Trace.from_dict(data["trace"])) if f.kind == "amp_misuse")
+    assert "the scale times the true one" in f.message and "about 1/scale of the limit" in f.message
+    assert "not read on CUDA" in f.message and "scalex" not in f.message and f.evidence["scale"] is None
+    known = next(f for f in analyze(Trace.from_dict(load("amp_clip_before_unscale")["trace"])) if f.kind == "amp_misuse")
+    assert "65536x the true one" in known.message and "1/65536 of the limit" in known.message

@@ -47,7 +47,11 @@ def _clip_before_unscale(trace: Trace) -> list[Finding]:
         return []
     scaler, opt = _names(trace)
     code = code_at(trace, clip.line, clip.file) or "clip_grad_norm_(...)"
-    scale = f"{clip.scale:g}" if clip.scale is not None else "the loss scale"
+    # On CUDA the scale is not read (a read would synchronise the device): the sentence says so rather than a number.
+    known = clip.scale is not None
+    scale = f"{clip.scale:g}" if known else "not read on CUDA, 65536 unless the scaler was built otherwise"
+    times = f"{scale}x the true one" if known else "the scale times the true one"
+    fraction = f"1/{scale}" if known else "1/scale"
     limit = f"max_norm={clip.max_norm:g}" if clip.max_norm is not None else "its max_norm"
     if any("accelerator." in s for s in trace.accumulation.settings) or "accelerator" in trace.source:
         fix = f"accelerator.clip_grad_norm_(model.parameters(), {clip.max_norm:g})" if clip.max_norm is not None \
@@ -57,8 +61,8 @@ def _clip_before_unscale(trace: Trace) -> list[Finding]:
         fix = f"{scaler}.unscale_({opt})\n{code}"
         how = f"`{scaler}.unscale_({opt})` right before it: `{scaler}.unscale_({opt}); {code}`"
     msg = (f"`{code}` clipped gradients that still carried the GradScaler's loss scale ({scale}): the scaler "
-           f"had not unscaled them yet (stage {clip.stage or 'READY'}), so their norm is {scale}x the true one and "
-           f"{limit} cuts them to about 1/{scale} of the limit you meant; once `{scaler}.step` unscales them the "
+           f"had not unscaled them yet (stage {clip.stage or 'READY'}), so their norm is {times} and "
+           f"{limit} cuts them to about {fraction} of the limit you meant; once `{scaler}.step` unscales them the "
            f"update is that much too small (with a large scale, almost nothing trains). Unscale first: {how}.")
     where = placed(clip)
     return [at("amp_misuse", where, msg, title=_TITLE, iteration=looped(trace, clip.iteration),
