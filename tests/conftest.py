@@ -13,11 +13,25 @@ torch.set_num_threads(1)  # deterministic, and fair on a shared 2-core machine
 def engine(request):
     """Both engines, for a test that takes ``engine``; the native one where its recorder builds here (a
     machine without a compiler has only the Python tier)."""
+    if request.param == "native":
+        skip_without_native()
+    return request.param
+
+
+def skip_without_native() -> None:
+    """Skip (saying why) where the native recorder cannot be built or loaded here."""
+    from backward_doctor import native
     from backward_doctor.capture.native_capture import native_available
 
-    if request.param == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
-    return request.param
+    if not native_available(build=True):
+        pytest.skip(f"native recorder unavailable: {native.status()['reason']}")
+
+
+@pytest.fixture
+def native_engine() -> str:
+    """``"native"`` for a test that needs the native recorder alone (skipped where it is unavailable)."""
+    skip_without_native()
+    return "native"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,14 +12,9 @@ import torch.nn.functional as F
 
 import backward_doctor as bd
 from backward_doctor.capture import accum_watch
-from backward_doctor.capture.native_capture import native_available
-
-ENGINES = ["native", "python"]
 
 
-def _engine_or_skip(engine: str) -> None:
-    if engine == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
+
 
 
 def _ns() -> dict:
@@ -41,10 +36,8 @@ for i, (xb, yb) in enumerate(loader):
 """
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("scale, factor", [(" / k", 1.0), ("", 3.0), (" / 2", 1.5)])
 def test_the_measured_factor_is_what_the_scaling_makes_it(engine, scale, factor):
-    _engine_or_skip(engine)
     report = bd.diagnose(LOOP.format(scale=scale, clip=""), _ns(), engine=engine)
     check = report.trace.accumulation.check
     assert check is not None and check.micro_batches == 3 and check.why_not == "", check
@@ -56,11 +49,9 @@ def test_the_measured_factor_is_what_the_scaling_makes_it(engine, scale, factor)
         assert report.findings[0].evidence["divisor"] == (2.0 if "2" in scale else 1.0)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_gradient_changed_between_micro_batches_is_measured(engine):
     """Clipping after every micro-batch clips partial sums: the step's gradient is not what the micro-batches
     added up to, and only the measurement can say so."""
-    _engine_or_skip(engine)
     clip = "\n    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)"
     cell = LOOP.format(scale=" / k", clip=clip)
     report = bd.diagnose(cell, _ns(), engine=engine)
@@ -70,9 +61,7 @@ def test_a_gradient_changed_between_micro_batches_is_measured(engine):
     assert f.evidence["check"]["sum_rel_diff"] > 0.1
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_the_check_is_refused_when_the_gradients_would_not_fit(engine, monkeypatch):
-    _engine_or_skip(engine)
     monkeypatch.setattr(accum_watch, "available_ram", lambda: 4096)
     report = bd.diagnose(LOOP.format(scale="", clip=""), _ns(), engine=engine)
     check = report.trace.accumulation.check
@@ -81,9 +70,7 @@ def test_the_check_is_refused_when_the_gradients_would_not_fit(engine, monkeypat
     assert f.evidence["problem"] == "loss_not_divided" and "Measured" not in f.message
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_reentrant_checkpointing_backward_is_not_a_micro_batch(engine):
-    _engine_or_skip(engine)
     ns = _ns()
     ns["checkpoint"] = torch.utils.checkpoint.checkpoint
     cell = """\
@@ -98,9 +85,7 @@ for xb, yb in loader[:3]:
     assert report.findings == [] and report.trace.accumulation.per_step == [0, 3], report.trace.accumulation
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_the_windows_say_where_each_call_was_made(engine):
-    _engine_or_skip(engine)
     report = bd.diagnose(LOOP.format(scale=" / k", clip=""), _ns(), engine=engine)
     acc = report.trace.accumulation
     w = acc.windows[0]

@@ -16,17 +16,12 @@ import pytest
 import torch
 
 import backward_doctor as bd
-from backward_doctor.capture.native_capture import native_available
 
 import library_loops as ll
 
-ENGINES = ["native", "python"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _engine_or_skip(engine: str) -> None:
-    if engine == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
 
 
 def _describe(report) -> str:
@@ -76,9 +71,7 @@ class MyTrainer(Trainer):
 """
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_trainer_leaves_a_classifier_loss_undivided_and_the_fix_makes_it_silent(engine):
-    _engine_or_skip(engine)
     report = bd.diagnose(ll.HF_TRAIN, ll.hf_trainer(steps=2, accum=2), engine=engine)
     f = _only(report, "grad_accumulation")
     assert (f.line, f.file, f.iteration) == (1, None, 0), _describe(report)
@@ -93,9 +86,7 @@ def test_trainer_leaves_a_classifier_loss_undivided_and_the_fix_makes_it_silent(
     assert check is not None and abs(check.factor - 1.0) < 1e-6 and check.rel_diff < 1e-5
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_trainer_compute_loss_that_drops_num_items_in_batch(engine):
-    _engine_or_skip(engine)
     ns = ll.hf_trainer(MEAN_LOSS, task="lm", steps=2, accum=2)
     report = bd.diagnose(ll.HF_TRAIN, ns, engine=engine)
     f = _only(report, "grad_accumulation")
@@ -107,9 +98,7 @@ def test_trainer_compute_loss_that_drops_num_items_in_batch(engine):
     assert ok.findings == [], _describe(ok)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_trainer_zero_grad_in_every_training_step(engine):
-    _engine_or_skip(engine)
     ns = ll.hf_trainer(ZERO_EACH_BATCH, task="lm", steps=2, accum=2)
     report = bd.diagnose(ll.HF_TRAIN, ns, engine=engine)
     f = _only(report, "grad_accumulation")
@@ -121,9 +110,7 @@ def test_trainer_zero_grad_in_every_training_step(engine):
     assert ok.findings == [], _describe(ok)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_trainer_on_bf16_weights_vs_bf16_mixed_precision(engine):
-    _engine_or_skip(engine)
     ns = ll.hf_trainer(steps=2)
     ns["model"].to(torch.bfloat16)  # "to save memory", then the Trainer's AdamW at 5e-5
     report = bd.diagnose(ll.HF_TRAIN, ns, engine=engine)
@@ -176,10 +163,8 @@ LIT_BUGS = {
 }
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("problem", sorted(LIT_BUGS))
 def test_lightning_manual_accumulation_bug_beside_the_correct_module(problem, engine):
-    _engine_or_skip(engine)
     source, marker = LIT_BUGS[problem]
     ns = ll.lit_fit(source, "ManualAccumulation")
     report = bd.diagnose(ll.LIT_FIT, ns, engine=engine)
@@ -199,11 +184,9 @@ ZERO_IN_STEP = ll.LIT_MODULE.replace("""        x, y = batch
         logits = self.net(x)""")
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_lightning_zero_grad_in_training_step_under_accumulate_grad_batches(engine):
     """Automatic optimization: the last micro-batch's training_step runs inside ``optimizer.step(closure)``;
     counted by backward() calls per step, its zero_grad still sits between the micro-batches."""
-    _engine_or_skip(engine)
     ns = ll.lit_fit(ZERO_IN_STEP, trainer_kwargs={"accumulate_grad_batches": 2})
     report = bd.diagnose(ll.LIT_FIT, ns, engine=engine)
     f = _only(report, "grad_accumulation")
@@ -214,9 +197,7 @@ def test_lightning_zero_grad_in_training_step_under_accumulate_grad_batches(engi
     assert ok.findings == [], _describe(ok)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_lightning_bf16_true_vs_bf16_mixed(engine):
-    _engine_or_skip(engine)
     report = bd.diagnose(ll.LIT_FIT, ll.lit_fit(module_kwargs={"lr": 1e-4}, trainer_kwargs={"precision": "bf16-true"}),
                          engine=engine)
     f = _only(report, "amp_misuse")
@@ -235,9 +216,7 @@ CROSSING = ll.LIT_MODULE.replace("""        logits = self.net(x)""", """\
 CAST_BACK = CROSSING.replace("self.net[2](feats)  # <-- head", "self.net[2](feats.float())")
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_lightning_autocast_output_used_after_the_block(engine):
-    _engine_or_skip(engine)
     ns = ll.lit_fit(CROSSING)
     report = bd.diagnose(ll.LIT_FIT, ns, engine=engine)
     assert report.exception is not None and "same dtype" in report.exception
@@ -265,10 +244,8 @@ ACCEL_BUGS = {
 }
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("problem", sorted(ACCEL_BUGS))
 def test_accelerate_accumulation_bug_beside_the_correct_loop(problem, engine):
-    _engine_or_skip(engine)
     cell, kwargs, text = ACCEL_BUGS[problem]
     report = bd.diagnose(cell, ll.accelerate_loop(accum=2, **kwargs), engine=engine)
     f = _only(report, "grad_accumulation")
@@ -283,9 +260,7 @@ def test_accelerate_accumulation_bug_beside_the_correct_loop(problem, engine):
     assert ok.findings == [], _describe(ok)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_accelerate_bf16_weights_small_lr_vs_float32(engine):
-    _engine_or_skip(engine)
     cell = ll.ACCEL_LOOP.replace("cross_entropy(model(x), y)", "cross_entropy(model(x).float(), y)")
     report = bd.diagnose(cell, ll.accelerate_loop(accum=1, dtype=torch.bfloat16, lr=1e-4), engine=engine)
     f = _only(report, "amp_misuse")
@@ -295,12 +270,10 @@ def test_accelerate_bf16_weights_small_lr_vs_float32(engine):
     assert ok.findings == [], _describe(ok)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_accelerate_state_left_by_an_earlier_cell_flags_nothing_later(engine):
     """Accelerate's gradient state is a process-wide singleton: a loop stopped on a micro-batch it holds
     back leaves ``sync_gradients=False`` behind. A later plain loop (no ``accumulate()``) must not be read as
     stepping off Accelerate's sync."""
-    _engine_or_skip(engine)
     stopped = ll.ACCEL_LOOP.replace("for step, (x, y) in enumerate(loader):",
                                     "for step, (x, y) in enumerate(loader):\n    if step == 3:\n        break")
     exec(stopped, ll.accelerate_loop(accum=2))

@@ -12,19 +12,12 @@ import torch
 from torch import nn
 
 import backward_doctor as bd
-from backward_doctor.capture.native_capture import native_available
 
 from compat_workloads import WORKLOADS, bits as _bits
 
-ENGINES = ["native", "python"]
 CELL = "<compat-cell>"
 
 
-def _engine_or_skip(engine: str) -> None:
-    if engine == "native" and not native_available(build=True):
-        from backward_doctor import native
-
-        pytest.skip(f"native recorder unavailable: {native.status()['reason']}")
 
 
 def _optimizers(value, seen) -> list[torch.optim.Optimizer]:
@@ -85,10 +78,8 @@ def run_doctored(name: str, engine: str) -> tuple[bd.Report, dict]:
     return report, state_of(ns)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_correct_step_is_silent_and_bit_identical(name: str, engine: str) -> None:
-    _engine_or_skip(engine)
     plain = run_plain(name)
     report, doctored = run_doctored(name, engine)
     assert report.exception is None, report.exception
@@ -98,7 +89,6 @@ def test_correct_step_is_silent_and_bit_identical(name: str, engine: str) -> Non
     assert_same_state(plain, doctored)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_compiled_code_stays_compiled(engine: str) -> None:
     """The doctor compiles nothing differently: the same frames and graphs as a plain compiled step (its
     global hooks would be traced into the graph, and a Python mode would make dynamo fall back to eager),
@@ -106,7 +96,6 @@ def test_compiled_code_stays_compiled(engine: str) -> None:
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
 
-    _engine_or_skip(engine)
     seen = []
     for doctored in (False, True):
         dynamo.reset()

@@ -20,7 +20,6 @@ import torch
 
 import backward_doctor as bd
 import library_loops as ll
-from test_library_loops import ENGINES, _engine_or_skip
 
 MODELS = ll.define("""\
 import torch
@@ -133,9 +132,7 @@ def _line(marker: str) -> int:
     return ll.marked_line(MODELS, "Net", marker)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_compiled_step_that_drops_an_undeclared_mutation_differs_from_eager(engine):
-    _engine_or_skip(engine)
     plain = _namespace()
     exec(LOOP, plain)
     assert not torch.isfinite(plain["loss"])                          # the compiled step really goes NaN
@@ -153,9 +150,7 @@ def test_compiled_step_that_drops_an_undeclared_mutation_differs_from_eager(engi
     _same_weights(plain, ns)                                            # the namespace ends as compiled left it
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_declared_mutation_and_a_custom_function_compiled_are_silent_and_bit_identical(engine):
-    _engine_or_skip(engine)
     plain = _namespace(declared=True)
     exec(LOOP, plain)
     ns = _namespace(declared=True)
@@ -165,10 +160,8 @@ def test_declared_mutation_and_a_custom_function_compiled_are_silent_and_bit_ide
     _same_weights(plain, ns)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_nan_bug_eager_shares_is_placed_at_the_users_line(engine):
     """Eager does the same: the report is the eager replay's, which sees inside the compiled region."""
-    _engine_or_skip(engine)
     ns = _namespace(declared=True, log=True)
     report = bd.diagnose(LOOP, ns, engine=engine, timeout=600)
     f = report.findings[0]
@@ -177,9 +170,7 @@ def test_nan_bug_eager_shares_is_placed_at_the_users_line(engine):
     assert any("so the compiler is not the cause" in n for n in report.trace.notes)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_double_backward_through_a_compiled_module_fails_only_compiled(engine):
-    _engine_or_skip(engine)
     torch.manual_seed(0)
     critic = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)),
                            backend="aot_eager")
@@ -201,9 +192,8 @@ def test_double_backward_through_a_compiled_module_fails_only_compiled(engine):
 
 
 @pytest.mark.slow
-def test_inductor_drops_the_undeclared_mutation_too():
+def test_inductor_drops_the_undeclared_mutation_too(native_engine):
     """The same bisection with inductor's generated code (a C++ compiler runs: slow on a small CPU)."""
-    _engine_or_skip("native")
     ns = _namespace(backend="inductor")
     report = bd.diagnose(LOOP, ns, engine="native", timeout=900)
     f = report.findings[0]
@@ -233,9 +223,7 @@ def _lightning(declared: bool) -> dict:
 LIT_CELL = "trainer = make_trainer()\ntrainer.fit(model, loader)\n"
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_lightning_fit_with_a_compiled_submodule(engine):
-    _engine_or_skip(engine)
     report = bd.diagnose(LIT_CELL, _lightning(declared=False), engine=engine, timeout=600)
     f = report.findings[0]
     assert f.kind == "compile_divergence" and f.line == _line("# <-- first differing"), str(report)
@@ -254,9 +242,7 @@ def _accelerate(declared: bool) -> dict:
     return ns
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_accelerate_loop_with_a_compiled_model(engine):
-    _engine_or_skip(engine)
     report = bd.diagnose(ll.ACCEL_LOOP, _accelerate(declared=False), engine=engine, timeout=600)
     f = report.findings[0]
     assert f.kind == "compile_divergence" and f.line == _line("# <-- first differing"), str(report)

@@ -22,9 +22,7 @@ import torch
 
 import backward_doctor as bd
 import library_loops as ll
-from backward_doctor.capture.native_capture import native_available
 
-ENGINES = ["native", "python"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DATASETS = """\
@@ -101,9 +99,6 @@ def no_stray_workers():
         child.join(10)
 
 
-def _engine_or_skip(engine: str) -> None:
-    if engine == "native" and not native_available(build=True):
-        pytest.skip("native recorder unavailable")
 
 
 def _datasets() -> dict:
@@ -121,9 +116,7 @@ def _line(ns: dict, marker: str) -> int:
 
 
 # ----------------------------------------------------------------------------- a worker raises
-@pytest.mark.parametrize("engine", ENGINES)
 def test_worker_error_names_worker_index_and_line(engine):
-    _engine_or_skip(engine)
     d = _datasets()
     ns = {"torch": torch, "loader": _loader(d["Numbers"](bad={6}))}
     report = bd.diagnose(LOOP, ns, engine=engine, timeout=60)
@@ -139,9 +132,7 @@ def test_worker_error_names_worker_index_and_line(engine):
     assert "Numbers.__getitem__: raise ValueError" in text
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_default_collate_of_ragged_samples_asks_for_a_padding_collate(engine):
-    _engine_or_skip(engine)
     d = _datasets()
     ns = {"torch": torch, "loader": _loader(d["Numbers"](ragged=True))}
     report = bd.diagnose(LOOP, ns, engine=engine, timeout=60)
@@ -154,9 +145,7 @@ def test_default_collate_of_ragged_samples_asks_for_a_padding_collate(engine):
     assert f.evidence["task"] == "batch [0, 1, 2, 3]"
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_correct_persistent_workers_with_padding_collate_are_silent_and_bit_identical(engine):
-    _engine_or_skip(engine)
     d = _datasets()
 
     def run(doctor: bool):
@@ -206,9 +195,7 @@ def _diagnose_on_held_lock(engine: str, num_workers: int, before=lambda: None, *
         release.set()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_worker_stuck_on_a_lock_copied_at_fork_is_named_in_the_worker(engine):
-    _engine_or_skip(engine)
     d, report = _diagnose_on_held_lock(engine, 1, timeout=3)
     f = report.findings[0]
     assert report.trace.timed_out
@@ -220,11 +207,9 @@ def test_worker_stuck_on_a_lock_copied_at_fork_is_named_in_the_worker(engine):
     assert "Numbers.__getitem__: with self.lock:" in str(report)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_ctrl_c_on_a_stuck_worker_photographs_it_after_the_interrupt(engine):
     """No timeout: the user interrupts the cell (Jupyter's stop button). The workers are still alive after
     the interrupt (the traceback holds the iterator), so they are asked for their stacks then."""
-    _engine_or_skip(engine)
     import _thread
 
     done = threading.Event()
@@ -245,20 +230,16 @@ def test_ctrl_c_on_a_stuck_worker_photographs_it_after_the_interrupt(engine):
     assert report.trace.loaders[0].photographed
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_the_same_lock_in_the_main_process_is_a_main_process_hang(engine):
     """num_workers=0: the dataset runs in the main process, and the hang is the main thread's."""
-    _engine_or_skip(engine)
     d, report = _diagnose_on_held_lock(engine, 0, timeout=2)
     f = report.findings[0]
     assert f.kind == "hang" and f.line == _line(d, "# <-- waits") and not report.trace.loaders
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_batch_that_requires_grad_is_lost_and_the_dataset_line_named(engine):
     """A feature extractor run with gradients on in the dataset: the worker cannot send the batch (an
     autograd graph cannot cross processes), multiprocessing drops it, the main process waits forever."""
-    _engine_or_skip(engine)
     d = _datasets()
     torch.manual_seed(0)
     encoder = torch.nn.Linear(16, 16)
@@ -271,9 +252,7 @@ def test_batch_that_requires_grad_is_lost_and_the_dataset_line_named(engine):
     assert f.evidence["state"] == "could not send"
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_dataset_running_a_module_under_no_grad_is_silent(engine):
-    _engine_or_skip(engine)
     d = _datasets()
     torch.manual_seed(0)
     encoder = torch.nn.Linear(16, 16)
@@ -284,9 +263,7 @@ def test_dataset_running_a_module_under_no_grad_is_silent(engine):
 
 
 # ----------------------------------------------------------------------------- a worker dies
-@pytest.mark.parametrize("engine", ENGINES)
 def test_killed_worker_is_named_with_what_it_was_loading(engine):
-    _engine_or_skip(engine)
     d = _datasets()
     ns = {"torch": torch, "loader": _loader(d["Numbers"](die_at=5))}
     report = bd.diagnose(LOOP, ns, engine=engine, timeout=60)
@@ -315,7 +292,6 @@ class Augmented(torch.utils.data.Dataset):
 @pytest.mark.parametrize("engine,context", [("native", "fork"), ("python", "fork"), ("native", "spawn"),
                                             ("python", "forkserver")])
 def test_batches_and_weights_bit_identical_across_start_methods(engine, context):
-    _engine_or_skip(engine)
 
     def run(doctor: bool):
         torch.manual_seed(0)
@@ -356,9 +332,7 @@ class Probe(torch.utils.data.Dataset):
                              int(ExceptionWrapper.__init__.__module__ != "torch._utils")])
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_forked_workers_record_nothing_and_persistent_ones_end_up_undiagnosed(engine):
-    _engine_or_skip(engine)
     loader = _loader(Probe(), batch_size=1, num_workers=1, persistent_workers=True)
     ns = {"torch": torch, "loader": loader}
     report = bd.diagnose("during = [b for b in loader]", ns, engine=engine, timeout=60)

@@ -10,7 +10,6 @@ from IPython.utils.capture import capture_output
 import backward_doctor as bd
 
 from test_library_loop_bugs import BUG, LIT_INPLACE, LIT_LEAK, fixed
-from test_library_loops import ENGINES, _engine_or_skip
 
 pytestmark = pytest.mark.ipython
 
@@ -47,9 +46,7 @@ def _line(source: str, marker: str = BUG) -> int:
     return next(i for i, t in enumerate(source.splitlines(), 1) if marker in t)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_bug_in_a_lightning_module_of_an_earlier_cell_is_named_by_its_cell(shell, engine: str) -> None:
-    _engine_or_skip(engine)
     defined = _cell(shell, LIT_INPLACE)
     _cell(shell, SETUP.format(steps=4, model="LitModel()"))
     f = _fit(shell, engine).findings[0]
@@ -61,9 +58,7 @@ def test_a_bug_in_a_lightning_module_of_an_earlier_cell_is_named_by_its_cell(she
     assert _fit(shell, engine).findings == []
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_graph_a_cell_defined_lightning_module_keeps_gets_its_line(shell, engine: str) -> None:
-    _engine_or_skip(engine)
     defined = _cell(shell, LIT_LEAK)
     _cell(shell, SETUP.format(steps=8, model="LitModel()"))
     f = _fit(shell, engine).findings[0]
@@ -74,9 +69,7 @@ def test_a_graph_a_cell_defined_lightning_module_keeps_gets_its_line(shell, engi
     assert _fit(shell, engine).findings == []
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_learning_rate_typed_in_a_cell_is_named_there(shell, engine: str) -> None:
-    _engine_or_skip(engine)
     _cell(shell, "import library_loops as ll\nns = ll.lit_fit()\nLitClassifier = ns['LitClassifier']\n")
     setup = SETUP.format(steps=8, model="LitClassifier(lr=2e5)")  # (a value no other test's cell holds)
     where = _cell(shell, setup)

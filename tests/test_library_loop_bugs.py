@@ -21,7 +21,7 @@ import backward_doctor as bd
 from backward_doctor.render.svg_plots import memory_timeline_svg
 
 import library_loops as ll
-from test_library_loops import ENGINES, _engine_or_skip, _weights
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BUG = "# <-- bug"
@@ -289,10 +289,8 @@ def _run(case: Case, source: str, engine: str) -> tuple[Any, dict]:
     return bd.diagnose(cell, ns, engine=engine), ns
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bug_in_a_library_loop_is_placed_and_its_fix_is_silent(name: str, engine: str) -> None:
-    _engine_or_skip(engine)
     case = CASES[name]
     report, ns = _run(case, case.source, engine)
     assert report.findings, str(report)
@@ -319,9 +317,7 @@ def test_bug_in_a_library_loop_is_placed_and_its_fix_is_silent(name: str, engine
 
 
 # ----------------------------------------------------------------------------- phases from what runs
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_correct_fit_records_training_step_as_forward_and_shows_its_activations(engine: str) -> None:
-    _engine_or_skip(engine)
     report = bd.diagnose(ll.LIT_FIT, ll.lit_fit(), engine=engine)
     assert report.findings == [], str(report)
     steps = [op for op in report.trace.ops if op.where.function == "LitClassifier.training_step"]
@@ -335,10 +331,8 @@ def test_a_correct_fit_records_training_step_as_forward_and_shows_its_activation
     assert "<title>saved activations</title></polygon>" in memory_timeline_svg(report.trace)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("kw", [{"gradient_clip_val": 1.0}, {"accumulate_grad_batches": 2}], ids=["clip", "accumulate"])
 def test_fit_with_clipping_or_accumulation_is_watched_like_a_cell_loop(engine: str, kw: dict) -> None:
-    _engine_or_skip(engine)
     report = bd.diagnose(ll.LIT_FIT, ll.lit_fit(steps=4, trainer_kwargs=kw), engine=engine)
     assert report.findings == [], str(report)
     its = report.trace.iterations
@@ -374,10 +368,8 @@ LR_CASES = {  # name: (the run with the learning rate too high, the same with a 
 }
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", sorted(LR_CASES))
 def test_divergence_from_the_first_steps_is_the_learning_rate(name: str, engine: str) -> None:
-    _engine_or_skip(engine)
     bad, good, cell, where = LR_CASES[name]
     ns = bad()
     report = bd.diagnose(cell, ns, engine=engine)
@@ -442,10 +434,8 @@ EVAL_CASES = {"cell_loop": (_eval_loop_ns, EVAL_LOOP, 0), "accelerate": (_eval_a
               "eval_cell": (_eval_loop_ns, EVAL_CELL, None)}
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", sorted(EVAL_CASES))
 def test_oom_in_an_evaluation_with_gradients_on_is_the_missing_no_grad(name: str, engine: str) -> None:
-    _engine_or_skip(engine)
     build, cell, iteration = EVAL_CASES[name]
     limit = 20 * 2 ** 20  # the training step fits, an evaluation of 4,096 rows with its activations does not
     report = bd.diagnose(cell, build(), engine=engine, memory_limit=limit)
@@ -493,13 +483,11 @@ for step in range(8):
 """
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("k", [0, 2, 3, 5])
 @pytest.mark.parametrize("cell", [TAIL, TAIL_NEXT], ids=["replayed", "next_batch"])
 def test_code_after_the_step_belongs_to_the_iteration_whose_step_ran(cell: str, k: int, engine: str) -> None:
     """An evaluation after ``optimizer.step()`` that fails in iteration k is placed in iteration k, recorded
     or not (native: 3 and 5 run unrecorded and are replayed, or, with ``next()``, not replayable)."""
-    _engine_or_skip(engine)
     report = bd.diagnose(cell.replace("K", str(k)), _cell_loop_ns(), engine=engine)
     f = report.findings[0]
     assert (f.kind, f.line, f.iteration) == ("shape_mismatch", cell.count("\n") - 0, k), f.location()
@@ -507,9 +495,7 @@ def test_code_after_the_step_belongs_to_the_iteration_whose_step_ran(cell: str, 
         assert f.evidence["loop_value"] == f"step = {k}", f.evidence
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_before_the_first_step_returns_the_loop_is_in_iteration_0(engine: str) -> None:
-    _engine_or_skip(engine)
     report = bd.diagnose(FIRST, _cell_loop_ns(), engine=engine)
     f = report.findings[0]
     assert (f.kind, f.line, f.iteration, f.evidence["loop_value"]) == ("shape_mismatch", 3, 0, "step = 0"), \
@@ -517,11 +503,9 @@ def test_before_the_first_step_returns_the_loop_is_in_iteration_0(engine: str) -
     assert "in iteration 0 of the loop at line 1" in f.location()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_leaf_made_to_be_differentiated_is_not_a_loss_rebuilt_from_numbers(engine: str) -> None:
     """Only a tensor made from a number a ``.item()`` took out of the graph is a rebuilt loss: a leaf the user
     made with ``requires_grad=True`` (a model idle in the namespace) is differentiated on purpose."""
-    _engine_or_skip(engine)
     ns = {"torch": torch, "model": torch.nn.Linear(4, 2)}
     for cell in ("z = torch.ones(2, requires_grad=True)\n(z * 3).sum().backward()\n",
                  "z = torch.tensor([1.0, 2.0], requires_grad=True)\n(z * model.weight.sum().item()).sum().backward()\n"):

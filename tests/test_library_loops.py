@@ -9,11 +9,9 @@ import pytest
 import torch
 
 import backward_doctor as bd
-from backward_doctor.capture.native_capture import native_available
 
 import library_loops as ll
 
-ENGINES = ["native", "python"]
 LOOPS = {
     "hf_trainer": (lambda: ll.hf_trainer(), ll.HF_TRAIN),
     # (a causal LM: its loss takes num_items_in_batch. The BERT classifier's drops it, and the Trainer then
@@ -29,11 +27,6 @@ LOOPS = {
 }
 
 
-def _engine_or_skip(engine: str) -> None:
-    if engine == "native" and not native_available(build=True):
-        from backward_doctor import native
-
-        pytest.skip(f"native recorder unavailable: {native.status()['reason']}")
 
 
 def _weights(ns: dict) -> dict[str, torch.Tensor]:
@@ -43,10 +36,8 @@ def _weights(ns: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("loop", sorted(LOOPS))
 def test_correct_library_loop_is_silent_and_bit_identical(loop: str, engine: str) -> None:
-    _engine_or_skip(engine)
     build, cell = LOOPS[loop]
     ns = build()
     start = _weights(ns)

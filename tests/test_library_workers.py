@@ -6,13 +6,12 @@ diagnosis's ``timeout``; leftover workers are ended by ``no_stray_workers``.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 import backward_doctor as bd
 import library_loops as ll
 from test_dataloader_workers import DATASETS, no_stray_workers  # noqa: F401  (the fixture, autouse)
-from test_library_loops import ENGINES, _engine_or_skip, _weights
+from test_library_loops import _weights
 
 TOKENS = """\
 from library_loops import TokenDataset
@@ -47,9 +46,7 @@ def _compare(build, cell: str, engine: str) -> None:
 
 
 # ----------------------------------------------------------------------------- transformers.Trainer
-@pytest.mark.parametrize("engine", ENGINES)
 def test_trainer_worker_error_names_the_datasets_line(engine):
-    _engine_or_skip(engine)
     d = ll.define(TOKENS, {}, name="tokens")
     ns = ll.hf_trainer(train_ds=d["Tokens"](missing=range(1, 32, 2)), dataloader_num_workers=2)
     report = bd.diagnose(ll.HF_TRAIN, ns, engine=engine, timeout=300)
@@ -61,17 +58,13 @@ def test_trainer_worker_error_names_the_datasets_line(engine):
     assert "KeyError" in f.title and "'labels'" in f.message and f.cell_line == 1
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_trainer_with_persistent_workers_is_silent_and_bit_identical(engine):
-    _engine_or_skip(engine)
     _compare(lambda: ll.hf_trainer(dataloader_num_workers=2, dataloader_persistent_workers=True), ll.HF_TRAIN,
              engine)
 
 
 # ----------------------------------------------------------------------------- Lightning
-@pytest.mark.parametrize("engine", ENGINES)
 def test_lightning_ragged_samples_through_default_collate(engine):
-    _engine_or_skip(engine)
     d = ll.define(DATASETS, {}, name="datasets")
     ns = ll.lit_fit(loader_kwargs={"num_workers": 2, "dataset": d["Numbers"](ragged=True)})
     report = bd.diagnose(ll.LIT_FIT, ns, engine=engine, timeout=300)
@@ -80,9 +73,7 @@ def test_lightning_ragged_samples_through_default_collate(engine):
     assert f.line == 1 and f.file is None and f.evidence["task"] == "batch [0, 1, 2, 3, 4, 5, 6, 7]"
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_lightning_persistent_workers_with_padding_collate_silent_and_bit_identical(engine):
-    _engine_or_skip(engine)
     d = ll.define(DATASETS, {}, name="datasets")
     _compare(lambda: ll.lit_fit(loader_kwargs={"num_workers": 2, "persistent_workers": True,
                                                "dataset": d["Numbers"](ragged=True), "collate_fn": d["pad_collate"]}),
@@ -95,9 +86,7 @@ def _encoder() -> torch.nn.Module:
     return torch.nn.Linear(16, 16)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_accelerate_batch_requiring_grad_is_lost_in_the_worker(engine):
-    _engine_or_skip(engine)
     d = ll.define(DATASETS, {}, name="datasets")
     ns = ll.accelerate_loop(loader_kwargs={"num_workers": 2, "dataset": d["Numbers"](encoder=_encoder()),
                                            "collate_fn": d["stack_collate"]})
@@ -107,9 +96,7 @@ def test_accelerate_batch_requiring_grad_is_lost_in_the_worker(engine):
     assert (f.line, f.function) == (ll.marked_line(d, "Numbers", "# <-- graph"), "Numbers.__getitem__")
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 def test_accelerate_encoder_under_no_grad_is_silent_and_bit_identical(engine):
-    _engine_or_skip(engine)
     d = ll.define(DATASETS, {}, name="datasets")
     _compare(lambda: ll.accelerate_loop(loader_kwargs={"num_workers": 2, "collate_fn": d["stack_collate"],
                                                        "dataset": d["Numbers"](encoder=_encoder(), no_grad=True)}),
