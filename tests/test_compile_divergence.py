@@ -265,3 +265,51 @@ def test_op_by_op_comparison_of_a_model_with_dropout_finds_nothing_and_keeps_the
     result = compare_module(model, (x,), {}, backend_of(torch.compile(model, backend="aot_eager")))
     assert result["op"] == "" and result["ops_compared"] > 0 and result["stage"] == "", result
     assert torch.equal(before, torch.get_rng_state())
+
+
+class _HFNet(torch.nn.Module):
+    """``Net`` as a ``transformers.Trainer`` wants a model: keyword inputs, a dict with the loss."""
+
+    def __init__(self, declared: bool) -> None:
+        super().__init__()
+        self.net = MODELS["Net"](declared=declared)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.x, self.y = _data()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def _hf_compiling(declared: bool) -> dict:
+    """``TrainingArguments(torch_compile=True)``: the Trainer compiles the model inside ``train()`` (nothing
+    compiled is in the namespace before the cell runs)."""
+    tf = ll._transformers()
+    torch.manual_seed(0)
+    model = _HFNet(declared)
+    args = ll.hf_args(steps=2, batch=8, torch_compile=True, torch_compile_backend="aot_eager")
+    return {"trainer": tf.Trainer(model=model, args=args, train_dataset=_Rows()), "model": model}
+
+
+def test_trainer_told_to_compile_is_replayed_eagerly_and_bisected(engine):
+    """Without the eager replay the compiled run's NaN read as bad data; the replay starts from the Trainer's
+    state before the step (its own optimizer, made in the first train(), would carry the NaN into it)."""
+    report = bd.diagnose(ll.HF_TRAIN, _hf_compiling(declared=False), engine=engine, timeout=600)
+    f = report.findings[0]
+    assert f.kind == "compile_divergence" and f.line == _line("# <-- first differing"), str(report)
+    check = report.trace.compile_check
+    assert check.region.startswith("`trainer.model_wrapped`") and check.dropped == "bd_tests.zero_nans_", check
+    plain, ok = _hf_compiling(declared=True), _hf_compiling(declared=True)
+    exec(ll.HF_TRAIN, plain)
+    report = bd.diagnose(ll.HF_TRAIN, ok, engine=engine, timeout=600)
+    assert report.findings == [] and report.exception is None, str(report)
+    _same_weights(plain, ok)

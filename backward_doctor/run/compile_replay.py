@@ -1,8 +1,8 @@
 """torch.compile vs eager: a compiled step that went NaN/Inf or raised, run again eagerly from the same
 state (torch's accuracy minifier and compiler bisector are the model; nothing is shelled out).
 
-Before a cell that uses ``torch.compile`` (a compiled module or function in the namespace, or
-``compile(`` in the cell), :func:`plan` takes the rollback snapshot. After the run, when the compiled
+Before a cell that uses ``torch.compile`` (a compiled module or function in the namespace, ``compile(`` in
+the cell, or a ``Trainer`` told ``torch_compile=True``), :func:`plan` takes the rollback snapshot. After the run, when the compiled
 step went NaN/Inf (its loss, a gradient, a weight), diverged or raised, :meth:`CompilePlan.check`:
 
 1. keeps the state the run ended with, restores the snapshot and runs the same cell again under
@@ -63,7 +63,30 @@ def compiled_in(namespace: dict[str, Any]) -> list[tuple[str, Any]]:
         elif isinstance(value, torch.nn.Module):
             found.extend((f"{name}.{child}", m) for child, m in value._modules.items()
                          if _is_compiled(m, OptimizedModule))
+        elif _trainer_args(value) is not None:  # the model a Trainer compiled in train() (after its first run)
+            wrapped = vars(value).get("model_wrapped")
+            if _is_compiled(wrapped, OptimizedModule):
+                found.append((f"{name}.model_wrapped", wrapped))
     return found
+
+
+def _trainer_args(value: Any) -> Any:
+    """The ``TrainingArguments`` of a ``transformers.Trainer`` (read from the instance's own dict: no property of
+    an arbitrary object runs), else None."""
+    if not type(value).__module__.startswith("transformers.") or not hasattr(value, "__dict__"):
+        return None
+    return vars(value).get("args")
+
+
+def compiles_inside(namespace: dict[str, Any]) -> list[str]:
+    """Names of library objects that compile the model inside the step: a ``Trainer`` given
+    ``TrainingArguments(torch_compile=True)`` (its ``train()`` compiles the model through accelerate).
+
+    >>> compiles_inside({"x": 1})
+    []
+    """
+    return [name for name, value in list(namespace.items())
+            if not name.startswith("_") and getattr(_trainer_args(value), "torch_compile", False) is True]
 
 
 def plan(source: str, namespace: dict[str, Any], rollback: bool, snapshot: Snapshot | None = None
@@ -72,13 +95,29 @@ def plan(source: str, namespace: dict[str, Any], rollback: bool, snapshot: Snaps
     rollback allowed, or this run is itself the eager replay."""
     if _replaying[0] or not rollback:
         return None
-    if not compiled_in(namespace) and "compile(" not in source:
+    if not compiled_in(namespace) and "compile(" not in source and not compiles_inside(namespace):
         return None
     if snapshot is None:
         from .engine import snapshot_for
 
         snapshot = snapshot_for(source, namespace)
     return CompilePlan(namespace, snapshot) if snapshot is not None else None
+
+
+#: What a ``Trainer`` makes in ``train()`` and reuses in the next call (the snapshot does not cover an object's
+#: attributes): the eager replay starts from what it had before the step, as the compiled run did.
+_TRAINER_MADE = ("optimizer", "lr_scheduler", "model_wrapped")
+
+
+def _trainer_fields(namespace: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+    return [(namespace[name], {a: vars(namespace[name]).get(a) for a in _TRAINER_MADE if a in vars(namespace[name])})
+            for name in compiles_inside(namespace)]
+
+
+def _put(fields: list[tuple[Any, dict[str, Any]]]) -> None:
+    for trainer, values in fields:
+        for attr, value in values.items():
+            setattr(trainer, attr, value)
 
 
 def trouble(trace: Trace) -> str | None:
@@ -156,6 +195,7 @@ class CompilePlan:
     def __init__(self, namespace: dict[str, Any], snapshot: Snapshot) -> None:
         self.namespace = namespace
         self.snapshot = snapshot
+        self.trainers = _trainer_fields(namespace)  # (a Trainer's own optimizer would carry the NaN into the replay)
 
     def check(self, first: Trace, rerun: Callable[[], Trace]) -> Trace:
         """``rerun``: runs the cell again as the first run did (``run_step``), returning its trace."""
@@ -168,6 +208,8 @@ class CompilePlan:
             first.notes.append(f"torch.compile: the step was not replayed eagerly to compare: {why_not}")
             return first
         self.snapshot.restore(self.namespace)
+        ended = _trainer_fields(self.namespace)
+        _put(self.trainers)
         _replaying[0] = True
         try:
             with _FirstCalls(compiled) as calls, torch.compiler.set_stance("force_eager"), \
@@ -176,6 +218,7 @@ class CompilePlan:
         finally:
             _replaying[0] = False
             end.restore(self.namespace)
+            _put(ended)
         if eager.timed_out or (eager.exception is not None and eager.exception.type == "KeyboardInterrupt"):
             first.notes.append("torch.compile: the eager replay (to compare with the compiled step) was interrupted "
                                "or timed out: no verdict on compiled vs eager")
@@ -245,4 +288,4 @@ def _bisect(check: CompileCheck, compiled: list[tuple[str, Any]], calls: dict[st
     check.why_not = "; ".join(reasons)
 
 
-__all__ = ["CompilePlan", "compiled_in", "plan", "trouble"]
+__all__ = ["CompilePlan", "compiled_in", "compiles_inside", "plan", "trouble"]
