@@ -300,6 +300,21 @@ def test_a_failed_step_lasts_until_its_last_op():
         assert report.trace.duration_s < 0.4, (engine, report.trace.duration_s)
 
 
+def test_op_durations_are_times_not_bytes():
+    """The recorder wrote an op's duration into the slot the last memory category then overwrote: every native
+    op 'took' the bytes of the 'other' category / 1000 (526 us for a 0.5 MB batch, whatever the op). The ops'
+    durations fit inside the step's, and each one is its own."""
+    ns = {"torch": torch, "model": nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5)),
+          "x": torch.randn(8192, 64), "y": torch.randint(0, 5, (8192,))}  # 2 MB the step does not make: 'other'
+    report = bd.diagnose("loss = F.cross_entropy(model(x), y)\nloss.backward()\n", {**ns, "F": F}, engine="native")
+    ops, step_us = report.trace.ops, report.trace.duration_s * 1e6
+    assert report.trace.engine == "native" and len(ops) > 10
+    assert sum(op.duration_us for op in ops) <= step_us, (sum(op.duration_us for op in ops), step_us)
+    assert len({op.duration_us for op in ops}) > len(ops) // 2           # not one value for every op
+    starts = [op.start_us for op in ops]
+    assert starts == sorted(starts) and all(op.start_us + op.duration_us <= step_us + 1 for op in ops)
+
+
 class _Double(torch.autograd.Function):
     forward = staticmethod(lambda ctx, x: x * 2)
     backward = staticmethod(lambda ctx, g: g * 2)

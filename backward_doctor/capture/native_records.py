@@ -78,7 +78,7 @@ class NativeRecords:
                 fwd = -1
             else:
                 fwd = seq_map.get(recs[b + 3], -1) if phase == 1 else -1
-            stack_id = recs[b + 19] if phase == 0 else 0
+            stack_id = recs[b + 20] if phase == 0 else 0
             wkey = (recs[b + 10], recs[b + 11], stack_id)
             where_id = where_cache.get(wkey)
             if where_id is None:
@@ -97,7 +97,7 @@ class NativeRecords:
             idx_fwd[index] = (PHASES[phase], None if fwd < 0 else fwd)
             t0, n_in, n = recs[b + 7], recs[b + 8], recs[b + 8] + recs[b + 9]
             live = recs[b + 12]
-            us = recs[b + 17] / 1e3
+            us = recs[b + 18] / 1e3  # (the recorder's layout: recorder.cpp, kWidth)
             rec_ints.extend((index, name_ids[name_id], phase, fwd, recs[b + 6], where_id, n_in, n - n_in,
                              len(rec_io), live))
             for j in range(t0 * tw, (t0 + n) * tw, tw):
@@ -107,14 +107,14 @@ class NativeRecords:
                 if tens[j]:
                     writer[tens[j]] = index
             rec_us.append(us)
-            rec_t0.append(recs[b + 20] / 1e3)
+            rec_t0.append(recs[b + 21] / 1e3)
             tl_index.append(index)
             tl_flat.extend(recs[b + 13:b + 18])
             if live > peak:
                 peak, peak_at = live, b
             counts[name_id] += 1
             times[name_id] += us
-            if recs[b + 18] and len(self._nf_scalars) < _MAX_SCALARS:
+            if recs[b + 19] and len(self._nf_scalars) < _MAX_SCALARS:
                 self._nf_scalars[index] = NonFiniteScalar(index=index, line=where.line, file=where.file)
         self._n_kept += n_recs
         self._timeline.extend(tl_index, tl_flat, len(CATEGORIES))

@@ -103,7 +103,10 @@ struct VecHash {
 // seq before, seq after (fwd), grad mode, tensor offset, inputs, outputs, frame offset, frames,
 // live total, 5 category totals, duration ns, non-finite scalar (1), module stack id (set from Python),
 // start (ns since recording started).
-constexpr int kWidth = 21;
+constexpr int kWidth = 22;
+// Where the later fields sit (the 5 category totals are 13-17): named, since a duration written at 17 was
+// overwritten by the last category's bytes (every native op's duration read as the 'other' bytes / 1000).
+constexpr int kDuration = 18, kNonfiniteScalar = 19, kStackId = 20, kStart = 21;
 // The ledger's history for exporters (a memory_viz snapshot): 5 ints per event (action 1 counted, 0 freed,
 // 2 moved to another category; storage key; bytes; category; op), at most kStorageLogCap events.
 constexpr size_t kStorageLogCap = 100000;
@@ -407,7 +410,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   }
   o.uncaught = std::uncaught_exceptions();
   o.t0 = now_ns();
-  if (o.visible && !o.light && o.rec >= 0) S->recs[o.rec + 20] = o.t0 - S->start_ns;
+  if (o.visible && !o.light && o.rec >= 0) S->recs[o.rec + kStart] = o.t0 - S->start_ns;
   S->open.push_back(o);
   return nullptr;
 }
@@ -463,7 +466,7 @@ void start_op(const at::RecordFunction& fn, Open& o) {
     o.rec = (int64_t)at;
     S->recs.resize(at + kWidth, 0);
     int64_t* rec = &S->recs[at];
-    rec[19] = S->stack_id;
+    rec[kStackId] = S->stack_id;
     rec[0] = index; rec[1] = info.name_id; rec[2] = phase; rec[3] = node_seq;
     rec[4] = (int64_t)at::sequence_number::peek(); rec[6] = at::GradMode::is_enabled();
     rec[7] = (int64_t)S->tensors.size() / kTensorWidth;
@@ -740,7 +743,7 @@ void end_op(const at::RecordFunction& fn, const Open& o) {
   maybe_screen(fn, o);
   int64_t* rec = &S->recs[o.rec];
   note_failure(fn, o);
-  rec[17] = t_end - o.t0;
+  rec[kDuration] = t_end - o.t0;
   rec[5] = (int64_t)at::sequence_number::peek();
   int phase = (int)rec[2];
   bool rg = false;
@@ -761,7 +764,7 @@ void end_op(const at::RecordFunction& fn, const Open& o) {
     auto add = [&](const at::Tensor& t) {
       add_tensor(t, true, rec[7], rec[8], cat, rec[0]);
       ++n_out;
-      if (first_out && phase == 0) rec[18] = nonfinite_scalar(t);
+      if (first_out && phase == 0) rec[kNonfiniteScalar] = nonfinite_scalar(t);
       first_out = false;
     };
     if (v.isTensor()) {
