@@ -98,3 +98,25 @@ def test_advanced_indexing_past_the_end_is_caught_before_the_kernel_and_context_
     assert (f.kind, f.line) == ("index_out_of_range", 1) and f.evidence["bad"] == [30]
     assert "checked by backward_doctor before the kernel ran" in report.exception
     assert torch.ones(2, device="cuda").sum().item() == 2.0
+
+
+def test_a_cell_that_first_uses_the_gpu_names_its_device_and_says_what_was_not_recorded():
+    """A process that has not touched the GPU is diagnosed as a CPU process (the doctor starts no CUDA context);
+    a cell that moves its model to CUDA itself then runs on the Python tier's CPU path, screened op by op, and
+    the report says the device and that the allocator's figures were not taken. In a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, torch, backward_doctor as bd\n"
+            "assert not torch.cuda.is_initialized()\n"
+            "ns = {'torch': torch}\n"
+            "r = bd.diagnose('model = torch.nn.Linear(8, 2).cuda()\\n'\n"
+            "                'loss = model(torch.randn(4, 8, device=\"cuda\")).sum()\\nloss.backward()', ns)\n"
+            "print(json.dumps({'ok': r.ok, 'device': r.trace.device, 'notes': r.trace.notes,\n"
+            "                  'grad': ns['model'].weight.grad is not None, 'cuda': r.trace.memory.cuda}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ok"] and got["grad"] and got["device"] == "cuda:0" and got["cuda"] is None, got
+    assert any("CUDA was first used inside this cell" in n for n in got["notes"]), got

@@ -240,3 +240,20 @@ def test_a_cache_on_a_module_is_the_line_in_its_class():
     src, first = inspect.getsourcelines(_Cached.forward)
     assert f.line == first + next(i for i, s in enumerate(src) if "self.cache.append" in s)
     assert f.evidence["variable"] == "model" and f.evidence["growth"]["per_iteration"] >= 32 * 64 * 4
+
+
+def test_a_cpu_loop_on_a_machine_with_an_untouched_gpu_is_a_cpu_loop(monkeypatch):
+    """Seen on an H200 box: with a GPU present every CPU loop's memory series was read from the idle GPU allocator
+    (all zeros), so a leak had no growth, and the doctor itself started a CUDA context for a CPU step. The GPU is
+    the doctor's business only once the process uses it; here no CUDA call is made (on this CPU-only torch
+    any would raise)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    from backward_doctor.run.engine import screens_every_op
+
+    assert screens_every_op()                        # one run, every op screened, as on a CPU-only machine
+    report = bd.diagnose(KEEPS_OUTPUTS.format(n=40), _ns(), engine="python")
+    f = report.findings[0]
+    assert (f.kind, f.line) == ("graph_leak", 8) and 50_000 < f.evidence["growth"]["per_iteration"] < 90_000, f
+    assert report.trace.device == "cpu" and report.trace.memory.cuda is None
+    assert report.trace.iterations.live_kind == "ledger"

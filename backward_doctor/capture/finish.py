@@ -178,11 +178,24 @@ def _build_ops(cap: "OpRecorder") -> None:
                             outputs=[_meta(m, shared) for m, _ in outs], where=where, fwd_index=fwd,
                             duration_us=t, grad_enabled=grad, in_keys=[k for _, k in ins],
                             out_keys=[k for _, k in outs], live_bytes=live, start_us=start))
+    _cuda_seen(cap, metas)
     cap._rec_ints, cap._rec_io, cap._rec_us, cap._tail, cap._rec_t0 = None, None, None, None, None
     cap._n_kept = 0
     cap._metas, cap._meta_ids = [], {}
     trace.op_count = cap._count
     trace.op_totals = cap._op_totals
+
+
+def _cuda_seen(cap: "OpRecorder", metas: list[TensorMeta]) -> None:
+    """A step that first used the GPU inside the cell (no CUDA context when it began, so none of the allocator's
+    figures were taken): the trace names the device its ops ran on and says what was not recorded."""
+    if cap._cuda:
+        return
+    device = next((m.device for m in metas if m.device.startswith("cuda")), None)
+    if device is not None:
+        cap.trace.device = device if ":" in device else f"{device}:0"
+        cap.trace.notes.append("CUDA was first used inside this cell: the allocator's figures, its memory history and "
+                               "NVML's view were not recorded for it (they are from the next run on)")
 
 
 def _step_keys(trace: Trace) -> set[int]:

@@ -30,11 +30,10 @@ class LoopHooks:
     """Iteration bookkeeping for :class:`Capture` (see the module docstring)."""
 
     def _make_watch(self) -> LoopWatch:
-        """The per-iteration watch (``loop_watch.py``): live bytes by the allocator on CUDA (the loss and
-        gradients there are not read: a read would synchronise every iteration), by the ledger here."""
-        if self._cuda:
-            return LoopWatch(self.trace.iterations, live=lambda: self._cuda_allocated(),
-                             on_nonfinite=self._went_nonfinite)
+        """The per-iteration watch (``loop_watch.py``): live bytes by the ledger, which this tier keeps op by op on
+        every device (the allocator's count on a machine with a GPU read 0 for a CPU loop). On CUDA the loss and
+        gradients are not read (a read would synchronise every iteration): ``read_scalar`` and ``python_sumsq``
+        read CPU tensors only."""
         self.trace.iterations.live_kind = "ledger"
         return LoopWatch(self.trace.iterations, live=lambda: self._ledger.total, sumsq=python_sumsq,
                          on_nonfinite=self._went_nonfinite)

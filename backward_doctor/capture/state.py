@@ -37,6 +37,15 @@ PHASES = ("forward", "backward", "optimizer")
 _NODE_BUDGET = 10_000  # backward ops per run whose autograd node is looked up (see record.dispatch)
 
 
+
+def cuda_in_use() -> bool:
+    """The process has a CUDA context (it has used the GPU); never starts one.
+
+    >>> isinstance(cuda_in_use(), bool)
+    True
+    """
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
 class CaptureState:
     """Every field one capture records into (see the module doc); no hooks, nothing installed."""
 
@@ -113,7 +122,10 @@ class CaptureState:
         #: live bytes at the out-of-memory point by the op that made them (-1: before the step); ``finish``
         #: turns them into ``OomInfo.by_module`` once modules have names
         self._oom_producers: dict[int, int] | None = None
-        self._cuda = torch.cuda.is_available()
+        # CUDA figures (the allocator, its history, NVML) when the process is using the GPU: a CPU step on a
+        # machine that has one (CUDA never initialised) is a CPU step, and the doctor must not start a CUDA
+        # context for it (seen on an H200 box: CPU loops' memory series read from the idle GPU allocator).
+        self._cuda = cuda_in_use()
         self._cuda_history_wanted = cuda_history
         self._cuda_history = False  # the allocator's history is being recorded (cuda.start)
         self._cuda_alloc = array("q")

@@ -104,20 +104,21 @@ def python_tier_reason() -> str | None:
     import torch
 
     if torch.cuda.is_available():
-        return None  # auto keeps CUDA runs on the Python tier by design
+        return None  # auto keeps the Python tier on a machine with a GPU by design (native_capture.native_available)
     return "the native recorder is not built yet"
 
 
 def screens_every_op() -> bool:
-    """True where the one run screens every op for NaN/Inf (the CPU); False on CUDA, where a screen per op
-    would synchronise the device after every op and the first run screens only scalars (see module doc).
+    """True where the one run screens every op for NaN/Inf (the CPU); False once the process uses CUDA, where a
+    screen per op would synchronise the device after every op and the first run screens only scalars (see module
+    doc). A machine with a GPU the process has not touched runs CPU steps as the CPU does.
 
     >>> isinstance(screens_every_op(), bool)
     True
     """
-    import torch
+    from ..capture.state import cuda_in_use
 
-    return not torch.cuda.is_available()
+    return not cuda_in_use()
 
 
 def wants_replay(trace: Trace, snapshot: Any) -> bool:
