@@ -185,7 +185,7 @@ def test_lightning_nonfinite_stops_fit_and_writes_the_report(tmp_path):
     its = cb.report.trace.iterations
     assert its.first_nonfinite == 0 and ns["trainer"].global_step == 1  # stopped after the first bad batch
     f = cb.report.findings[0]  # placed in the LightningModule's training_step, not at fit()
-    assert (f.kind, f.function) == ("nonfinite", "LitClassifier.training_step"), str(cb.report)
+    assert (f.kind, f.function, f.iteration) == ("nonfinite", "LitClassifier.training_step", 0), str(cb.report)
     assert (f.file, f.line) == (ll.defined_in(ns, "LitClassifier"), ll.marked_line(ns, "LitClassifier", "# <-- here"))
     saved = json.loads((tmp_path / "backward_doctor-report.json").read_text())
     assert not saved["ok"] and saved["trace"]["iterations"]["first_nonfinite"] == 0

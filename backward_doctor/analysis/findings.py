@@ -145,12 +145,14 @@ def placed(rec: Any) -> Where:
 
 def looped(trace: Trace, iteration: int | None) -> int | None:
     """``iteration`` for a finding, when the run was a loop (more than one optimizer step, in the cell or in a
-    library's loop); None for a single step, where an iteration says nothing.
+    library's loop, or a library's loop at all: stopped at its first step, it is still iteration 0); None for a
+    single step, where an iteration says nothing.
 
     >>> looped(Trace(), 0) is None
     True
     """
-    return iteration if trace.iterations.steps > 1 or trace.precision.scaler.calls > 1 else None
+    its = trace.iterations
+    return iteration if its.steps > 1 or its.library or trace.precision.scaler.calls > 1 else None
 
 
 def code_at(trace: Trace, line: int | None, file: str | None = None) -> str:

@@ -26,7 +26,7 @@ import bisect
 
 from ..trace.records import Trace
 from ..util.loops import always_steps, loop_at, steps_in
-from .findings import Finding
+from .findings import Finding, looped
 
 
 def place_in_loops(trace: Trace, findings: list[Finding]) -> list[Finding]:
@@ -34,6 +34,11 @@ def place_in_loops(trace: Trace, findings: list[Finding]) -> list[Finding]:
     on findings whose root cause ran in a training loop."""
     its = trace.iterations
     if not trace.source:
+        if its.library:  # a library's loop seen from its callback: no cell, its iterations are the library's steps
+            for f in findings:
+                index = f.evidence.get("op_index")
+                if f.iteration is None and isinstance(index, int):
+                    f.iteration = looped(trace, its.iteration_of(index))
         return findings
     for f in findings:
         line = f.cell_line if f.cell_line is not None else (f.line if f.file is None else None)

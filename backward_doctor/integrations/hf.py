@@ -52,7 +52,7 @@ class DoctorCallback(TrainerCallback):
         steps = _StepArguments(trainer) if trainer is not None else None
         self.doctor.begin(namespace, output_dir=getattr(args, "output_dir", None),
                           find_body=steps.body if steps is not None else None,
-                          cleanup=steps.remove if steps is not None else None)
+                          cleanup=steps.remove if steps is not None else None, library="transformers")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.doctor.should_stop():

@@ -41,7 +41,8 @@ class DoctorLightningCallback(Callback):
         namespace: dict[str, Any] = {"model": pl_module}
         for i, opt in enumerate(getattr(trainer, "optimizers", None) or []):
             namespace["optimizer" if i == 0 else f"optimizer_{i}"] = opt
-        self.doctor.begin(namespace, output_dir=getattr(trainer, "default_root_dir", None), find_body=self._step)
+        self.doctor.begin(namespace, output_dir=getattr(trainer, "default_root_dir", None), find_body=self._step,
+                          library="lightning")
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._batch = (pl_module, batch, batch_idx)

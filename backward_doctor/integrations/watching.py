@@ -67,11 +67,12 @@ class LoopDoctor:
     # ---------------------------------------------------------------- the library's events
     def begin(self, namespace: dict[str, Any], output_dir: str | None = None, cell_file: str | None = None,
               find_body: Callable[[], Callable[[], Any] | None] | None = None,
-              cleanup: Callable[[], None] | None = None) -> None:
+              cleanup: Callable[[], None] | None = None, library: str = "") -> None:
         """Training began: watch it. ``namespace`` names the model and optimizer (``{"model": ...}``);
         ``find_body``: how to run the current iteration's step again (the replay of the iteration that
         first went NaN/Inf, see :class:`~backward_doctor.run.watch.Watch`); ``cleanup``: what to undo when
-        the watch ends (a wrapper the callback put on the library's objects)."""
+        the watch ends (a wrapper the callback put on the library's objects); ``library``: whose loop it is
+        (``"transformers"``, ``"lightning"``: findings then carry their iteration, the first one too)."""
         for other in list(_open):  # a run whose end was never announced (it raised, caught) ends here
             other.end(None, unannounced="when the next training run began")
         self._folder = self.output_dir or output_dir or os.getcwd()
@@ -85,7 +86,7 @@ class LoopDoctor:
         try:
             watch = Watch(namespace, cell_file=cell_file or _main_file(), timeout=self.timeout,
                           memory_limit=self.memory_limit, engine=self.engine, every_iteration=self.every_iteration,
-                          build=True, stall=True, find_body=find_body)
+                          build=True, stall=True, find_body=find_body, library=library)
             watch.begin()
         except Exception as exc:  # noqa: BLE001 - never the reason training fails: it runs unwatched
             self._undo_cleanup()

@@ -56,7 +56,8 @@ class Watch:
     def __init__(self, namespace: dict[str, Any], *, source: str = "", cell_file: str | None = None,
                  timeout: float | None = None, memory_limit: int | None = None, engine: str = "auto",
                  every_iteration: bool = False, places: Namer | None = None, build: bool = False,
-                 stall: bool = True, find_body: Callable[[], Callable[[], Any] | None] | None = None) -> None:
+                 stall: bool = True, find_body: Callable[[], Callable[[], Any] | None] | None = None,
+                 library: str = "") -> None:
         self.namespace = namespace
         self.timeout = timeout
         self._engine_asked = engine
@@ -73,6 +74,8 @@ class Watch:
         capture = make_capture(self.engine, namespace, cell_file=cell_file or cell_filename(), source=source,
                                memory_limit=memory_limit, detail=detail, every_iteration=every_iteration)
         capture.rollback = self.rollback
+        if library:  # a library's own loop, seen from its callback: its iterations are numbered from the first
+            capture.trace.iterations.library = library
         self._run = OpenRun(capture, timeout, stall=stall)
 
     # ---------------------------------------------------------------- the two events
