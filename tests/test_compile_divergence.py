@@ -313,3 +313,17 @@ def test_trainer_told_to_compile_is_replayed_eagerly_and_bisected(engine):
     report = bd.diagnose(ll.HF_TRAIN, ok, engine=engine, timeout=600)
     assert report.findings == [] and report.exception is None, str(report)
     _same_weights(plain, ok)
+
+
+def test_the_doctors_module_hooks_break_no_compiled_graph(engine):
+    """The recorder's module hooks, called inside a compiled module, were traced by dynamo: the native one's
+    ``set_stack`` (a C function) broke the graph twice. They stand aside while dynamo traces (the Python tier's
+    did not break it either)."""
+    from torch._dynamo.utils import counters
+
+    ns = _namespace(declared=True)
+    torch._dynamo.reset()
+    counters.clear()
+    report = bd.diagnose(LOOP, ns, engine=engine, timeout=600)
+    assert report.findings == [] and report.exception is None, str(report)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])

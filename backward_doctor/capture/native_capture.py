@@ -228,10 +228,16 @@ class NativeCapture(NativeRecords, Capture):
         self._ext.set_stack(sid if sid is not None else self._new_stack(self._stack_key))
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
+        # Called inside a compiled module, a hook is traced by dynamo: ``set_stack`` (C) broke the graph. While it
+        # traces, the hook is nothing (the region is seen at its edges anyway).
+        if torch.compiler.is_compiling():
+            return
         super()._module_pre(module, args)
         self._set_stack()
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         super()._module_post(module, args, output)
         self._set_stack()
 
