@@ -37,7 +37,6 @@ PHASES = ("forward", "backward", "optimizer")
 _NODE_BUDGET = 10_000  # backward ops per run whose autograd node is looked up (see record.dispatch)
 
 
-
 def cuda_in_use() -> bool:
     """The process has a CUDA context (it has used the GPU); never starts one.
 
@@ -45,6 +44,7 @@ def cuda_in_use() -> bool:
     True
     """
     return torch.cuda.is_available() and torch.cuda.is_initialized()
+
 
 class CaptureState:
     """Every field one capture records into (see the module doc); no hooks, nothing installed."""
