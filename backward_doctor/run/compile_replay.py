@@ -2,8 +2,9 @@
 state (torch's accuracy minifier and compiler bisector are the model; nothing is shelled out).
 
 Before a cell that uses ``torch.compile`` (a compiled module or function in the namespace, ``compile(`` in
-the cell, or a ``Trainer`` told ``torch_compile=True``), :func:`plan` takes the rollback snapshot. After the run, when the compiled
-step went NaN/Inf (its loss, a gradient, a weight), diverged or raised, :meth:`CompilePlan.check`:
+the cell, or a ``Trainer`` told ``torch_compile=True``), :func:`plan` takes the rollback snapshot. After the
+run, when the compiled step went NaN/Inf (its loss, a gradient, a weight), diverged or raised,
+:meth:`CompilePlan.check`:
 
 1. keeps the state the run ended with, restores the snapshot and runs the same cell again under
    ``torch.compiler.set_stance("force_eager")`` (every compiled region runs its original Python: the
