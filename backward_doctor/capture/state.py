@@ -183,7 +183,7 @@ class CaptureState:
         the namespace (a model, a batch, an optimizer's state) must not wait for that (seen on an H200: a
         diagnosed OOM's namespace held 270 MB on the device after the call returned)."""
         self.namespace = {}
-        self.rollback = None  # (it keeps the state an iteration can be replayed from: the caller holds it as long as needed)
+        self.rollback = None  # (the state an iteration is replayed from: the caller holds it as long as needed)
 
     def parameters(self) -> list[torch.Tensor]:
         """The live parameters seen during the run (strong refs only for the caller's use)."""
