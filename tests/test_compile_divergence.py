@@ -290,25 +290,28 @@ class _Rows(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i]}
 
 
-def _hf_compiling(declared: bool) -> dict:
+def _hf_compiling(declared: bool, subclass: bool = False) -> dict:
     """``TrainingArguments(torch_compile=True)``: the Trainer compiles the model inside ``train()`` (nothing
-    compiled is in the namespace before the cell runs)."""
+    compiled is in the namespace before the cell runs). ``subclass``: the user's own ``Trainer`` subclass (its
+    class lives in the user's module, not in ``transformers``)."""
     tf = ll._transformers()
+    cls = type("MyTrainer", (tf.Trainer,), {"__module__": __name__}) if subclass else tf.Trainer
     torch.manual_seed(0)
     model = _HFNet(declared)
     args = ll.hf_args(steps=2, batch=8, torch_compile=True, torch_compile_backend="aot_eager")
-    return {"trainer": tf.Trainer(model=model, args=args, train_dataset=_Rows()), "model": model}
+    return {"trainer": cls(model=model, args=args, train_dataset=_Rows()), "model": model}
 
 
-def test_trainer_told_to_compile_is_replayed_eagerly_and_bisected(engine):
+@pytest.mark.parametrize("subclass", [False, True], ids=["Trainer", "subclass"])
+def test_trainer_told_to_compile_is_replayed_eagerly_and_bisected(engine, subclass):
     """Without the eager replay the compiled run's NaN read as bad data; the replay starts from the Trainer's
     state before the step (its own optimizer, made in the first train(), would carry the NaN into it)."""
-    report = bd.diagnose(ll.HF_TRAIN, _hf_compiling(declared=False), engine=engine, timeout=600)
+    report = bd.diagnose(ll.HF_TRAIN, _hf_compiling(declared=False, subclass=subclass), engine=engine, timeout=600)
     f = report.findings[0]
     assert f.kind == "compile_divergence" and f.line == _line("# <-- first differing"), str(report)
     check = report.trace.compile_check
     assert check.region.startswith("`trainer.model_wrapped`") and check.dropped == "bd_tests.zero_nans_", check
-    plain, ok = _hf_compiling(declared=True), _hf_compiling(declared=True)
+    plain, ok = _hf_compiling(declared=True, subclass=subclass), _hf_compiling(declared=True, subclass=subclass)
     exec(ll.HF_TRAIN, plain)
     report = bd.diagnose(ll.HF_TRAIN, ok, engine=engine, timeout=600)
     assert report.findings == [] and report.exception is None, str(report)

@@ -65,6 +65,16 @@ def _kind(obj: Any) -> tuple[str, tuple[str, ...]] | None:
     return None
 
 
+def library_of(obj: Any) -> str | None:
+    """``"transformers"`` or ``"lightning"`` for a library's ``Trainer`` (a subclass of one too), else None.
+
+    >>> library_of(object()) is None
+    True
+    """
+    kind = _kind(obj)
+    return kind[0] if kind is not None else None
+
+
 def find_library_loop(namespace: dict[str, Any], source: str) -> LibraryLoop | None:
     """The first call in ``source`` of a library trainer's loop method on a variable of ``namespace``."""
     if "." not in source:

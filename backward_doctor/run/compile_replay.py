@@ -32,6 +32,7 @@ import torch
 
 from ..capture.compile_graphs import backend_of, compare_module
 from ..capture.frames import UserFrames
+from ..capture.trainers import library_of
 from ..trace.parts import CompileCheck
 from ..trace.records import Trace
 from .snapshot import Snapshot, take_if_it_fits
@@ -72,9 +73,9 @@ def compiled_in(namespace: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _trainer_args(value: Any) -> Any:
-    """The ``TrainingArguments`` of a ``transformers.Trainer`` (read from the instance's own dict: no property of
-    an arbitrary object runs), else None."""
-    if not type(value).__module__.startswith("transformers.") or not hasattr(value, "__dict__"):
+    """The ``TrainingArguments`` of a ``transformers.Trainer`` or a subclass (read from the instance's own dict: no
+    property of an arbitrary object runs), else None."""
+    if library_of(value) != "transformers" or not hasattr(value, "__dict__"):
         return None
     return vars(value).get("args")
 
