@@ -31,6 +31,7 @@ import torch
 
 from ..capture import namespace as ns_mod
 from ..capture.memory import grad_of
+from ..capture.state import cuda_in_use
 from ..util.units import available_ram
 
 _MISSING = object()
@@ -134,7 +135,7 @@ class Snapshot:
         snap.rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
         if "numpy" in sys.modules:
             snap.rng["numpy"] = sys.modules["numpy"].random.get_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if cuda_in_use():
             snap.rng["cuda"] = torch.cuda.get_rng_state_all()
         return snap
 
