@@ -107,7 +107,7 @@ class LoopHooks:
         """The outermost optimizer step returned: an iteration of the cell's loop ended, the next starts
         at the next op (``trace.iterations``; the native recorder also samples them)."""
         its = self.trace.iterations
-        if not its.recorded:
+        if not its.recorded and self._first_recorded:
             its.recorded.append(0)
             its.starts.append(0)
         if not self._asleep:  # the iteration that ended was recorded: what its loop variables were

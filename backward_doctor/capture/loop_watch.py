@@ -110,11 +110,13 @@ class LoopWatch:
         self._lr: float | None = None
         self._bad = ""  # "loss" / "gradients": this iteration's NaN/Inf, seen before its step
         self._backwards = 0  # backward() calls since the last step (micro-batches of gradient accumulation)
+        self.backward_calls = 0  # all of the run's
 
     # ---------------------------------------------------------------- during an iteration
     def saw_backward(self, tensors: Any) -> None:
         """``backward()`` was called on ``tensors``: the latest one-element one is the loss."""
         self._backwards += 1
+        self.backward_calls += 1
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         value = self._scalar(t) if isinstance(t, torch.Tensor) else None
         if value is None:

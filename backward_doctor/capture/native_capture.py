@@ -30,6 +30,7 @@ import torch
 
 from .. import native
 from .native_records import NativeRecords, _tables
+from .sampling import PowersOfTwo, Sampling
 from .record import _tensors
 from .loop_watch import LoopWatch
 from .context import Capture
@@ -118,12 +119,19 @@ class NativeCapture(NativeRecords, Capture):
     """:class:`Capture` with the per-op records taken in C++; ``detail=True`` screens every op's outputs
     for NaN/Inf there too (the replay that finds where it was born)."""
 
-    def __init__(self, *args: Any, detail: bool = False, sample_iterations: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, detail: bool = False, sample_iterations: bool = True,
+                 sampling: Sampling | None = None, **kwargs: Any) -> None:
         super().__init__(*args, detail=detail, **kwargs)
-        #: A training loop in the cell is sampled (``sampled``): iterations 0-2 and each power of two are
-        #: recorded, the others run with the recorder off. Not under a simulated memory limit, which the
+        #: A training loop in the cell is sampled (``sampling.py``): by default iterations 0-2 and each power of
+        #: two are recorded, the others run with the recorder off. Not under a simulated memory limit, which the
         #: recorder enforces op by op.
-        self._sampling = sample_iterations and self.memory_limit is None
+        if sampling is None:
+            sampling = PowersOfTwo() if sample_iterations else None
+        self._sampling = sampling if self.memory_limit is None else None
+        self._unmarked: dict[int, tuple[torch.optim.Optimizer, int]] = {}  # (asleep steps: see _mark_unmarked)
+        self._iter_t = 0.0       # when the latest iteration the policy was asked about began (perf_counter)
+        self._iter_k = 0         # and its number
+        self._iter_ops = 0       # the recorder's op count then
         self._compiling = 0
         if self.check_indices:
             raise ValueError("NativeCapture: check_indices needs the Python tier (Capture)")
@@ -153,6 +161,10 @@ class NativeCapture(NativeRecords, Capture):
         self._undo.push("recorder's ledger", self._ledger.detach)
         self._ledger.attach(self._ext)
         self._yield_to_profiler()
+        self._iter_t = time.perf_counter()
+        if self._sampling is not None and not self._sampling.records_first():
+            self._first_recorded = False
+            self._fall_asleep()  # (always on: from the first op; nothing recorded yet, nothing open)
 
     def _stop_recorder(self) -> None:
         if self._ext.running():
@@ -196,18 +208,21 @@ class NativeCapture(NativeRecords, Capture):
             self._convert(out)
 
     def finish(self):
+        self._mark_unmarked()
         self._converted()
         its = self.trace.iterations
-        if its.skipped:
-            # Counted in completed iterations (0-based, as loop variables count): the part of the cell after
-            # the last step is recorded too, but it is no iteration, so the two counts add up to the steps.
-            done = [r for r in its.recorded if r < its.steps]
+        # Counted in completed iterations (0-based, as loop variables count): the part of the cell after
+        # the last step is recorded too, but it is no iteration, so the two counts add up to the steps. (None
+        # recorded: always on slept throughout, and ``sampling.nothing_recorded`` says so.)
+        done = [r for r in its.recorded if r < its.steps]
+        if its.skipped and done:
             shown = ", ".join(map(str, done[:12])) + (", ..." if len(done) > 12 else "")
             self.trace.notes.append(
                 f"training loop: {its.steps} optimizer steps; {len(done)} of the {its.steps} iterations were "
                 f"recorded op by op (iterations {shown}, counted from 0), the other {its.skipped} ran with the "
-                "recorder off (their ops and memory are not in the trace). `every_iteration=True` "
-                "(`--every-iteration`) records them all, at 2-4x a plain step.")
+                "recorder off (their ops and memory are not in the trace)"
+                + ("; always on records only what fits its cost budget" if not self._first_recorded else "")
+                + ". `every_iteration=True` (`--every-iteration`) records them all, at 2-4x a plain step.")
         return super().finish()
 
     # ---------------------------------------------------------------- hooks
@@ -287,7 +302,9 @@ class NativeCapture(NativeRecords, Capture):
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._asleep:
             self._opt_depth = max(0, self._opt_depth - 1)
-            self._mark_stepped(opt)  # (the next run must know these gradients were consumed)
+            # (the next run, and the next recorded iteration, must know these gradients were consumed: marked
+            # when the recorder wakes or the run ends, not at every step of a long loop)
+            self._unmarked[id(opt)] = (opt, self._watch.backward_calls)
         else:
             super()._optim_post(opt, args, kwargs)
             self._ext.set_optimizer_depth(self._opt_depth)
@@ -300,17 +317,39 @@ class NativeCapture(NativeRecords, Capture):
 
     # ---------------------------------------------------------------- a long loop, sampled
     def _begin_iteration(self, iteration: int) -> None:
-        """Recorded if it is a sampled iteration (0, 1, 2, powers of two); else the recorder sleeps."""
-        if not self._sampling or iteration < 3 or iteration & (iteration - 1) == 0:
+        """Recorded if the sampling policy picks it (``sampling.py``); else the recorder sleeps. (Asleep, an
+        iteration that is no candidate costs one test: a loop of thousands pays it at every step.)"""
+        policy = self._sampling
+        if policy is not None and self._asleep and not policy.candidate(iteration):
+            return
+        now = time.perf_counter()
+        ops = None if self._asleep else self._ext.op_count() - self._iter_ops
+        if policy is None or policy.records(iteration, now=now, last_s=now - self._iter_t,
+                                            last_n=iteration - self._iter_k, last_ops=ops):
             if self._asleep:
                 self._wake()
-            self._count = self._ext.op_count()
+            self._count = self._iter_ops = self._ext.op_count()
             super()._begin_iteration(iteration)
-        elif not self._asleep and self._opt_depth == 0 and not self._compiling and self._ext.sleep():
+        elif not self._asleep and self._opt_depth == 0 and not self._compiling:
+            self._fall_asleep()
+        self._iter_t, self._iter_k = time.perf_counter(), iteration
+
+    def _fall_asleep(self) -> None:
+        if self._ext.sleep():
             self._asleep = True
             self._remove_module_hooks()  # (no module stack to keep while nothing is recorded)
 
+    def _mark_unmarked(self) -> None:
+        """Mark the gradients the latest asleep step of each optimizer consumed (``_mark_stepped``), when no
+        ``backward()`` has run since: then they are the ones it used. (One that ran since made or added to
+        them: a later step's check sees this run's own backward, not a stale gradient.)"""
+        pending, self._unmarked = self._unmarked, {}
+        for opt, calls in pending.values():
+            if calls == self._watch.backward_calls:
+                self._mark_stepped(opt)
+
     def _wake(self) -> None:
+        self._mark_unmarked()
         self._ext.wake()
         self._asleep = False
         self._module_stack.clear()

@@ -134,13 +134,17 @@ class Watchdog:
             self._old_handler = None
 
 
-def make_capture(engine: str, namespace: dict[str, Any], *, every_iteration: bool = False, **kwargs: Any) -> Capture:
+def make_capture(engine: str, namespace: dict[str, Any], *, every_iteration: bool = False, budget: bool = False,
+                 **kwargs: Any) -> Capture:
     """A :class:`Capture` for ``engine`` ("python" or "native"; see ``tiers.choose_engine``); the native
-    one samples a loop's iterations unless ``every_iteration``."""
+    one samples a loop's iterations unless ``every_iteration``, within always-on's cost budget when ``budget``
+    (``sampling.py``; the Python tier records every op)."""
     if engine == "native":
         from .native_capture import NativeCapture
+        from .sampling import CostBudget
 
-        return NativeCapture(namespace, sample_iterations=not every_iteration, **kwargs)
+        sampling = CostBudget() if budget and not every_iteration else None
+        return NativeCapture(namespace, sample_iterations=not every_iteration, sampling=sampling, **kwargs)
     return Capture(namespace, **kwargs)
 
 
@@ -286,11 +290,13 @@ def _modes_off() -> Iterator[None]:
 def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None = None,
                memory_limit: int | None = None, filename: str | None = None,
                history: CellHistory | None = None, detail: bool = True, engine: str = "python",
-               every_iteration: bool = False, rollback: Any = None, stall: bool = False) -> Trace:
+               every_iteration: bool = False, rollback: Any = None, stall: bool = False,
+               budget: bool = False) -> Trace:
     """Execute ``source`` in ``namespace`` (like ``exec``) and return its trace.
 
     ``rollback``: told when iterations begin and go non-finite (``run/iteration_replay.py``). ``stall``: the
-    timeout counts from the latest optimizer step.
+    timeout counts from the latest optimizer step. ``budget``: record iterations only within always-on's cost
+    budget (``capture/sampling.py``).
 
     ``engine``: ``"python"`` (the dispatch-mode :class:`Capture`) or ``"native"``
     (:class:`~backward_doctor.capture.native_capture.NativeCapture`, first tier only).
@@ -299,7 +305,7 @@ def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None 
     # Register the source so tracebacks and reports can show the cell's lines.
     _register_source(filename, source)
     capture = make_capture(engine, namespace, cell_file=filename, source=source, memory_limit=memory_limit,
-                           history=history, detail=detail, every_iteration=every_iteration)
+                           history=history, detail=detail, every_iteration=every_iteration, budget=budget)
     capture.rollback = rollback
 
     def run() -> BaseException | None:

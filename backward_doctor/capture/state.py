@@ -134,6 +134,7 @@ class CaptureState:
         self._loop_names: list[str] | None = None  # the cell's loop variables (found when first needed)
         self._library: Any = None  # a library's training loop the cell calls (``trainers.LibraryLoop``)
         self._asleep = False  # the native recorder is off for an unsampled iteration (native_capture.py)
+        self._first_recorded = True  # iteration 0 is recorded (always on's cost budget: not)
         #: set by the run (``run/iteration_replay.py``): told when each iteration begins and when NaN/Inf
         #: shows in one the recorder did not record, so that iteration can be replayed from its state
         self.rollback: Any = None

@@ -53,6 +53,9 @@ def param_infos(cap: "OpRecorder") -> list[ParamInfo]:
     return out
 
 
+_HOLDS = (torch.Tensor, dict, list, tuple)
+
+
 def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dict[str, Any]]]:
     """(path, tensor, where it is stored) for tensors reachable from the namespace.
 
@@ -67,7 +70,10 @@ def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dic
     for root, mod in ns_mod.modules(namespace):
         for sub_name, sub in mod.named_modules():
             mod_path = f"{root}.{sub_name}" if sub_name else root
-            attrs = [(a, v) for a, v in vars(sub).items() if not a.startswith("_") and not isinstance(v, nn.Parameter)]
+            # (only tensors and the containers that may hold them are looked into: a module's other
+            # attributes, its config, flags and sizes, are most of what it holds)
+            attrs = [(a, v) for a, v in vars(sub).items() if isinstance(v, _HOLDS) and not a.startswith("_")
+                     and not isinstance(v, nn.Parameter)]
             attrs += [(a, v) for a, v in sub._buffers.items() if v is not None]  # buffers can hold graphs too
             for attr, value in attrs:
                 for path, item in ns_mod._children(f"{mod_path}.{attr}", value, 1):
@@ -115,15 +121,18 @@ def _class_from_code(cls: type) -> tuple[str | None, int]:
     return file, class_line(file, cls.__name__, min(c.co_firstlineno for c in codes)) or 0
 
 
-def _nodes(fn: Any) -> Iterator[Any]:
-    """The autograd nodes behind ``fn``, breadth first, at most ``_MAX_NODES``."""
-    seen: set[int] = set()
+def _nodes(fn: Any, seen: dict[int, Any] | None = None) -> Iterator[Any]:
+    """The autograd nodes behind ``fn``, breadth first, at most ``_MAX_NODES``; ``seen``: nodes not to visit, by
+    id (filled with those visited; kept, not only their ids: a node's Python object that died could hand its
+    id to another node's while the walk goes on)."""
+    seen = {} if seen is None else seen
+    limit = len(seen) + _MAX_NODES
     queue = collections.deque([fn])
-    while queue and len(seen) < _MAX_NODES:
+    while queue and len(seen) < limit:
         node = queue.popleft()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         yield node
         queue.extend(n for n, _ in node.next_functions)
 
@@ -148,21 +157,26 @@ def _saved_bytes(fn: Any, seen_keys: set[int]) -> int:
     return total
 
 
-def _runs_in_graph(fn: Any, start: int, earlier: list[tuple[int, int, int]]) -> set[int]:
+def _runs_in_graph(fn: Any, start: int, earlier: list[tuple[int, int, int]], clean: dict[int, Any]) -> set[int]:
     """Earlier runs of this cell whose autograd nodes the graph behind ``fn`` still holds.
 
     Nodes are numbered per thread in creation order, so a node's ``_sequence_nr()``
-    says which run made it: ``earlier`` is [(run id, first seq, end seq)].
+    says which run made it: ``earlier`` is [(run id, first seq, end seq)]. ``clean``: nodes (by id) whose
+    whole graph was walked before and holds no earlier run's node (a model's outputs share most of their
+    graph: the loss's walk covers the logits'); this walk's nodes join it when it ends the same way.
     """
-    runs: set[int] = set()
-    for node in _nodes(fn):
+    if not earlier:
+        return set()
+    seen = dict(clean)
+    for node in _nodes(fn, seen):
         seq = node._sequence_nr()
         if seq < start:
             run = next((r for r, lo, hi in earlier if lo <= seq < hi), None)
             if run is not None:
-                runs.add(run)
-                break  # one node of an earlier run is enough to know
-    return runs
+                return {run}  # one node of an earlier run is enough to know
+    if len(seen) - len(clean) < _MAX_NODES:  # (walked to the end: every node behind these is clean too)
+        clean.update(seen)
+    return set()
 
 
 def _oldest_seq(fn: Any, start: int) -> int:
@@ -182,6 +196,7 @@ def graph_holders(cap: "OpRecorder") -> list[GraphHolder]:
     out: list[GraphHolder] = []
     seen: set[int] = set()
     saved_keys: set[int] = set()
+    clean: dict[int, Any] = {}  # (autograd nodes, alive until the holders are known)
     for path, t, store in _holders(cap.namespace):
         fn = t.grad_fn
         if fn is None or id(t) in seen:
@@ -189,7 +204,7 @@ def graph_holders(cap: "OpRecorder") -> list[GraphHolder]:
         seen.add(id(t))
         seq = fn._sequence_nr()
         own_index = cap._seq_map.get(seq) if seq >= start else None
-        runs = sorted(_runs_in_graph(fn, start, earlier))
+        runs = sorted(_runs_in_graph(fn, start, earlier, clean))
         holder = GraphHolder(path=path, shape=list(shape_of(t)), bytes=storage_nbytes(t), grad_fn=type(fn).__name__,
                              contained=store["contained"], earlier_runs=runs,
                              own_run=cap._run_id if seq >= start else None, own_index=own_index,

@@ -156,7 +156,7 @@ class AlwaysOn:
             with held:
                 report = run_step(source, shell.user_ns, timeout=opts.timeout, memory_limit=opts.memory_limit,
                                   engine=engine, rollback=screens_every_op(), cell_file=filename, execute=execute,
-                                  build=False, every_iteration=opts.every_iteration, stall=True,
+                                  build=False, every_iteration=opts.every_iteration, stall=True, budget=True,
                                   places=ipython_places(shell, filename, number))
         except BaseException:
             held.show()  # a Ctrl-C in the doctor's own code: the user's traceback all the same

@@ -88,8 +88,9 @@ def failed(report: Report) -> bool:
     tr = report.trace
     if tr.timed_out or tr.iterations.first_nonfinite is not None:
         return True
-    if report.exception is not None:
-        return tr.op_count > 0 or (tr.exception is not None and tr.exception.type == "KeyboardInterrupt")
+    if report.exception is not None:  # (always on's recorder may have slept: then a completed step says it began)
+        return tr.op_count > 0 or tr.iterations.steps > 0 or (
+            tr.exception is not None and tr.exception.type == "KeyboardInterrupt")
     return any(f.kind in ("nonfinite", "inf") for f in report.findings)
 
 

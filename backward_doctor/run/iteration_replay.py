@@ -155,6 +155,9 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
     values = loop_values(rollback.values, list(rollback.values)) if rollback.values else ""
     try:
         found = (rollback.body, []) if rollback.body is not None else one_iteration(rollback.source, first.cell_file)
+        whole = found is None and _whole_cell(first, rollback)
+        if whole:  # (no loop in the cell, nothing stepped before it failed: the cell is the iteration)
+            found = compile(rollback.source, first.cell_file, "exec"), []
         why = rollback.why_not or ("" if found is not None else
                                    "the cell's training loop fetches its own batch (`next(...)`) or was not found"
                                    if rollback.source else "the library's training step could not be found")
@@ -180,13 +183,22 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
                                "its saved state that iteration did not raise the same error, so the report is "
                                "built from the run itself")
             return first
-        return _merged(first, detailed, k, values, failed=True)
+        return _merged(first, detailed, k, values, failed=True, whole=whole)
     if detailed.iterations.first_nonfinite is None and not detailed.nonfinite:
         first.notes.append(f"NaN/Inf first appeared in iteration {k}, which ran with the recorder off; replayed "
                            "from its saved state it stayed finite (it depends on something outside the model, "
                            "the optimizer and the loop variables)")
         return first
-    return _merged(first, detailed, k, values)
+    return _merged(first, detailed, k, values, whole=whole)
+
+
+def _whole_cell(first: Trace, rollback: IterationRollback) -> bool:
+    """The cell has no loop of its own and no library's, and at most one optimizer step ran in it: replaying
+    the cell replays the step (a loop inside a function the cell calls would run again whole: not that)."""
+    from ..util.loops import training_loop
+
+    return (rollback.iteration == 0 and bool(rollback.source) and rollback._find_body is None
+            and first.iterations.steps <= 1 and training_loop(rollback.source) is None)
 
 
 def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: dict[str, Any],
@@ -209,7 +221,7 @@ def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: d
         return run_under_capture(run, capture, timeout)
 
 
-def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = False) -> Trace:
+def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = False, whole: bool = False) -> Trace:
     """The replay's ops (and NaN/Inf origin, or failing op); the whole run's loop series, graphs, history and
     exception (the replay's, the same error, when it is the error being explained: its op is recorded)."""
     detailed.iterations = dataclasses.replace(first.iterations, replayed=k)
@@ -219,6 +231,15 @@ def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = F
             "timeout_s") + (() if failed else ("exception",))
     for name in kept:
         setattr(detailed, name, getattr(first, name))
+    if whole:
+        detailed.notes = list(first.notes) + [
+            f"The step {'raised' if failed else 'went NaN/Inf'} with the recorder asleep (always on records only "
+            "what fits its cost budget): the cell was run again from the state saved "
+            f"{'when it raised' if failed else 'when NaN/Inf first showed, before the optimizer step'} (weights, "
+            "optimizer state, RNG), with every op recorded, in a copy of the notebook's names. Its ops are the "
+            "ones shown; what the cell did outside the model and the optimizer (printing, which was hidden, the "
+            "next batch of an iterator, files) happened twice"]
+        return detailed
     what = ("The cell raised in iteration" if failed else "NaN/Inf first appeared in iteration")
     detailed.notes = list(first.notes) + [
         f"{what} {k}, which ran with the recorder off: that iteration alone was replayed from the state "

@@ -20,6 +20,7 @@ from ..analysis import analyze
 from ..capture.excerpts import keep_excerpts
 from ..capture.history import history_for
 from ..capture.runner import cell_filename, make_capture, run_source, run_under_capture
+from ..capture.sampling import nothing_recorded
 from ..report import Report
 from ..report.places import Namer, name_places
 from ..trace import Trace
@@ -98,7 +99,7 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
              cell_file: str | None = None, execute: Callable[[], BaseException | None] | None = None,
              build: bool = True, history: bool = True, detail: bool | None = None,
              fix: str | None = None, every_iteration: bool = False, places: Namer | None = None,
-             stall: bool = False) -> Report:
+             stall: bool = False, budget: bool = False) -> Report:
     """Run the cell ``source`` in ``namespace`` under a capture and diagnose it (arguments already
     checked). ``execute``: runs the cell and returns its exception (default: ``exec`` of ``source``
     compiled as ``cell_file``). ``build``: whether the native recorder may be built now (the magic
@@ -107,7 +108,10 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     NaN/Inf in this run (default: where that is cheap, see ``engine.screens_every_op``). ``fix``: the name the report is labelled
     with. ``every_iteration``: record every iteration of a loop (the native recorder samples them). ``places``:
     the frontend's names for the cell and files (``Cell In[2]``; ``report/places.py``). ``stall``: the timeout
-    counts from the latest optimizer step, not from the start (a long loop that keeps stepping is not hung)."""
+    counts from the latest optimizer step, not from the start (a long loop that keeps stepping is not hung).
+    ``budget``: always on's cost budget (``capture/sampling.py``): iterations are recorded op by op only while
+    that stays cheap, and the one that fails is replayed in detail (on the native recorder; not for a compiled
+    step, whose replay compares compiled and eager runs op by op)."""
     chosen = choose_engine(engine, memory_limit=memory_limit, build=build)
     if detail is None:  # one run, every op screened where that is cheap: no replay, no snapshot (engine.py)
         detail = screens_every_op()
@@ -118,14 +122,15 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone.
     sampled = rollback and detail and chosen == "native" and not every_iteration and memory_limit is None
     iteration_rollback = IterationRollback(source, namespace, native.load(build=False)) if sampled else None
+    budget = budget and iteration_rollback is not None and compile_plan is None
     if execute is None:
         trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
                            history=past, detail=detail, engine=chosen, every_iteration=every_iteration,
-                           rollback=iteration_rollback, stall=stall)
+                           rollback=iteration_rollback, stall=stall, budget=budget)
     else:
         capture = make_capture(chosen, namespace, cell_file=cell_file or cell_filename(), source=source,
                                memory_limit=memory_limit, history=past, detail=detail,
-                               every_iteration=every_iteration)
+                               every_iteration=every_iteration, budget=budget)
         capture.rollback = iteration_rollback
         trace = run_under_capture(execute, capture, timeout, stall)
     if iteration_rollback is not None and iteration_rollback.iteration is not None:
@@ -140,6 +145,10 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
         # ends as a plain run leaves it (the replay recomputes the same step).
         trace = replay_in_detail(trace, source, namespace, snapshot, timeout=timeout, memory_limit=memory_limit)
     del snapshot
+    if budget and trace.engine == "native":
+        note = nothing_recorded(trace)
+        if note:
+            trace.notes.append(note)
     report = build_report(trace, fix)
     name_places(report, namespace, places)
     if engine == "auto" and trace.engine == "python":
