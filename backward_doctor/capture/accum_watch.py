@@ -147,7 +147,7 @@ class AccumulationWatch:
         if self._first_backward:  # the run's first window: gradients nobody zeroed may be None already
             self._first_backward = False
             self._zeroed = self._zeroed or all(p.grad is None for p in self._params())
-        if self._n <= _CALLS and (self._detailed() or self._check is not None):
+        if self._n <= _CALLS and (len(self.record.windows) < _DETAILED or self._check is not None):  # (_detailed)
             call = self._call(t)
             self._calls.append(call)
             self._sites.add(call.site)
@@ -249,7 +249,7 @@ class AccumulationWatch:
         """The outermost ``optimizer.step()`` begins (its closure's backward() still counts)."""
         self._depth += 1
         self._opt, self._n_step = opt, self._n
-        self._step_where = self._where() if self._detailed() or self._zeros else None
+        self._step_where = self._where() if len(self.record.windows) < _DETAILED or self._zeros else None
 
     def step_ended(self) -> None:
         """The outermost optimizer step returned: its window closes."""
@@ -262,7 +262,7 @@ class AccumulationWatch:
         sync, num = _accelerate_state(self._accelerate) if self._accelerate is not None else (None, 0)
         zeros = [self._stepped(z, ref, opt) for z, ref in self._zeros] if self._zeros else []
         odd = n >= 2 and any(z.stepped for z in zeros) or sync is False
-        if self._detailed() or (odd and len(rec.windows) < _DETAILED + _ANOMALIES):
+        if len(rec.windows) < _DETAILED or (odd and len(rec.windows) < _DETAILED + _ANOMALIES):  # (_detailed)
             w = self._step_where
             rec.windows.append(StepWindow(
                 iteration=self._iteration(), backward=n, calls=self._calls, zero_grads=zeros,

@@ -99,11 +99,13 @@ class LoopWatch:
     def __init__(self, its: Iterations, *, live: Callable[[], int | None],
                  sumsq: Callable[[Sequence[torch.Tensor]], float | None] | None = None,
                  scalar: Callable[[Any], float | None] = read_scalar,
-                 on_nonfinite: Callable[[int, str], None] | None = None) -> None:
+                 on_nonfinite: Callable[[int, str], None] | None = None,
+                 groups_sumsq: Callable[[list], float | None] | None = None) -> None:
         self.its = its
         self._scalar = scalar
         self._live = live
         self._sumsq = sumsq
+        self._groups_sumsq = groups_sumsq  # the same from an optimizer's param_groups (the native recorder's)
         self.on_nonfinite = on_nonfinite
         self._loss: float | None = None
         self._norm: float | None = None
@@ -137,9 +139,13 @@ class LoopWatch:
             base = group.get("initial_lr", lr)
             self.its.base_lr = float(base) if isinstance(base, (int, float)) else None
         if self._sumsq is not None:
-            grads = [g for g in (grad_of(p) for group in opt.param_groups for p in group["params"]) if g is not None]
+            groups = opt.param_groups
             try:
-                ss = self._sumsq(grads)
+                if self._groups_sumsq is not None and type(groups) is list:
+                    ss = self._groups_sumsq(groups)
+                else:
+                    ss = self._sumsq([g for g in (grad_of(p) for group in groups for p in group["params"])
+                                      if g is not None])
             except Exception as exc:  # a gradient we cannot read is not worth failing the step for
                 if not doctors_own(exc):  # (a signal handler's exception: the user's, it goes on)
                     raise
@@ -162,8 +168,9 @@ class LoopWatch:
         """Iteration ``its.steps`` ended (called before it is counted): its numbers join the series."""
         its = self.its
         if its.steps % its.stride == 0:
-            its.loss.append(_finite(self._loss))
-            its.grad_norm.append(_finite(self._norm))
+            loss, norm = self._loss, self._norm  # (_finite, inlined: this runs at every step of a loop)
+            its.loss.append(loss if loss is not None and math.isfinite(loss) else None)
+            its.grad_norm.append(norm if norm is not None and math.isfinite(norm) else None)
             its.lr.append(self._lr)
             live = self._live()
             its.live_bytes.append(-1 if live is None else int(live))

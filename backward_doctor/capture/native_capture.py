@@ -278,7 +278,7 @@ class NativeCapture(NativeRecords, Capture):
         mem, ext = self.trace.memory, self._ext
         return LoopWatch(self.trace.iterations, live=lambda: mem.baseline_bytes + ext.allocated(),
                          sumsq=ext.grad_sumsq, scalar=ext.scalar_value,
-                         on_nonfinite=self._went_nonfinite)
+                         on_nonfinite=self._went_nonfinite, groups_sumsq=getattr(ext, "groups_grad_sumsq", None))
 
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         if self._asleep:  # an unsampled iteration: only its end is counted (and its numbers read)
@@ -286,10 +286,13 @@ class NativeCapture(NativeRecords, Capture):
             if outermost:
                 self._outer_step_began(opt, args, kwargs)
             self._opt_depth += 1
-            wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, None, outermost))
-            if wrapped is None:
-                self._before_update(opt, None, outermost)
-            return wrapped
+            if "closure" in kwargs or len(args) > 1:  # (step(closure): the gradients are read after it ran)
+                wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, None, outermost))
+                if wrapped is not None:
+                    return wrapped
+            if outermost:  # (_before_update of an unrecorded step: the loop watch alone)
+                self._watch.before_step(opt)
+            return None
         self._count = self._ext.op_count()
         wrapped = super()._optim_pre(opt, args, kwargs)
         self._ext.set_optimizer_depth(self._opt_depth)
@@ -337,7 +340,10 @@ class NativeCapture(NativeRecords, Capture):
     def _fall_asleep(self) -> None:
         if self._ext.sleep():
             self._asleep = True
-            self._remove_module_hooks()  # (no module stack to keep while nothing is recorded)
+            # (no module stack to keep while nothing is recorded, and no gradient to see arrive: each hook
+            # is a call into Python from the backward, per module and per parameter, at every step)
+            self._remove_module_hooks()
+            self._remove_parameter_hooks()
 
     def _mark_unmarked(self) -> None:
         """Mark the gradients the latest asleep step of each optimizer consumed (``_mark_stepped``), when no
@@ -355,6 +361,7 @@ class NativeCapture(NativeRecords, Capture):
         self._module_stack.clear()
         self._stack_key = ()
         self._set_stack()
+        self._hook_parameters()
         if not self._compiling:
             self._add_module_hooks()
 

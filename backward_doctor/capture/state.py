@@ -167,10 +167,21 @@ class CaptureState:
         grad = grad_of(p)
         if grad is not None:
             self._ledger.track(grad, "gradients")
+        if not self._asleep:  # (the native recorder asleep: hooked when it wakes, ``_hook_parameters``)
+            self._hook_parameter(p)
+
+    def _hook_parameter(self, p: torch.Tensor) -> None:
         # A parameter that is no longer a leaf (an in-place update with grad on attached a graph to it)
         # gets no gradient and takes no hook: the rules report it (``nonleaf_param``).
         if p.requires_grad and p.is_leaf and hasattr(p, "register_post_accumulate_grad_hook"):
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _hook_parameters(self) -> None:
+        """Every known parameter hooked again (after an asleep stretch of a loop, which runs without them)."""
+        for ref in list(self._params.values()):
+            p = ref()
+            if p is not None:
+                self._hook_parameter(p)
 
     def _accumulated(self, param: torch.Tensor) -> None:
         self._got_grad.add(id(param))

@@ -32,16 +32,23 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?")
 _DEPTH = 3  # calls followed from the cell into the notebook's own functions
 _MAX_CACHE = 4096
 _by_code: dict[types.CodeType, bool] = {}  # (code objects hold no tensor: names and constants only)
+#: values whose attributes and calls run no code of the user's (and a name the namespace lacks: a builtin,
+#: or one the cell assigns): ``x = 1`` is decided without a function call
+_INERT = frozenset({type(None), int, float, bool, str, bytes, complex, list, tuple, dict, set, range})
 
 
 def might_train(source: str, namespace: dict[str, Any]) -> bool:
     """Whether running ``source`` in ``namespace`` may call autograd or an optimizer (see the module doc)."""
     names = set()
+    get = namespace.get
     for token in _IDENT.findall(source):
         head, _, attr = token.partition(".")
         if head in TRAIN_NAMES or attr in TRAIN_NAMES:
             return True
-        names.add(token)
+        if type(get(head)) not in _INERT:  # (most names of a cell are data: nothing of the user's runs there)
+            names.add(token)
+    if not names:
+        return False
     seen: set[int] = set()
     return any(_trains(fn, _DEPTH, seen) for name in names for fn in _callables(namespace, name))
 

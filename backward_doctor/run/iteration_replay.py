@@ -66,6 +66,7 @@ class IterationRollback:
         self.namespace = namespace
         self._native = native  # the native recorder's module: it keeps torch's RNG state in C++
         self._rng = _rng(source, native)  # iteration 0 starts with the run
+        self._torch_rng_only = native is not None and "random" not in source  # (see _rng)
         self.state: Snapshot | None = None
         self.iteration: int | None = None
         self.values: dict[str, Any] = {}
@@ -76,7 +77,10 @@ class IterationRollback:
 
     def iteration_began(self, iteration: int) -> None:
         if self.iteration is None:
-            self._rng = _rng(self.source, self._native)
+            if self._torch_rng_only:  # (every iteration of a long loop: one call into C++, nothing allocated)
+                self._native.mark_rng()
+            else:
+                self._rng = _rng(self.source, self._native)
 
     def went_nonfinite(self, iteration: int, what: str) -> None:
         """The first NaN/Inf, in an iteration the recorder did not record: keep its state (once)."""
