@@ -264,3 +264,69 @@ def test_a_silent_finding_gets_one_quiet_line(shell):
     _on(shell, "--quiet")
     result, cap = _run(shell, leaky)
     assert result.success and cap.stdout == "" and bd.last_report().findings[0].kind == "graph_leak"
+
+
+ONE_STEP = "opt.zero_grad()\nloss = model(x).pow(2).mean()\nloss.backward()\nopt.step()\n"
+
+
+def test_a_single_step_runs_asleep_within_the_budget_and_computes_the_same(shell):
+    ns_plain: dict = {}
+    exec(SETUP, ns_plain)
+    exec(ONE_STEP, ns_plain)
+    _on(shell)
+    _run(shell, SETUP)
+    result, cap = _run(shell, ONE_STEP)
+    assert result.success and cap.stdout == "" and cap.outputs == []
+    report = bd.last_report()
+    if report.trace.engine != "native":
+        pytest.skip("the cost budget is the native recorder's (the Python tier records every op)")
+    # nothing recorded op by op, and the report says what did not run
+    assert report.trace.op_count == 0 and report.trace.iterations.steps == 1 and report.ok
+    assert any(n.startswith("always on recorded nothing op by op (the step ran with the recorder asleep")
+               for n in report.trace.notes), report.trace.notes
+    for a, b in zip(_weights(shell.user_ns["model"]), _weights(ns_plain["model"])):
+        assert torch.equal(a, b)
+
+
+def test_a_step_that_fails_asleep_is_replayed_whole_in_a_copy_of_the_names(shell):
+    _on(shell)
+    _run(shell, SETUP + "runs = []\n")
+    cell = "runs.append(1)\nn_runs = len(runs)\nout = model(x)\nout = out.relu_()\nout.sigmoid_()\nout.sum().backward()"
+    result, cap = _run(shell, cell)
+    assert isinstance(result.error_in_exec, RuntimeError)
+    report = bd.last_report()
+    assert report.findings[0].kind == "inplace" and report.findings[0].line == 5
+    assert cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM - Saved tensor modified in place")
+    if report.trace.engine == "native":
+        assert any("the cell was run again from the state saved when it raised" in n for n in report.trace.notes)
+    # the replay ran in a copy of the notebook's names: the name it assigns is the user's run's (a list it
+    # appends to is the one thing that shows the second run, as the note says)
+    assert shell.user_ns["n_runs"] == 1
+
+
+def test_gradients_stepped_again_in_a_later_cell_get_the_quiet_line(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    cell = "loss = model(x).pow(2).mean()\nloss.backward()\nopt.step()\n"   # no zero_grad()
+    result, cap = _run(shell, cell)
+    assert result.success and cap.stdout == ""
+    result, cap = _run(shell, cell)
+    assert result.success and cap.outputs == []
+    assert cap.stdout.startswith(f"backward_doctor: Gradients were never zeroed at Cell In[{result.execution_count}], "
+                                 "line 3"), cap.stdout
+    assert [f.kind for f in bd.last_report().findings] == ["stale_grad"]
+    _run(shell, "opt.zero_grad()")
+    result, cap = _run(shell, "opt.zero_grad()\n" + cell)   # zeroed first: nothing stale
+    assert result.success and cap.stdout == "", cap.stdout
+
+
+def test_a_long_cheap_loop_records_some_iterations_within_the_budget(shell):
+    _on(shell)
+    _run(shell, SETUP)
+    result, cap = _run(shell, TRAIN.replace("range(40)", "range(300)"))
+    assert result.success and cap.stdout == ""
+    its = bd.last_report().trace.iterations
+    if bd.last_report().trace.engine != "native":
+        pytest.skip("the cost budget is the native recorder's")
+    assert its.steps == 300 and its.recorded and 0 not in its.recorded
+    assert set(its.recorded) <= {1, 2, 4, 8, 16, 32, 64, 128, 256}, its.recorded

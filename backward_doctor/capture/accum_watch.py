@@ -123,6 +123,10 @@ class AccumulationWatch:
         if self._sites:
             self._sites = set()
 
+    def zeroed_first(self) -> bool:
+        """Whether this window's gradients were zeroed (or None) before its first ``backward()``."""
+        return self._zeroed
+
     def _detailed(self) -> bool:
         return len(self.record.windows) < _DETAILED
 

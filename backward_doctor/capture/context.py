@@ -225,6 +225,8 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
             for grad in list(marks.keys()):
                 if not bool(grad.any()):
                     marks.pop(grad, None)
+                else:  # (an unrecorded step tells by its version whether this run's backward added to it)
+                    self._mark_versions[id(grad)] = grad._version
 
     # ---------------------------------------------------------------- hooks
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:

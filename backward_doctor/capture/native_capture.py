@@ -23,6 +23,7 @@ and CUDA (not yet run on a GPU).
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any, Iterator
 
@@ -285,6 +286,8 @@ class NativeCapture(NativeRecords, Capture):
             outermost = self._opt_depth == 0
             if outermost:
                 self._outer_step_began(opt, args, kwargs)
+                if self.history is not None and id(opt) not in self._stale_checked:
+                    self._check_stale_unrecorded(opt, sys._getframe(1))
             self._opt_depth += 1
             if "closure" in kwargs or len(args) > 1:  # (step(closure): the gradients are read after it ran)
                 wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, None, outermost))

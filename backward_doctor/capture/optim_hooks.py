@@ -94,12 +94,33 @@ class OptimizerHooks:
 
     def _check_stale(self, opt: torch.optim.Optimizer, step: OptimizerStep) -> None:
         """A gradient an earlier step already consumed, never cleared since: accumulation by accident."""
+        self._stale_checked.add(id(opt))  # (the unrecorded steps after it need not look again)
         marks = self.history.stepped_grads
         # Only gradients this run's backward added to: a step cell fed by another cell's backward
         # cannot see whether that cell zeroed them in between.
         stale = [(p, marks[grad_of(p)]) for g in opt.param_groups for p in g["params"]
                  if grad_of(p) is not None and id(p) in self._got_grad and grad_of(p) in marks]
         if stale:
+            self.trace.stale_steps.append(StaleStep(**dataclasses.asdict(step), params=len(stale),
+                                                    since_run=min(m[0] for _, m in stale),
+                                                    previous_line=stale[0][1][1]))
+
+    def _check_stale_unrecorded(self, opt: torch.optim.Optimizer, frame: Any) -> None:
+        """:meth:`_check_stale` for a step the recorder did not record (always on sleeps through a single step),
+        once per optimizer and run: no parameter hook said which gradients this run's backward added to, so a
+        gradient whose version moved since the run began says it (a ``zero_grad()`` before this window's
+        backward, which moves it too, means nothing is stale)."""
+        self._stale_checked.add(id(opt))
+        if not self._mark_versions or self._watch.backward_calls == 0 or self._accum.zeroed_first():
+            return
+        marks, versions = self.history.stepped_grads, self._mark_versions
+        stale = [(p, marks[g]) for group in opt.param_groups for p in group["params"]
+                 if (g := grad_of(p)) is not None and id(g) in versions and g._version != versions[id(g)]
+                 and g in marks]
+        if stale:
+            where = self._frames.where(frame)
+            step = OptimizerStep(index=self._count, optimizer=type(opt).__name__, id=id(opt), line=where.line,
+                                 file=where.file, cell_line=where.cell_line, function=where.function)
             self.trace.stale_steps.append(StaleStep(**dataclasses.asdict(step), params=len(stale),
                                                     since_run=min(m[0] for _, m in stale),
                                                     previous_line=stale[0][1][1]))

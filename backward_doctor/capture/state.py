@@ -105,6 +105,8 @@ class CaptureState:
         self._where_stacks: list[tuple[Where, tuple[int, ...]]] = []
         self._params: dict[int, weakref.ref] = {}
         self._got_grad: set[int] = set()  # ids of parameters autograd accumulated into
+        self._mark_versions: dict[int, int] = {}  # id -> version at the start of gradients earlier runs stepped
+        self._stale_checked: set[int] = set()  # optimizers an unrecorded step checked (optim_hooks.py)
         self._stepped_params: set[int] = set()  # ids of parameters an optimizer step of this run held
         self._opt_depth = 0
         self._writer: dict[int, int] = {}      # storage key -> last op that wrote it
