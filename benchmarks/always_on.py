@@ -10,8 +10,8 @@ Times are process CPU time, one torch thread, medians; ratios against the plain 
 (which mode runs first alternates round by round; cells without autograd get 5x the rounds, the trivial one
 200x: their differences are microseconds).
 
-Cells: a cell with no autograd (the MLP evaluated under ``no_grad`` on 40 batches, and a trivial
-``x = 1``), single training steps (the whole-path workloads), the 2,000-iteration loop, and
+Cells: a cell with no autograd (the MLP evaluated under ``no_grad`` on 40 batches, a trivial ``x = 1``, which
+has no call and is passed straight on, and ``n = len(x)``, which has one and so pays for the guess), single training steps (the whole-path workloads), the 2,000-iteration loop, and
 ``trainer.train()`` of a tiny ``transformers`` BERT (``tests/library_loops.py``, 20 steps). Memory held
 between cells: the bytes of tensor storage alive after a watched cell beyond what the plain run leaves,
 and the size of the one thing the doctor keeps (``last_report()``, its JSON).
@@ -30,7 +30,8 @@ from typing import Any, Callable
 import torch
 
 NO_AUTOGRAD = "with torch.no_grad():\n    for _ in range(40):\n        y = model(x)\nscore = float(y.mean())\n"
-TRIVIAL = "x_ = 1\n"
+TRIVIAL = "x_ = 1\n"  # (no call: always on passes it straight on)
+TRIVIAL_CALL = "n_ = len(x)\n"  # (a call: the guess runs, and the backward() trigger is armed)
 HF_TRAIN = "result = trainer.train()\n"
 #: budgets (benchmarks/RESULTS.md): loops and single steps, and a cell with no autograd
 BUDGET_STEP = (1.15, 0.010)
@@ -47,7 +48,8 @@ def cells(workloads: dict[str, Callable[[], tuple[dict, str]]], names: list[str]
     """(row name, builder of (namespace, cell)) for the always-on table."""
     rows: list[tuple[str, Callable]] = [
         ("no autograd: eval x40", lambda: ({**workloads["mlp"]()[0], "torch": torch}, NO_AUTOGRAD)),
-        ("no autograd: x = 1", lambda: ({**workloads["mlp"]()[0], "torch": torch}, TRIVIAL))]
+        ("no autograd: x = 1", lambda: ({**workloads["mlp"]()[0], "torch": torch}, TRIVIAL)),
+        ("no autograd: n = len(x)", lambda: ({**workloads["mlp"]()[0], "torch": torch}, TRIVIAL_CALL))]
     rows += [(f"step: {n}", workloads[n]) for n in names if not n.startswith("loop") and n in workloads]
     rows += [(n.replace("_", " "), workloads[n]) for n in names if n.startswith("loop") and n in workloads]
     rows.append(("trainer.train() tiny BERT", _hf_trainer))
@@ -104,7 +106,7 @@ def measure(name: str, build: Callable[[], tuple[dict, str]], rounds: int, shell
     times: dict[str, list[float]] = {"plain": [], "on": []}
     watched = not name.startswith("no autograd")
     n = rounds if watched else max(15, 5 * rounds)  # (cheap cells: more rounds, the differences are small)
-    if cell == TRIVIAL:
+    if cell in (TRIVIAL, TRIVIAL_CALL):
         n *= 40
     for r in range(n + 1):
         order = (False, True) if r % 2 else (True, False)  # which mode runs first alternates (no order bias)

@@ -124,6 +124,8 @@ def test_a_cell_without_autograd_is_not_watched_and_nothing_stays_installed(shel
     assert result.success and cap.stdout == "torch.Size([16, 1])\n" and cap.outputs == []
     assert bd.last_report() is last                                   # no run was made
     assert torch.autograd.backward is real_backward and fi.baseline() == before
+    result, cap = _run(shell, "z_ = 3\nz_")                          # no call at all: passed straight on
+    assert result.success and result.result == 3 and bd.last_report() is last
 
 
 def test_nan_at_iteration_30_is_reported_without_running_the_cell_again(shell):

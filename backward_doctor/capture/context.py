@@ -145,33 +145,35 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
             self.trace.notes.append(f"the cell left its own dispatch mode on ({', '.join(kept)}): it stays on, "
                                     "and the doctor's, under it, was taken off")
 
+    # (Hooks come and go during the run too: the native recorder's sleep, torch.compile. An exception from a
+    # signal handler can land on any line, so a handle is in its list from the line that makes it, and
+    # leaves the list only once removed: whatever is interrupted, the undo finds every hook still installed.)
+    @staticmethod
+    def _remove_all(handles: list[Any]) -> None:
+        while handles:
+            handles[-1].remove()  # (removing twice is harmless)
+            handles.pop()
+
     def _remove_parameter_hooks(self) -> None:
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.remove()
+        self._remove_all(self._handles)
 
     def _add_global_hooks(self) -> None:
-        self._global_handles = [
-            _optim.register_optimizer_step_pre_hook(self._optim_pre),
-            _optim.register_optimizer_step_post_hook(self._optim_post),
-        ]
+        if not self._global_handles:  # (installed once: compilations nest)
+            self._global_handles.append(_optim.register_optimizer_step_pre_hook(self._optim_pre))
+            self._global_handles.append(_optim.register_optimizer_step_post_hook(self._optim_post))
         self._add_module_hooks()
 
     def _add_module_hooks(self) -> None:
-        self._module_handles = [
-            _nn_module.register_module_forward_pre_hook(self._module_pre),
-            _nn_module.register_module_forward_hook(self._module_post, always_call=True),
-        ]
+        if not self._module_handles:
+            self._module_handles.append(_nn_module.register_module_forward_pre_hook(self._module_pre))
+            self._module_handles.append(_nn_module.register_module_forward_hook(self._module_post,
+                                                                                always_call=True))
 
     def _remove_module_hooks(self) -> None:
-        handles, self._module_handles = self._module_handles, []
-        for h in handles:
-            h.remove()
+        self._remove_all(self._module_handles)
 
     def _remove_global_hooks(self) -> None:
-        handles, self._global_handles = self._global_handles, []
-        for h in handles:
-            h.remove()
+        self._remove_all(self._global_handles)
         self._remove_module_hooks()
 
     def _compile_started(self) -> None:
