@@ -286,6 +286,8 @@ def test_a_single_step_runs_asleep_within_the_budget_and_computes_the_same(shell
     assert report.trace.op_count == 0 and report.trace.iterations.steps == 1 and report.ok
     assert any(n.startswith("always on recorded nothing op by op (the step ran with the recorder asleep")
                for n in report.trace.notes), report.trace.notes
+    assert str(report).startswith("backward_doctor: OK - the step ran and nothing went wrong (watched, not recorded "
+                                  "op by op: the silent checks did not run)"), str(report)[:200]
     for a, b in zip(_weights(shell.user_ns["model"]), _weights(ns_plain["model"])):
         assert torch.equal(a, b)
 

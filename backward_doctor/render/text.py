@@ -15,8 +15,8 @@ from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
 from .view import hang_threads, op_place, phase_counts, refused_fixes
 from .workers import worker_lines
-from .wording import (finding_title, fix_failed, fix_next_step, frame_label, original_verdict, recorder_words,
-                      what_ran)
+from .wording import (finding_title, fix_failed, fix_next_step, frame_label, ok_headline, original_verdict,
+                      recorder_words)
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
@@ -55,7 +55,7 @@ def render_text(report: "Report") -> str:
         slow = f" (ops up to {fr.slowdown:g}x slower with it)" if fr.slowdown else ""
         out.append(f"backward_doctor: FIXED - the step ran with {fr.name}{slow}; without it: {before}")
     elif report.ok:
-        out.append(f"backward_doctor: OK - {what_ran(tr)} ran and nothing looks wrong")
+        out.append(f"backward_doctor: OK - {ok_headline(tr)}")
     else:
         top = report.findings[0] if report.findings else None
         verdict = f"{finding_title(top)} at {top.location()}" if top else "the step did not complete"

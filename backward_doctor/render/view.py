@@ -18,7 +18,7 @@ from ..report.places import line_label
 from ..trace.queries import is_bookkeeping, source_lines
 from ..trace.records import OpRecord, TensorMeta, Trace, Where
 from .style import CATEGORY_LABELS
-from .wording import finding_title, original_verdict, what_ran
+from .wording import finding_title, ok_headline, original_verdict
 
 if TYPE_CHECKING:
     from ..report.report import Report
@@ -290,7 +290,8 @@ def verdict_parts(report: "Report") -> tuple[str, str, str, str]:
         if before:
             slow = f" With it ops run up to {fr.slowdown:g}x slower." if fr.slowdown else ""
             return "ok", "fixed", f"The step ran with {fr.name}", f"Without it: {before}.{slow}"
-        return "ok", "OK", f"{what_ran(tr).capitalize()} ran and nothing looks wrong", ""
+        headline = ok_headline(tr)
+        return "ok", "OK", headline[0].upper() + headline[1:], ""
     top = report.root_cause
     if top is None:
         what = "timed out" if tr.timed_out else "did not complete"

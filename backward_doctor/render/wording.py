@@ -97,6 +97,25 @@ def what_ran(trace: "Trace") -> str:
     return f"the cell ({steps} optimizer steps)" if steps > 1 else "the step"
 
 
+def ok_headline(trace: "Trace") -> str:
+    """A clean report's headline: what ran, and how much of it was looked at (always on may have watched the
+    step without recording its ops: then the checks that read ops did not run, and "nothing looks wrong"
+    would claim more than was seen).
+
+    >>> from backward_doctor.trace.records import Trace
+    >>> ok_headline(Trace())
+    'the step ran and nothing looks wrong'
+    >>> t = Trace(engine="native"); t.iterations.steps = 1
+    >>> ok_headline(t)
+    'the step ran and nothing went wrong (watched, not recorded op by op: the silent checks did not run)'
+    """
+    its = trace.iterations
+    if its.steps and not trace.op_count and not its.recorded and its.replayed is None:
+        return (f"{what_ran(trace)} ran and nothing went wrong (watched, not recorded op by op: the silent checks "
+                "did not run)")
+    return f"{what_ran(trace)} ran and nothing looks wrong"
+
+
 def original_verdict(result: "FixResult") -> str:
     """What was wrong with the step before the fix ('' when it was fine or is not known): a fixed
     report must not read as if nothing had ever been wrong.
