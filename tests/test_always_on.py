@@ -334,3 +334,17 @@ def test_a_long_cheap_loop_records_some_iterations_within_the_budget(shell):
         pytest.skip("the cost budget is the native recorder's")
     assert its.steps == 300 and its.recorded and 0 not in its.recorded
     assert set(its.recorded) <= {1, 2, 4, 8, 16, 32, 64, 128, 256}, its.recorded
+
+
+def test_a_step_that_takes_its_batch_from_an_iterator_is_not_run_again(shell):
+    _on(shell)
+    _run(shell, SETUP + "it = iter([x, x * float('nan'), x])\n")
+    cell = "xb = next(it)\nxb = next(it)\nloss = model(xb).pow(2).mean()\nloss.backward()\nopt.step()"
+    result, cap = _run(shell, cell)
+    assert result.success
+    report = bd.last_report()
+    assert report.trace.iterations.first_nonfinite == 0 and cap.outputs  # NaN/Inf: the report is shown
+    # the replay would have taken the iterator's next item: not run again, and the report says why
+    assert torch.equal(next(shell.user_ns["it"]), shell.user_ns["x"])
+    if report.trace.engine == "native":
+        assert any("take the next item of an iterator it reads" in n for n in report.trace.notes), report.trace.notes

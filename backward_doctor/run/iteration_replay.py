@@ -159,12 +159,10 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
     values = loop_values(rollback.values, list(rollback.values)) if rollback.values else ""
     try:
         found = (rollback.body, []) if rollback.body is not None else one_iteration(rollback.source, first.cell_file)
-        whole = found is None and _whole_cell(first, rollback)
+        whole = found is None and _whole_cell(first, rollback, namespace)
         if whole:  # (no loop in the cell, nothing stepped before it failed: the cell is the iteration)
             found = compile(rollback.source, first.cell_file, "exec"), []
-        why = rollback.why_not or ("" if found is not None else
-                                   "the cell's training loop fetches its own batch (`next(...)`) or was not found"
-                                   if rollback.source else "the library's training step could not be found")
+        why = rollback.why_not or ("" if found is not None else _why_no_body(rollback.source))
         end = None
         if not why and rollback.state is not None:
             end, why = take_if_it_fits(namespace)  # (names: the replay assigns only its copy's)
@@ -196,13 +194,27 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
     return _merged(first, detailed, k, values, whole=whole)
 
 
-def _whole_cell(first: Trace, rollback: IterationRollback) -> bool:
-    """The cell has no loop of its own and no library's, and at most one optimizer step ran in it: replaying
-    the cell replays the step (a loop inside a function the cell calls would run again whole: not that)."""
+def _why_no_body(source: str) -> str:
+    """Why no code was found to replay the iteration with (for the report's note)."""
     from ..util.loops import training_loop
 
+    if not source:
+        return "the library's training step could not be found"
+    if training_loop(source) is not None:
+        return "the cell's training loop fetches its own batch (`next(...)`): a replay would take the next one"
+    return ("the cell has no training loop of its own (the steps ran inside a function it calls), or running it "
+            "again would take the next item of an iterator it reads (`next(...)`)")
+
+
+def _whole_cell(first: Trace, rollback: IterationRollback, namespace: dict[str, Any]) -> bool:
+    """The cell has no loop of its own and no library's, and at most one optimizer step ran in it: replaying
+    the cell replays the step (a loop inside a function the cell calls would run again whole: not that). Not
+    when it takes its batch from an iterator the user holds (``next(it)``): the replay would take the next."""
+    from ..util.loops import draws_from_iterators, training_loop
+
     return (rollback.iteration == 0 and bool(rollback.source) and rollback._find_body is None
-            and first.iterations.steps <= 1 and training_loop(rollback.source) is None)
+            and first.iterations.steps <= 1 and training_loop(rollback.source) is None
+            and not draws_from_iterators(rollback.source, namespace))
 
 
 def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: dict[str, Any],

@@ -127,6 +127,32 @@ def training_loop(source: str) -> ast.For | ast.While | None:
     return best
 
 
+def draws_from_iterators(source: str, namespace: dict[str, Any]) -> bool:
+    """Whether running ``source`` again would take items from an iterator the user holds: a ``next(...)``, or a
+    loop or comprehension over a name bound to an iterator (a generator, ``iter(loader)``; a DataLoader or a
+    list is iterated afresh each time). A cell that does cannot be replayed without changing what the user's
+    next cell gets. (A cell that does not parse: True, nothing is replayed.)
+
+    >>> draws_from_iterators("xb = next(it)", {})
+    True
+    >>> draws_from_iterators("for b in batches:\\n    f(b)", {"batches": [1]})
+    False
+    >>> draws_from_iterators("for b in g:\\n    f(b)", {"g": (i for i in range(3))})
+    True
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next":
+            return True
+        if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.iter, ast.Name) \
+                and hasattr(namespace.get(node.iter.id), "__next__"):
+            return True
+    return False
+
+
 def one_iteration(source: str, filename: str) -> tuple[Any, list[str]] | None:
     """Code that runs the body of the cell's training loop once, on the cell's own line numbers (``break``
     and ``continue`` still work: it is a loop of one), and the loop's target names; None when there is no
