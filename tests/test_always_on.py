@@ -288,6 +288,8 @@ def test_a_single_step_runs_asleep_within_the_budget_and_computes_the_same(shell
                for n in report.trace.notes), report.trace.notes
     assert str(report).startswith("backward_doctor: OK - the step ran and nothing went wrong (watched, not recorded "
                                   "op by op: the silent checks did not run)"), str(report)[:200]
+    html = report.to_html()
+    assert "the ops ran with the recorder asleep" in html and "no op ran" not in html
     for a, b in zip(_weights(shell.user_ns["model"]), _weights(ns_plain["model"])):
         assert torch.equal(a, b)
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from ..analysis.findings import forward_where
 from ..report.places import line_label
 from .style import esc
+from .wording import unrecorded
 from .view import offending_record, tensor_bytes
 from ..trace.queries import line_text
 from ..trace.records import OpRecord, Trace
@@ -47,6 +48,7 @@ class ModuleGraph:
         self.highlight = highlight    # op index of the finding, if it is in the graph
         self.highlight_module = highlight_module
         self.has_backward = has_backward
+        self.unrecorded = False       # the step ran with the recorder asleep (always on): nothing to draw
         paths: set[str] = set()
         for op in ops.values():
             if op.module:
@@ -144,8 +146,9 @@ class ModuleGraph:
     def render_svg(self, expanded: set[str], within: str | None = None, max_width: int = 980) -> str:
         v = self.view(expanded, within)
         if not v.nodes:
-            msg = ("no autograd graph was recorded in this step (no forward op ran with gradients enabled "
-                   "on tensors that require grad)")
+            msg = ("no autograd graph was recorded: the ops ran with the recorder asleep (always on)"
+                   if self.unrecorded else "no autograd graph was recorded in this step (no forward op ran with "
+                   "gradients enabled on tensors that require grad)")
             return (f'<svg xmlns="http://www.w3.org/2000/svg" width="640" height="40" role="img">'
                     f'<text x="8" y="24" font-family="sans-serif" font-size="12" fill="#57606a">{esc(msg)}</text>'
                     "</svg>")
@@ -231,7 +234,9 @@ def build_graph(trace: Trace, report: "Report | None" = None) -> ModuleGraph:
     for e in edges:
         e.saved = e.key in saved.get(e.dst, {})
     hi, hi_module = _highlight(trace, report, ops)
-    return ModuleGraph(ops, edges, dict(saved), hi, hi_module, has_backward)
+    graph = ModuleGraph(ops, edges, dict(saved), hi, hi_module, has_backward)
+    graph.unrecorded = unrecorded(trace)
+    return graph
 
 
 def _out_keys(trace: Trace, index: int) -> list[int]:

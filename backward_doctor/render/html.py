@@ -42,6 +42,9 @@ def _img(data: bytes, alt: str) -> str:
 def memory_section(report: "Report") -> str:
     tr = report.trace
     if not tr.memory.op_index:
+        if wording.unrecorded(tr):
+            return ('<div class="sub">No memory timeline: the ops ran with the recorder asleep (always on records '
+                    'them only within its cost budget).</div>')
         return '<div class="sub">No memory was recorded (no op ran).</div>'
     from . import svg_plots
 

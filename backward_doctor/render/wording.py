@@ -97,6 +97,18 @@ def what_ran(trace: "Trace") -> str:
     return f"the cell ({steps} optimizer steps)" if steps > 1 else "the step"
 
 
+def unrecorded(trace: "Trace") -> bool:
+    """Steps ran but no op was recorded: always on watched them with the recorder asleep (``capture/sampling.py``),
+    so "no op ran" would be wrong.
+
+    >>> from backward_doctor.trace.records import Trace
+    >>> unrecorded(Trace())
+    False
+    """
+    its = trace.iterations
+    return bool(its.steps) and not trace.op_count and not its.recorded and its.replayed is None
+
+
 def ok_headline(trace: "Trace") -> str:
     """A clean report's headline: what ran, and how much of it was looked at (always on may have watched the
     step without recording its ops: then the checks that read ops did not run, and "nothing looks wrong"
@@ -109,8 +121,7 @@ def ok_headline(trace: "Trace") -> str:
     >>> ok_headline(t)
     'the step ran and nothing went wrong (watched, not recorded op by op: the silent checks did not run)'
     """
-    its = trace.iterations
-    if its.steps and not trace.op_count and not its.recorded and its.replayed is None:
+    if unrecorded(trace):
         return (f"{what_ran(trace)} ran and nothing went wrong (watched, not recorded op by op: the silent checks "
                 "did not run)")
     return f"{what_ran(trace)} ran and nothing looks wrong"
