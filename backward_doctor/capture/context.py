@@ -297,7 +297,8 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         # (stopped inside a loop: the iteration that was running, the first one included)
         self._note_loop_values(self.trace.iterations.steps)
         if self.rollback is not None and self._asleep and isinstance(exc, Exception) \
-                and not isinstance(exc, NameError) and not self.trace.timed_out and "out of memory" not in str(exc).lower() \
+                and not isinstance(exc, NameError) and not self.trace.timed_out \
+                and "out of memory" not in str(exc).lower() \
                 and "DataLoader worker" not in str(exc):  # (the loader's next batch: not the body's to replay)
             # An error in an iteration the recorder did not record: that iteration can be replayed
             # (its weights are still those it began with unless its optimizer step already ran). A name the

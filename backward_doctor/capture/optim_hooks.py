@@ -101,9 +101,12 @@ class OptimizerHooks:
         stale = [(p, marks[grad_of(p)]) for g in opt.param_groups for p in g["params"]
                  if grad_of(p) is not None and id(p) in self._got_grad and grad_of(p) in marks]
         if stale:
-            self.trace.stale_steps.append(StaleStep(**dataclasses.asdict(step), params=len(stale),
-                                                    since_run=min(m[0] for _, m in stale),
-                                                    previous_line=stale[0][1][1]))
+            self._stale_step(step, stale)
+
+    def _stale_step(self, step: OptimizerStep, stale: list[tuple[Any, tuple[int, int | None]]]) -> None:
+        """``step`` used the gradients of ``stale`` ((parameter, its mark), non-empty) an earlier step had used."""
+        self.trace.stale_steps.append(StaleStep(**dataclasses.asdict(step), params=len(stale),
+                                                since_run=min(m[0] for _, m in stale), previous_line=stale[0][1][1]))
 
     def _check_stale_unrecorded(self, opt: torch.optim.Optimizer, frame: Any) -> None:
         """:meth:`_check_stale` for a step the recorder did not record (always on sleeps through a single step),
@@ -119,11 +122,9 @@ class OptimizerHooks:
                  and g in marks]
         if stale:
             where = self._frames.where(frame)
-            step = OptimizerStep(index=self._count, optimizer=type(opt).__name__, id=id(opt), line=where.line,
-                                 file=where.file, cell_line=where.cell_line, function=where.function)
-            self.trace.stale_steps.append(StaleStep(**dataclasses.asdict(step), params=len(stale),
-                                                    since_run=min(m[0] for _, m in stale),
-                                                    previous_line=stale[0][1][1]))
+            self._stale_step(OptimizerStep(index=self._count, optimizer=type(opt).__name__, id=id(opt),
+                                           line=where.line, file=where.file, cell_line=where.cell_line,
+                                           function=where.function), stale)
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._opt_depth = max(0, self._opt_depth - 1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 
+from ..trace.queries import recorded_nothing
 from ..trace.records import Trace
 
 #: what turning one recorded op into the trace costs after the run (``_convert`` and ``_build_ops``: ~3-4 and
@@ -111,10 +112,10 @@ def nothing_recorded(trace: Trace) -> str | None:
     >>> nothing_recorded(Trace(engine="native", op_count=3)) is None
     True
     """
-    its = trace.iterations
-    if trace.op_count or its.recorded or its.replayed is not None:
+    if not recorded_nothing(trace):
         return None
-    what = "the step" if its.steps <= 1 else f"its {its.steps} steps"
+    steps = trace.iterations.steps
+    what = "the step" if steps <= 1 else f"its {steps} steps"
     return (f"always on recorded nothing op by op ({what} ran with the recorder asleep: recording costs 2-5x a "
             "plain step, more than always on's budget allows). The loss, gradient norm and memory were watched "
             "(a failure is replayed in detail); the checks that read the ops (silent broadcasting, detached "

@@ -974,23 +974,28 @@ double sumsq(const T* p, int64_t n) {
   return acc;
 }
 
+// Adds one gradient's sum of squares to ``acc``; false when it cannot be read in place (not CPU, not
+// contiguous, a subclass, an unsupported dtype). An undefined or empty gradient adds nothing.
+bool add_sumsq(const at::Tensor& g, double& acc) {
+  if (!g.defined() || g.numel() == 0) return true;
+  if (!readable(g)) return false;
+  const void* d = g.const_data_ptr();
+  int64_t n = g.numel();
+  switch (g.scalar_type()) {
+    case at::kFloat: acc += sumsq(static_cast<const float*>(d), n); return true;
+    case at::kDouble: acc += sumsq(static_cast<const double*>(d), n); return true;
+    case at::kHalf: acc += sumsq(static_cast<const at::Half*>(d), n); return true;
+    case at::kBFloat16: acc += sumsq(static_cast<const at::BFloat16*>(d), n); return true;
+    default: return false;
+  }
+}
+
 // Sum of squares over the gradients (their global L2 norm squared; NaN/Inf in any makes it non-finite);
-// None when one cannot be read in place (not CPU, not contiguous, a subclass).
+// None when one cannot be read in place.
 py::object grad_sumsq(const std::vector<at::Tensor>& grads) {
   double acc = 0;
-  for (const auto& g : grads) {
-    if (!g.defined() || g.numel() == 0) continue;
-    if (!readable(g)) return py::none();
-    const void* d = g.const_data_ptr();
-    int64_t n = g.numel();
-    switch (g.scalar_type()) {
-      case at::kFloat: acc += sumsq(static_cast<const float*>(d), n); break;
-      case at::kDouble: acc += sumsq(static_cast<const double*>(d), n); break;
-      case at::kHalf: acc += sumsq(static_cast<const at::Half*>(d), n); break;
-      case at::kBFloat16: acc += sumsq(static_cast<const at::BFloat16*>(d), n); break;
-      default: return py::none();
-    }
-  }
+  for (const auto& g : grads)
+    if (!add_sumsq(g, acc)) return py::none();
   return py::float_(acc);
 }
 
@@ -1008,19 +1013,7 @@ py::object groups_grad_sumsq(const py::list& groups) {
       PyObject* obj = PyList_GET_ITEM(params, i);
       if (!THPVariable_Check(obj)) return py::none();
       const at::Tensor& p = THPVariable_Unpack(obj);
-      if (!p.is_leaf() && !p.retains_grad()) continue;
-      const at::Tensor& g = p.grad();
-      if (!g.defined() || g.numel() == 0) continue;
-      if (!readable(g)) return py::none();
-      const void* d = g.const_data_ptr();
-      int64_t m = g.numel();
-      switch (g.scalar_type()) {
-        case at::kFloat: acc += sumsq(static_cast<const float*>(d), m); break;
-        case at::kDouble: acc += sumsq(static_cast<const double*>(d), m); break;
-        case at::kHalf: acc += sumsq(static_cast<const at::Half*>(d), m); break;
-        case at::kBFloat16: acc += sumsq(static_cast<const at::BFloat16*>(d), m); break;
-        default: return py::none();
-      }
+      if ((p.is_leaf() || p.retains_grad()) && !add_sumsq(p.grad(), acc)) return py::none();
     }
   }
   return py::float_(acc);

@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..analysis.findings import Finding
+from ..trace.queries import recorded_nothing
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
@@ -105,8 +106,7 @@ def unrecorded(trace: "Trace") -> bool:
     >>> unrecorded(Trace())
     False
     """
-    its = trace.iterations
-    return bool(its.steps) and not trace.op_count and not its.recorded and its.replayed is None
+    return bool(trace.iterations.steps) and recorded_nothing(trace)
 
 
 def ok_headline(trace: "Trace") -> str:

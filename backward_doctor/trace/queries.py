@@ -22,6 +22,17 @@ def is_bookkeeping(op_name: str) -> bool:
     return op_name.startswith(BOOKKEEPING_PREFIXES)
 
 
+def recorded_nothing(trace: Trace) -> bool:
+    """No op of the run is in the trace, recorded or replayed: the native recorder slept through all of it
+    (always on's cost budget, ``capture/sampling.py``), or no op ran at all.
+
+    >>> recorded_nothing(Trace()), recorded_nothing(Trace(op_count=3))
+    (True, False)
+    """
+    its = trace.iterations
+    return not trace.op_count and not its.recorded and its.replayed is None
+
+
 def source_lines(trace: Trace, file: str | None) -> dict[int, str]:
     """The lines of the cell (``file`` None) or of ``file`` that the trace holds, by number: the whole cell,
     and of another file only the excerpts copied when the run was recorded (never read from disk here).

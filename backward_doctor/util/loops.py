@@ -127,6 +127,11 @@ def training_loop(source: str) -> ast.For | ast.While | None:
     return best
 
 
+def _calls_next(tree: ast.AST) -> bool:
+    """``next(...)`` is called somewhere in ``tree`` (code that fetches its own batch from an iterator)."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "next" for n in ast.walk(tree))
+
+
 def draws_from_iterators(source: str, namespace: dict[str, Any]) -> bool:
     """Whether running ``source`` again would take items from an iterator the user holds: a ``next(...)``, or a
     loop or comprehension over a name bound to an iterator (a generator, ``iter(loader)``; a DataLoader or a
@@ -144,9 +149,9 @@ def draws_from_iterators(source: str, namespace: dict[str, Any]) -> bool:
         tree = ast.parse(source)
     except SyntaxError:
         return True
+    if _calls_next(tree):
+        return True
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next":
-            return True
         if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.iter, ast.Name) \
                 and hasattr(namespace.get(node.iter.id), "__next__"):
             return True
@@ -163,8 +168,7 @@ def one_iteration(source: str, filename: str) -> tuple[Any, list[str]] | None:
     ['i']
     """
     loop = training_loop(source)
-    if loop is None or any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "next"
-                           for n in ast.walk(loop)):
+    if loop is None or _calls_next(loop):
         return None
     once = ast.For(target=ast.Name(id="__backward_doctor_once", ctx=ast.Store()),
                    iter=ast.Tuple(elts=[ast.Constant(0)], ctx=ast.Load()), body=loop.body, orelse=[])
