@@ -82,6 +82,12 @@ def test_guess_of_which_cells_train():
     assert might_train("outer(net)", ns) and might_train("e.go()", ns)  # through the notebook's own code
     assert not might_train("plot()\nprint(df.head())\ny = model(x)", ns)
     assert not might_train("import numpy as np\nnp.mean([1, 2])", ns)  # a library's function is not followed
+    # a plain tensor's methods are torch's (decided without a call); a subclass of the user's is followed
+    exec("import torch\nclass Mine(torch.Tensor):\n    def total(self):\n        outer(None)\n", ns)
+    ns.update(x=torch.zeros(2), w=torch.nn.Parameter(torch.zeros(2)))
+    assert not might_train("n = len(x) + w.numel()\nx.sum()", ns) and might_train("x.backward()", ns)
+    ns["m"] = torch.zeros(2).as_subclass(ns["Mine"])
+    assert might_train("m.total()", ns)
 
 
 def test_on_off_status_and_bad_arguments(shell):

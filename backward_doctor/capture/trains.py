@@ -22,6 +22,8 @@ import re
 import types
 from typing import Any
 
+import torch
+
 from .frames import _library_dirs
 
 #: Names whose call means training: autograd's entry points, an optimizer's step, the libraries' loops.
@@ -33,8 +35,10 @@ _DEPTH = 3  # calls followed from the cell into the notebook's own functions
 _MAX_CACHE = 4096
 _by_code: dict[types.CodeType, bool] = {}  # (code objects hold no tensor: names and constants only)
 #: values whose attributes and calls run no code of the user's (and a name the namespace lacks: a builtin,
-#: or one the cell assigns): ``x = 1`` is decided without a function call
-_INERT = frozenset({type(None), int, float, bool, str, bytes, complex, list, tuple, dict, set, range})
+#: or one the cell assigns; a plain tensor, whose methods are torch's: ``x.backward()`` is caught by its name):
+#: ``n = len(x)`` is decided without a function call
+_INERT = frozenset({type(None), int, float, bool, str, bytes, complex, list, tuple, dict, set, range,
+                    torch.Tensor, torch.nn.Parameter})
 
 
 def might_train(source: str, namespace: dict[str, Any]) -> bool:

@@ -85,15 +85,21 @@ class AlwaysOn:
         self._depth = 0
         self._original: Callable[..., Any] | None = None
         self._trigger = BackwardTrigger()
+        self._cell = ""  # (the cell running with the trigger armed, and what its watch opened with)
+        self._opened: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- on / off
     def install(self) -> None:
         original = self.shell.run_cell
         self._original = original
 
+        search, method = _CALLS.search, self.run_cell
+
         @functools.wraps(original)
         def run_cell(raw_cell: str, *args: Any, **kwargs: Any) -> Any:
-            return self.run_cell(raw_cell, *args, **kwargs)
+            if type(raw_cell) is str and not search(raw_cell):  # (the commonest cell: one call less)
+                return original(raw_cell, *args, **kwargs)
+            return method(raw_cell, *args, **kwargs)
 
         run_cell.__backward_doctor__ = self  # type: ignore[attr-defined]
         self._trigger.install()
@@ -108,15 +114,14 @@ class AlwaysOn:
     # ---------------------------------------------------------------- each cell
     def run_cell(self, raw_cell: str, *args: Any, **kwargs: Any) -> Any:
         original = self._original
-        if type(raw_cell) is str and not _CALLS.search(raw_cell):
+        if (type(raw_cell) is not str or not _CALLS.search(raw_cell) or self._depth
+                or kwargs.get("silent", args[1] if len(args) > 1 else False)
+                or raw_cell.lstrip().startswith(_DOCTOR_MAGIC)
+                or threading.get_ident() != threading.main_thread().ident or active()):
             # No call, no magic, no shell command (`x = 1`, `loss`): nothing that could train runs, so not even
-            # the guess and the trigger (a cell like this costs ~100 us in IPython: the guess would be 5%)
-            return original(raw_cell, *args, **kwargs)
-        silent = kwargs.get("silent", args[1] if len(args) > 1 else False)
-        if (self._depth or silent or not isinstance(raw_cell, str) or raw_cell.lstrip().startswith(_DOCTOR_MAGIC)
-                or threading.current_thread() is not threading.main_thread() or active()):
-            # A nested run (the cell magic's own), a silent request, `%%backward_doctor` (it wins), or a
-            # diagnosis already running: the cell as it is.
+            # the guess and the trigger (a cell like this costs ~100 us in IPython: the guess would be 5%). A
+            # nested run (the cell magic's own), a silent request, `%%backward_doctor` (it wins), or a diagnosis
+            # already running: the cell as it is.
             return original(raw_cell, *args, **kwargs)
         self._depth += 1
         try:
@@ -179,29 +184,33 @@ class AlwaysOn:
 
     def _triggered(self, raw_cell: str, args: tuple, kwargs: dict) -> Any:
         """A cell the guess said would not train: run as it is, the ``backward()`` trigger armed (it opens a
-        watch at the first call, and holds back the traceback from then on)."""
-        opened: dict[str, Any] = {}
-        self._trigger.arm(lambda frame: self._open_at(frame, raw_cell, opened))
+        watch at the first call, and holds back the traceback from then on). (The common case, a cell that
+        calls no ``backward()``, pays for two attribute writes and a test here: no closure is made.)"""
+        trigger = self._trigger
+        self._cell = raw_cell
+        trigger.arm(self._open_at)
         try:
             result = self._original(raw_cell, *args, **kwargs)
         except BaseException:  # (IPython's own machinery raised: end what opened, then let it through)
-            watch = self._trigger.disarm()
+            watch = trigger.disarm()
             if watch is not None:
                 watch.end(None)
-                opened["held"].show()
+                self._opened["held"].show()
             raise
-        watch = self._trigger.disarm()
+        watch = trigger.disarm()
         if watch is None:
             return result
+        opened = self._opened
         report = watch.end(result.error_in_exec)
         report.trace.notes.append(f"always on: the watch began at the cell's first backward() (line "
                                   f"{opened.get('line')}); what ran before it was not recorded")
         self._after(report, opened.get("source", raw_cell), opened["held"], result)
         return result
 
-    def _open_at(self, frame: Any, raw_cell: str, opened: dict[str, Any]) -> Watch:
+    def _open_at(self, frame: Any) -> Watch:
         """The watch a cell that was not expected to train opens at its first ``backward()`` (``frame``)."""
-        shell, opts = self.shell, self.options
+        shell, opts, raw_cell = self.shell, self.options, self._cell
+        opened = self._opened = {}
         outer = getattr(shell.displayhook, "exec_result", None)  # (the cell's number: its result knows it)
         number = getattr(outer, "execution_count", None)
         number = number if isinstance(number, int) else shell.execution_count
