@@ -38,6 +38,8 @@ from .accum_check import EquivalenceCheck, divisor, number
 from .process import doctors_own
 from ..util.units import available_ram, format_bytes
 
+_SEQUENCES = (tuple, list)
+
 _DETAILED = 16      # windows recorded in detail (where each call was made), then only counted
 _ANOMALIES = 8      # further windows kept because they zeroed gradients inside or stepped off a library's sync
 _CALLS = 8          # backward() calls kept per window
@@ -147,7 +149,7 @@ class AccumulationWatch:
             sync, _ = _accelerate_state(self._accelerate)
             if sync is not None:
                 self._syncs.add(sync)
-        t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
+        t = tensors[0] if isinstance(tensors, _SEQUENCES) and len(tensors) == 1 else tensors  # (the loss)
         if self._first_backward:  # the run's first window: gradients nobody zeroed may be None already
             self._first_backward = False
             self._zeroed = self._zeroed or all(p.grad is None for p in self._params())
@@ -260,9 +262,11 @@ class AccumulationWatch:
         self._depth = max(0, self._depth - 1)
         opt, self._opt = getattr(self, "_opt", None), None
         rec, n = self.record, self._n
-        while len(rec.per_step) <= min(n, _BUCKETS - 1):
-            rec.per_step.append(0)
-        rec.per_step[min(n, _BUCKETS - 1)] += 1
+        bucket = n if n < _BUCKETS else _BUCKETS - 1
+        per_step = rec.per_step
+        while len(per_step) <= bucket:
+            per_step.append(0)
+        per_step[bucket] += 1
         sync, num = _accelerate_state(self._accelerate) if self._accelerate is not None else (None, 0)
         zeros = [self._stepped(z, ref, opt) for z, ref in self._zeros] if self._zeros else []
         odd = n >= 2 and any(z.stepped for z in zeros) or sync is False

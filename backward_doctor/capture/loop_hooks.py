@@ -24,6 +24,7 @@ from .precision_watch import PrecisionWatch
 from .process import doctors_own, patch
 
 _sequence_nr = torch._C._autograd._get_sequence_nr
+_SEQUENCES = (tuple, list)
 
 
 class LoopHooks:
@@ -49,6 +50,8 @@ class LoopHooks:
         def wrap(real: Any) -> Any:
             def backward(*args: Any, **kwargs: Any) -> Any:
                 tensors = args[0] if args else kwargs.get("tensors")
+                if isinstance(tensors, _SEQUENCES) and len(tensors) == 1:  # (the loss, once for both watches)
+                    tensors = tensors[0]
                 watch.saw_backward(tensors)
                 accum.backward_began(tensors)
                 try:

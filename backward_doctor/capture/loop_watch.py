@@ -30,6 +30,8 @@ from .memory import grad_of
 from ..trace.parts import Iterations
 from .process import doctors_own
 
+_SEQUENCES = (tuple, list)
+
 _MAX_POINTS = 4096  # per series; past it every other point is dropped and the stride doubles
 
 
@@ -119,7 +121,7 @@ class LoopWatch:
         """``backward()`` was called on ``tensors``: the latest one-element one is the loss."""
         self._backwards += 1
         self.backward_calls += 1
-        t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
+        t = tensors[0] if isinstance(tensors, _SEQUENCES) and len(tensors) == 1 else tensors  # (the loss)
         value = self._scalar(t) if isinstance(t, torch.Tensor) else None
         if value is None:
             return
@@ -132,14 +134,14 @@ class LoopWatch:
 
     def before_step(self, opt: torch.optim.Optimizer) -> None:
         """The outermost ``optimizer.step()`` is about to run: the gradients it will use, its lr."""
-        group = opt.param_groups[0] if opt.param_groups else {}
+        groups = opt.param_groups  # (read once: this runs at every step of a loop)
+        group = groups[0] if groups else {}
         lr = group.get("lr")
         self._lr = float(lr) if isinstance(lr, (int, float)) else None
         if self.its.base_lr is None:  # (a scheduler keeps the configured rate as "initial_lr")
             base = group.get("initial_lr", lr)
             self.its.base_lr = float(base) if isinstance(base, (int, float)) else None
         if self._sumsq is not None:
-            groups = opt.param_groups
             try:
                 if self._groups_sumsq is not None and type(groups) is list:
                     ss = self._groups_sumsq(groups)
@@ -151,9 +153,11 @@ class LoopWatch:
                     raise
                 ss = None
             if ss is not None:
-                self._norm = math.sqrt(ss) if math.isfinite(ss) else math.inf
-                if not math.isfinite(ss) and not self._bad:
-                    self._bad = "gradients"
+                if math.isfinite(ss):
+                    self._norm = math.sqrt(ss)
+                else:
+                    self._norm = math.inf
+                    self._bad = self._bad or "gradients"
         if self._bad:
             self._first(self._bad)
 

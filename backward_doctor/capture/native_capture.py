@@ -133,6 +133,7 @@ class NativeCapture(NativeRecords, NativeSampling, Capture):
         self._iter_t = 0.0       # when the latest iteration the policy was asked about began (perf_counter)
         self._iter_k = 0         # and its number
         self._iter_ops = 0       # the recorder's op count then
+        self._next_candidate = 0  # asleep: the first iteration the policy is asked about again
         self._compiling = 0
         if self.check_indices:
             raise ValueError("NativeCapture: check_indices needs the Python tier (Capture)")

@@ -43,7 +43,7 @@ class NativeSampling:
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._asleep:
-            self._opt_depth = max(0, self._opt_depth - 1)
+            self._opt_depth = self._opt_depth - 1 if self._opt_depth > 0 else 0
             # (the next run, and the next recorded iteration, must know these gradients were consumed: marked
             # when the recorder wakes or the run ends, not at every step of a long loop)
             self._unmarked[id(opt)] = (opt, self._watch.backward_calls)
@@ -61,9 +61,9 @@ class NativeSampling:
     def _begin_iteration(self, iteration: int) -> None:
         """Recorded if the sampling policy picks it (``sampling.py``); else the recorder sleeps. (Asleep, an
         iteration that is no candidate costs one test: a loop of thousands pays it at every step.)"""
-        policy = self._sampling
-        if policy is not None and self._asleep and not policy.candidate(iteration):
+        if self._asleep and iteration < self._next_candidate:
             return
+        policy = self._sampling
         now = time.perf_counter()
         ops = None if self._asleep else self._ext.op_count() - self._iter_ops
         if policy is None or policy.records(iteration, now=now, last_s=now - self._iter_t,
@@ -75,6 +75,8 @@ class NativeSampling:
         elif not self._asleep and self._opt_depth == 0 and not self._compiling:
             self._fall_asleep()
         self._iter_t, self._iter_k = time.perf_counter(), iteration
+        # (asleep, the iterations before the next candidate are not even asked about: one comparison each)
+        self._next_candidate = policy.next_candidate(iteration) if policy is not None else 0
 
     def _fall_asleep(self) -> None:
         if self._ext.sleep():

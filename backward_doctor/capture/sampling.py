@@ -50,6 +50,13 @@ class Sampling:
         """Whether ``iteration`` may be recorded at all (a cheap test: asleep, the others are not asked)."""
         return True
 
+    def next_candidate(self, iteration: int) -> int:
+        """The first candidate after ``iteration`` (asleep, the iterations before it are not asked about)."""
+        k = iteration + 1
+        while not self.candidate(k):
+            k += 1
+        return k
+
     def records(self, iteration: int, *, now: float, last_s: float, last_n: int = 1,
                 last_ops: int | None = None) -> bool:
         """Whether ``iteration`` (>= 1, a candidate) is recorded. ``now``: ``perf_counter()``; ``last_s``: how
@@ -63,12 +70,18 @@ class PowersOfTwo(Sampling):
 
     >>> [k for k in range(1, 20) if PowersOfTwo().candidate(k)]
     [1, 2, 4, 8, 16]
+    >>> [PowersOfTwo().next_candidate(k) for k in (0, 1, 2, 3, 4, 5, 1000)]
+    [1, 2, 4, 4, 8, 8, 1024]
     """
 
     name = "iterations 0, 1, 2 and powers of two"
 
     def candidate(self, iteration: int) -> bool:
         return iteration < 3 or iteration & (iteration - 1) == 0
+
+    def next_candidate(self, iteration: int) -> int:
+        k = iteration + 1
+        return k if k < 3 else 1 << (k - 1).bit_length()
 
 
 class CostBudget(PowersOfTwo):
