@@ -284,12 +284,17 @@ def test_a_dispatch_mode_the_cell_leaves_on_stays_on_and_the_doctors_goes(engine
     def stack():
         return [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
 
+    def leave_modes() -> None:
+        # (each mode the cell left on leaves through its __exit__: popped raw, torch's module-level "a dispatch
+        # mode is on" flags would stay set, and every later torch.compile in this process would run eagerly)
+        while torch._C._len_torch_dispatch_stack() > before:
+            torch._C._get_dispatch_stack_at(torch._C._len_torch_dispatch_stack() - 1).__exit__(None, None, None)
+
     plain = {"torch": torch, "Mode": _Counting}
     try:
         exec(cell, plain)
     finally:
-        while torch._C._len_torch_dispatch_stack() > before:
-            torch._C._pop_torch_dispatch_stack(None)
+        leave_modes()
     ns = {"torch": torch, "Mode": _Counting}
     try:
         report = bd.diagnose(cell, ns, engine=engine)
@@ -301,8 +306,10 @@ def test_a_dispatch_mode_the_cell_leaves_on_stays_on_and_the_doctors_goes(engine
         if engine == "python":
             assert any("dispatch mode" in n for n in report.trace.notes), report.trace.notes
     finally:
-        while torch._C._len_torch_dispatch_stack() > before:
-            torch._C._pop_torch_dispatch_stack(None)
+        leave_modes()
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    assert not is_in_torch_dispatch_mode()  # (the doctor handed torch's flags on when it left from under the mode)
 
 
 # --------------------------------------------------------------------------- 14. no warnings of the doctor's own
