@@ -118,7 +118,7 @@ struct State {
   bool frames_on = true;
   int optimizer_depth = 0;
   int paused = 0;  // > 0 while torch.compile compiles: its ops on fake tensors are not the step's
-  bool asleep = false;  // the observer is disabled (a training loop's iteration not sampled): zero cost
+  bool asleep = false;  // the observer is removed (a training loop's iteration not sampled): zero cost
   // A simulated device of `limit` bytes (-1: none): an allocation that would take the live bytes
   // (storages counted so far, as the timeline counts them) past it fails, inside the op that asks for
   // it, as a real device's would. (Temporaries an op frees before it ends are not added up, as the
