@@ -355,6 +355,26 @@ def test_a_loop_strided_by_rank_is_not_a_desync():
     assert (f.kind, f.rank, f.evidence["seq"]) == ("desync", 1, 5)
 
 
+def test_calls_in_flight_when_the_time_limit_stopped_advancing_ranks_are_not_a_desync():
+    # A correct DDP loop stopped by --timeout mid-step (seen once in CI): rank 0 inside the backward's
+    # all-reduce, rank 1 inside the forward's buffer sync, both numbered #1675 (DDP's C++ all-reduce is counted
+    # when launched, asynchronously). Both had progressed 0.2 s before: a slow run, not a desync.
+    def rank(k, op, line):
+        done = [Collective(j, "all_reduce", seq=j, count=1, sizes=[[4]], line=9) for j in range(3)]
+        return RankRecord(k, 2, stopped="timeout", progress_s=0.2,
+                          collectives=done + [Collective(3, op, seq=3, count=None, sizes=[[4]], line=line)])
+    ranks = [rank(0, "all_reduce", 9), rank(1, "broadcast", 8)]
+    assert [f.kind for f in analyze_ranks(ranks, timeout=8)][:1] == ["timeout"]
+    # the same calls after the ranks had stopped advancing (waiting on each other for 5 s): a desync
+    for r in ranks:
+        r.progress_s = 5.0
+    assert analyze_ranks(ranks, timeout=8)[0].kind == "desync"
+    # and calls that returned are compared as ever, however recent the progress
+    for r in ranks:
+        r.progress_s, r.collectives[-1].count = 0.2, 1
+    assert analyze_ranks(ranks, timeout=8)[0].kind == "desync"
+
+
 def test_recorder_restores_on_keyboard_interrupt():
     import torch.distributed as dist
 

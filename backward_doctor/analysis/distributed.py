@@ -19,7 +19,7 @@ import re
 
 from .findings import Finding
 from .rules import analyze
-from .rank_rules import crashed, first_nonfinite, hang, unused_parameters
+from .rank_rules import crashed, first_nonfinite, hang, still_progressing, unused_parameters
 from ..trace.distributed import DDP_BACKWARD, Collective, RankRecord, loop_text
 
 #: What a rank sees when a peer failed or went missing: a consequence, never the root cause.
@@ -100,10 +100,13 @@ def _culprit(calls: dict[int, Collective], bases: dict[int, dict[str, int]]) -> 
     return min(rank for rank in calls if sig[rank] != sig[lowest])
 
 
-def desync(ranks: list[RankRecord]) -> list[Finding]:
+def desync(ranks: list[RankRecord], timeout: float | None = None) -> list[Finding]:
     """The first collective (by sequence number) that the ranks issued differently: op, sizes, or the
     loop step they were in. A rank with no collective where the others have one is only a desync when
-    it issued later ones (else it stopped there: that is the crash or the hang).
+    it issued later ones (else it stopped there: that is the crash or the hang). Nor are calls every rank
+    was still inside when the launcher's time limit stopped ranks that were all still advancing
+    (``timeout``): a collective DDP issues from C++ is counted when it is launched, asynchronously, so at
+    that moment one rank's call in flight can take the number of the other's next one.
 
     >>> ok = [RankRecord(k, 2, collectives=[Collective(0, "barrier", seq=0, count=1, line=3)]) for k in range(2)]
     >>> desync(ok)
@@ -115,6 +118,8 @@ def desync(ranks: list[RankRecord]) -> list[Finding]:
         calls = {rank: s[seq] for rank, s in slots.items() if seq in s}
         gap = [rank for rank, s in slots.items() if seq not in s and s and max(s) > seq]
         if len({_signature(c, bases[rank]) for rank, c in calls.items()}) <= 1 and not gap:
+            continue
+        if not gap and _in_flight_when_stopped(calls, slots, seq, ranks, timeout):
             continue
         culprit = gap[0] if gap else _culprit(calls, bases)
         c = calls.get(culprit) or next(iter(calls.values()))
@@ -139,6 +144,14 @@ def desync(ranks: list[RankRecord]) -> list[Finding]:
     return []
 
 
+def _in_flight_when_stopped(calls: dict[int, Collective], slots: dict[int, dict[int, Collective]], seq: int,
+                            ranks: list[RankRecord], timeout: float | None) -> bool:
+    """Every call at ``seq`` is its rank's last and had not returned, and the time limit stopped every rank
+    while it was still advancing (``rank_rules.still_progressing``): nothing to compare yet."""
+    return (all(c.count is None and seq == max(slots[rank]) for rank, c in calls.items())
+            and still_progressing(ranks, timeout))
+
+
 def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list[Finding]:
     """All findings of a distributed run, root cause first, each with its ``rank`` (None: all ranks);
     ``timeout``: the launcher's, in seconds (for the hang's message)."""
@@ -146,7 +159,7 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
     own = {r.rank: [_tag(f, r.rank) for f in analyze(r.trace)] if r.trace is not None else [] for r in ranks}
     roots = unused_parameters(ranks)
     if not roots:  # unused parameters explain the missing DDP all-reduce on their rank
-        roots += desync(ranks)
+        roots += desync(ranks, timeout)
     nan = first_nonfinite(ranks, own)
     roots += nan
     roots += crashed(ranks, culprit=roots[0].rank if roots else None)
