@@ -38,8 +38,6 @@ from .accum_check import EquivalenceCheck, divisor, number
 from .process import doctors_own
 from ..util.units import available_ram, format_bytes
 
-_SEQUENCES = (tuple, list)
-
 _DETAILED = 16      # windows recorded in detail (where each call was made), then only counted
 _ANOMALIES = 8      # further windows kept because they zeroed gradients inside or stepped off a library's sync
 _CALLS = 8          # backward() calls kept per window
@@ -137,9 +135,10 @@ class AccumulationWatch:
         return self._frames.where(sys._getframe(2)) if self._frames is not None else None
 
     # ---------------------------------------------------------------- backward()
-    def backward_began(self, tensors: Any) -> None:
-        """``backward()`` is about to run on ``tensors`` (the loss). A backward() run from inside another
-        (reentrant checkpointing recomputes and backpropagates a segment) is part of that one: not counted."""
+    def backward_began(self, t: Any) -> None:
+        """``backward()`` is about to run on ``t`` (the loss; the caller unpacks a one-element sequence). A
+        backward() run from inside another (reentrant checkpointing recomputes and backpropagates a segment) is
+        part of that one: not counted."""
         if threading.get_ident() != self._thread or _graph_task_id() != -1:
             self._nested.append(True)
             return
@@ -149,7 +148,6 @@ class AccumulationWatch:
             sync, _ = _accelerate_state(self._accelerate)
             if sync is not None:
                 self._syncs.add(sync)
-        t = tensors[0] if isinstance(tensors, _SEQUENCES) and len(tensors) == 1 else tensors  # (the loss)
         if self._first_backward:  # the run's first window: gradients nobody zeroed may be None already
             self._first_backward = False
             self._zeroed = self._zeroed or all(p.grad is None for p in self._params())

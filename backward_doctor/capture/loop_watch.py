@@ -30,8 +30,6 @@ from .memory import grad_of
 from ..trace.parts import Iterations
 from .process import doctors_own
 
-_SEQUENCES = (tuple, list)
-
 _MAX_POINTS = 4096  # per series; past it every other point is dropped and the stride doubles
 
 
@@ -117,12 +115,12 @@ class LoopWatch:
         self.backward_calls = 0  # all of the run's
 
     # ---------------------------------------------------------------- during an iteration
-    def saw_backward(self, tensors: Any) -> None:
-        """``backward()`` was called on ``tensors``: the latest one-element one is the loss."""
+    def saw_backward(self, loss: Any) -> None:
+        """``backward()`` was called on ``loss`` (its tensor, or what it was given when that is not one tensor:
+        the wrapper in ``loop_hooks.py`` unpacks a one-element sequence): a one-element tensor is the loss."""
         self._backwards += 1
         self.backward_calls += 1
-        t = tensors[0] if isinstance(tensors, _SEQUENCES) and len(tensors) == 1 else tensors  # (the loss)
-        value = self._scalar(t) if isinstance(t, torch.Tensor) else None
+        value = self._scalar(loss) if isinstance(loss, torch.Tensor) else None
         if value is None:
             return
         self._loss = value
