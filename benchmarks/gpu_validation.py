@@ -14,7 +14,11 @@ Sections (each bounded, each a dict in the JSON; one failing section does not en
 - ``snapshot``: the exported memory snapshot against ``torch.cuda.memory._snapshot()`` of the same step;
 - ``async``: what notebook 02 says about asynchronous execution, measured;
 - ``always_on``: ``%backward_doctor on`` on a CUDA training loop against the plain cell (wall time, synced);
-- ``native``: the native recorder forced on for CUDA, op by op against the Python tier.
+- ``native``: the native recorder forced on for CUDA, op by op against the Python tier;
+- ``compiled``: ``torch.compile`` (inductor) under the doctor: weights, recompilations, what the report says;
+- ``panel``: a CUDA report saved as HTML and trace (``$OUT``) for a screenshot elsewhere;
+- ``always_on_failures``: ``%backward_doctor on`` when a CUDA loop goes NaN, runs out of memory or indexes
+  out of range (run last: a missed device-side assert ends the process's CUDA context).
 
 Nothing here runs without CUDA (it says so and exits 2).
 """
@@ -451,9 +455,125 @@ def amp() -> dict[str, Any]:
     return out
 
 
+_NAN_LOOP = """
+steps = 0
+for i in range(60):
+    opt.zero_grad()
+    out = model(x)
+    out = out / (i - 45) if i == 45 else out
+    loss = torch.nn.functional.cross_entropy(out, y)
+    loss.backward()
+    opt.step()
+    steps += 1
+torch.cuda.synchronize()
+"""
+_OOM_LOOP = """
+for i in range(30):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    if i == 12:
+        big = torch.empty(1 << 38, dtype=torch.uint8, device="cuda")
+    loss.backward()
+    opt.step()
+"""
+_BAD_INDEX_LOOP = """
+for i in range(30):
+    opt.zero_grad()
+    target = y.clone()
+    if i == 20:
+        target[3] = 99
+    loss = torch.nn.functional.cross_entropy(model(x), target)
+    loss.backward()
+    opt.step()
+"""
+
+
+def always_on_failures() -> dict[str, Any]:
+    """``%backward_doctor on`` when a CUDA loop fails: NaN at iteration 45 (no exception), a real allocator OOM
+    at iteration 12, a class index out of range at iteration 20 (a device-side assert when run plain: only
+    under the doctor here, last, since an assert would end this process's CUDA context)."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    import backward_doctor as bd
+
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext backward_doctor", store_history=False)
+    out: dict[str, Any] = {}
+    for name, cell in (("nan_at_45", _NAN_LOOP), ("oom_at_12", _OOM_LOOP), ("bad_index_at_20", _BAD_INDEX_LOOP)):
+        sh.run_cell("%backward_doctor on", store_history=False)
+        sh.user_ns.update(_mlp(seed=4))
+        t0 = time.perf_counter()
+        with capture_output() as cap:
+            res = sh.run_cell(cell, store_history=True)
+        r = bd.last_report()
+        shown = [o.data.get("text/plain", "")[:700] for o in cap.outputs]
+        out[name] = {"cell_s": round(time.perf_counter() - t0, 2), "success": res.success,
+                     "error": repr(res.error_in_exec)[:300] if res.error_in_exec else None,
+                     "steps": sh.user_ns.get("steps"), "finding": _finding(r) if r else None,
+                     "iteration": getattr(r.findings[0], "iteration", None) if r and r.findings else None,
+                     "op": getattr(r.findings[0], "op", None) if r and r.findings else None,
+                     "shown": shown, "stderr_tail": cap.stderr[-800:],
+                     "allocated_after_mb": torch.cuda.memory_allocated() / MiB}
+        sh.run_cell("%backward_doctor off", store_history=False)
+        sh.user_ns.pop("big", None)
+    return out
+
+
+_COMPILED_STEP = ("opt.zero_grad()\nloss = torch.nn.functional.cross_entropy(cmodel(x), y)\nloss.backward()\n"
+                  "opt.step()\n")
+
+
+def compiled() -> dict[str, Any]:
+    """``torch.compile`` (inductor) on CUDA under the doctor: the same weights as the plain compiled steps, no
+    recompilation caused by the doctor, and what the report says of the compiled region."""
+    import torch._dynamo.utils as dyn_utils
+
+    import backward_doctor as bd
+
+    plain, doc = _mlp(seed=5), _mlp(seed=5)
+    for ns in (plain, doc):
+        ns["cmodel"] = torch.compile(ns["model"])
+    t0 = time.perf_counter()
+    for _ in range(3):
+        exec(_COMPILED_STEP, plain)
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    frames = dict(dyn_utils.counters["stats"])
+    reports = []
+    t0 = time.perf_counter()
+    for _ in range(3):
+        reports.append(bd.diagnose(_COMPILED_STEP, doc))
+    torch.cuda.synchronize()
+    r = reports[-1]
+    return {"plain_3_steps_s": round(compile_s, 1), "doctor_3_steps_s": round(time.perf_counter() - t0, 1),
+            "dynamo_stats_before": frames, "dynamo_stats_after": dict(dyn_utils.counters["stats"]),
+            "weights_bit_identical": all(torch.equal(p, q) for p, q in zip(plain["model"].parameters(),
+                                                                           doc["model"].parameters())),
+            "ok": [x.ok for x in reports], "op_count": [x.trace.op_count for x in reports],
+            "ops_head": [o.op for o in r.trace.ops[:12]],
+            "compile_check": str(getattr(r.trace, "compile_check", None))[:400],
+            "findings": [f.kind for f in r.findings], "not_seen": str(getattr(r.trace, "not_seen", ""))[:300],
+            "text": str(r)[:1200]}
+
+
+def panel() -> dict[str, Any]:
+    """The report of a CUDA step saved as HTML and as a trace, for a screenshot where a browser is."""
+    import backward_doctor as bd
+
+    out_dir = os.environ.get("OUT") or "."
+    ns = _transformer(6)
+    exec(STEP, _transformer(7))
+    r = bd.diagnose(STEP, ns)
+    html = r.save_html(os.path.join(out_dir, "cuda_report.html"))
+    trace = r.save_trace(os.path.join(out_dir, "cuda_trace.json"))
+    return {"html": html, "trace": trace, "ok": r.ok, "text": str(r)[:800]}
+
+
 SECTIONS: dict[str, Callable[[], dict[str, Any]]] = {
     "memory": memory, "oom": oom, "assert": device_assert, "snapshot": snapshot, "async": async_claims,
-    "always_on": always_on, "native": native, "reader": reader, "profile": profile, "amp": amp}
+    "always_on": always_on, "native": native, "reader": reader, "profile": profile, "amp": amp,
+    "compiled": compiled, "panel": panel, "always_on_failures": always_on_failures}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import re
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -356,3 +357,63 @@ def test_a_step_that_takes_its_batch_from_an_iterator_is_not_run_again(shell):
     assert torch.equal(next(shell.user_ns["it"]), shell.user_ns["x"])
     if report.trace.engine == "native":
         assert any("take the next item of an iterator it reads" in n for n in report.trace.notes), report.trace.notes
+
+
+@pytest.fixture
+def scalars_only(monkeypatch):
+    """CUDA's first tier, on the CPU: the Python recorder screens only the scalars a forward makes (a screen of
+    every op would synchronise the device after each)."""
+    from backward_doctor.run import step
+
+    monkeypatch.setattr(step, "screens_every_op", lambda: False)
+
+
+def test_nan_in_a_loop_screened_only_at_scalars_is_replayed_at_its_iteration(shell, scalars_only):
+    plain: dict = {}
+    exec(SETUP + NAN_AT_30, plain)
+    _on(shell, "--engine python")
+    _run(shell, SETUP)
+    result, cap = _run(shell, NAN_AT_30)
+    assert result.success and shell.user_ns["steps"] == 40     # the cell ran once; the replay ran in a copy
+    report = bd.last_report()
+    f = report.findings[0]
+    assert (f.kind, f.op, f.line, f.iteration) == ("nonfinite", "aten::div", 5, 30), str(report)
+    assert report.trace.engine == "python" and report.trace.iterations.replayed == 30
+    assert any("NaN/Inf first appeared in iteration 30, which ran with its ops screened for NaN/Inf only where "
+               "they made a scalar" in n and "that iteration alone was replayed" in n for n in report.trace.notes)
+    for a, b in zip(_weights(shell.user_ns["model"]), _weights(plain["model"])):   # as the plain run left them
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_a_single_step_screened_only_at_scalars_is_replayed_whole(shell, scalars_only):
+    _on(shell, "--engine python")
+    _run(shell, SETUP + "runs = []\n")
+    cell = ("runs.append(1)\nn_runs = len(runs)\nopt.zero_grad()\nout = model(x).log()\nloss = out.mean()\n"
+            "loss.backward()\nopt.step()\n")
+    result, cap = _run(shell, cell)
+    assert result.success and shell.user_ns["n_runs"] == 1
+    report = bd.last_report()
+    f = report.findings[0]
+    assert (f.kind, f.op, f.line) == ("nonfinite", "aten::log", 4), str(report)
+    assert any("the cell was run again from the state saved when NaN/Inf first showed" in n
+               for n in report.trace.notes), report.trace.notes
+
+
+def test_a_clean_loop_screened_only_at_scalars_keeps_no_state(shell, scalars_only):
+    """No copy of the model before the cell (always on would hold it for every cell): none is taken unless NaN
+    shows."""
+    from backward_doctor.run import snapshot
+
+    taken = []
+    real = snapshot.take_if_it_fits
+
+    def spy(*a, **k):
+        taken.append(1)
+        return real(*a, **k)
+
+    _on(shell, "--engine python")
+    _run(shell, SETUP)
+    with mock.patch.object(snapshot, "take_if_it_fits", spy), \
+            mock.patch("backward_doctor.run.iteration_replay.take_if_it_fits", spy):
+        result, _ = _run(shell, TRAIN)
+    assert result.success and bd.last_report().ok and taken == []

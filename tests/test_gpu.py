@@ -120,3 +120,48 @@ def test_a_cell_that_first_uses_the_gpu_names_its_device_and_says_what_was_not_r
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["ok"] and got["grad"] and got["device"] == "cuda:0" and got["cuda"] is None, got
     assert any("CUDA was first used inside this cell" in n for n in got["notes"]), got
+
+
+NAN_AT_7 = """
+for i in range(12):
+    opt.zero_grad()
+    out = model(x)
+    out = out / (i - 7) if i == 7 else out
+    loss = torch.nn.functional.cross_entropy(out, y)
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_always_on_replays_the_iteration_a_cuda_loop_went_nan_in():
+    """On CUDA the Python recorder screens only scalars (a per-op screen would synchronise every op); the
+    iteration whose loss went NaN is replayed alone from the state kept when it showed (CUDA RNG included:
+    the model has dropout), and the report names the op, line and iteration."""
+    pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext backward_doctor", store_history=False)
+    ns = _ns()
+    ns["model"].insert(1, torch.nn.Dropout(0.1))
+    sh.user_ns.update(ns)
+    try:
+        with capture_output():
+            sh.run_cell("%backward_doctor on", store_history=False)
+            result = sh.run_cell(NAN_AT_7, store_history=True)
+    finally:
+        sh.run_cell("%backward_doctor off", store_history=False)
+    assert result.success
+    report = bd.last_report()
+    f = report.findings[0]
+    assert (f.kind, f.op, f.line, f.iteration) == ("nonfinite", "aten::div", 5, 7), str(report)
+    assert report.trace.iterations.replayed == 7
+
+
+def test_one_allocation_larger_than_the_device_is_named_as_such():
+    cell = "x = torch.ones(4, device='cuda')\nbig = torch.empty(1 << 38, dtype=torch.uint8, device='cuda')\n"
+    report = bd.diagnose(cell, {"torch": torch})
+    f = report.findings[0]
+    assert f.kind == "oom" and f.line == 2, str(report)
+    assert "The one tensor being allocated, 256.0 GiB, is larger than the whole device by itself" in f.message

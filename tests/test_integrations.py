@@ -202,3 +202,22 @@ def test_lightning_fit_that_raises_reports_through_on_exception(tmp_path):
     assert report.findings[0].kind == "shape_mismatch", str(report)
     assert (tmp_path / "backward_doctor-report.html").exists()
     assert fi.leftovers(before, ns) == []
+
+
+def test_hf_nan_screened_only_at_scalars_is_replayed_at_its_step(tmp_path, monkeypatch):
+    """CUDA's first tier, simulated on the CPU: the Python recorder records every step but screens only the
+    scalars a forward makes; the step whose loss went NaN/Inf is replayed alone with every op screened."""
+    from backward_doctor.run import watch
+
+    monkeypatch.setattr(watch, "screens_every_op", lambda: False)
+    cb = integrations.DoctorCallback(tmp_path, engine="python")
+    ns = _hf(HF_NAN, cb, poison=True)
+    ns["trainer"].train()
+    assert ns["trainer"].state.global_step == POISONED_STEP + 1
+    report = cb.report
+    f = report.findings[0]
+    line = ll.marked_line(ns, "MyTrainer", "# <-- here")
+    assert (f.kind, f.op, f.line) == ("nonfinite", "aten::log", line), str(report)
+    assert report.trace.engine == "python" and report.trace.iterations.replayed == POISONED_STEP
+    assert any(f"NaN/Inf first appeared in iteration {POISONED_STEP}, which ran with its ops screened for NaN/Inf "
+               "only where they made a scalar" in n for n in report.trace.notes), report.trace.notes

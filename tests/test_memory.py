@@ -106,3 +106,16 @@ def test_simulated_oom_is_a_torch_out_of_memory_error():
     assert f.kind == "oom" and set(f.fixes) == {"accumulate", "amp", "checkpoint"}
     assert f.evidence["by_category"]["parameters"] == sum(p.numel() * 4 for p in ns["model"].parameters())
     assert bd.diagnose("big = model(x.repeat(64, 1))", _mlp()).ok   # fine without the limit
+
+
+def test_one_allocation_larger_than_the_whole_device_is_named_with_the_split_it_would_need(engine):
+    """Seen on a GPU: one 256 GiB tensor on a 140 GiB device was told "k=2 at least" (a floor counted from the
+    26 MiB live). A single request larger than the device needs a split that fits it, or, when it does not grow
+    with the batch, a look at its shape (CUDA's allocator says the size: ``util.units.allocator_request``)."""
+    cell = "x = torch.randn(100, 100, requires_grad=True)\nbig = x.expand(100, 100, 100, 100).contiguous()\n"
+    report = bd.diagnose(cell, {"torch": torch}, memory_limit="200MB", engine=engine)
+    f = report.findings[0]
+    assert (f.kind, f.line, f.op) == ("oom", 2, "aten::clone"), str(report)
+    assert ("The one tensor being allocated, 381.5 MiB, is larger than the whole device by itself. If it grows "
+            "with the batch, only a split into 3 micro-batches or more can fit it") in f.message
+    assert "check the shape this line asks for" in f.message and "k=2" not in f.message

@@ -29,7 +29,7 @@ from .state import _NODE_BUDGET, PHASES, CaptureState
 from .stats import meta, screen_nonfinite
 from ..trace.parts import NonFiniteScalar, OomInfo
 from ..trace.records import FailedOp, InplaceEvent, NonFiniteEvent, Where
-from ..util.units import format_bytes
+from ..util.units import allocator_request, format_bytes
 
 _current_node = torch._C._current_autograd_node
 _graph_task_id = torch._C._current_graph_task_id
@@ -290,6 +290,8 @@ class OpRecorder(CaptureState):
         """First tier: a NaN/Inf scalar forward output; the detailed run is needed if it was the loss or a
         value the cell kept (decided in ``finish()``)."""
         if len(self._nf_scalars) < _MAX_SCALARS and screen_nonfinite(out):
+            if not self._nf_scalars and self.rollback is not None:  # (a forward: the weights are still the
+                self.rollback.went_nonfinite(self.trace.iterations.steps, "scalar")  # iteration's own)
             self._nf_scalars[index] = NonFiniteScalar(index=index, line=where.line, file=where.file)
 
     def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated) -> None:
@@ -326,7 +328,7 @@ class OpRecorder(CaptureState):
 
     def _record_failure(self, index, name, phase, ins, where, exc, func, args, kwargs, fwd_index) -> None:
         if isinstance(exc, torch.OutOfMemoryError) and self._oom is None:
-            self._oom = self._memory_breakdown(index, requested=None)
+            self._oom = self._memory_breakdown(index, requested=allocator_request(str(exc)))
         if not isinstance(exc, Exception):
             return  # KeyboardInterrupt etc.: not this op's fault
         idx = checks.index_check(func, args, kwargs) if isinstance(exc, (IndexError, RuntimeError)) else None

@@ -38,7 +38,7 @@ from ..api import check_engine, check_timeout
 from ..capture.process import one_run_at_a_time
 from ..capture.trains import might_train
 from ..report import Report
-from ..run.engine import choose_engine, screens_every_op
+from ..run.engine import choose_engine
 from ..run.step import run_step
 from ..run.watch import Watch, active
 from .magic import _release_failed_frames, _show, ipython_places
@@ -167,7 +167,7 @@ class AlwaysOn:
         try:
             with held:
                 report = run_step(source, shell.user_ns, timeout=opts.timeout, memory_limit=opts.memory_limit,
-                                  engine=engine, rollback=screens_every_op(), cell_file=filename, execute=execute,
+                                  engine=engine, rollback=True, cell_file=filename, execute=execute,
                                   build=False, every_iteration=opts.every_iteration, stall=True, budget=True,
                                   places=ipython_places(shell, filename, number))
         except BaseException:

@@ -29,6 +29,7 @@ import torch
 
 from ..trace.records import Trace
 from ..util.loops import loop_names, one_iteration, training_loop
+from ..capture.state import cuda_in_use
 from .snapshot import Snapshot, take_if_it_fits
 
 _CONTAINERS = (list, dict, set)
@@ -45,6 +46,8 @@ def _rng(source: str, native: Any = None) -> dict[str, Any]:
     else:  # read in place (``.numpy()`` would dispatch a ``detach``), the state tensor freed at once
         t = torch.get_rng_state()
         state["torch"] = ctypes.string_at(t.data_ptr(), t.numel())
+    if cuda_in_use():  # (the CUDA generator's seed and offset: read on the host, no synchronisation)
+        state["cuda"] = torch.cuda.get_rng_state_all()
     if "random" in source:
         state["python"] = random.getstate()
         if "numpy" in sys.modules and ("np." in source or "numpy" in source):
@@ -54,11 +57,14 @@ def _rng(source: str, native: Any = None) -> dict[str, Any]:
 
 class IterationRollback:
     """What one unrecorded iteration is replayed from (see the module docstring); the capture calls
-    :meth:`iteration_began` and :meth:`went_nonfinite` (``capture.rollback``)."""
+    :meth:`iteration_began` and :meth:`went_nonfinite` (``capture.rollback``). ``scalars_only``: the iterations
+    are recorded, but their ops were screened for NaN/Inf only where they made a scalar (CUDA: a screen of every
+    op would synchronise the device after each); the first NaN/Inf scalar of a forward keeps the state."""
 
     def __init__(self, source: str, namespace: dict[str, Any], native: Any = None,
-                 find_body: Callable[[], Callable[[], Any] | None] | None = None) -> None:
+                 find_body: Callable[[], Callable[[], Any] | None] | None = None, scalars_only: bool = False) -> None:
         self.source = source
+        self.scalars_only = scalars_only
         #: a library's loop (no loop in ``source``): asked, when the iteration goes wrong, for a function that
         #: runs that iteration's forward and backward again (its batch bound in)
         self._find_body = find_body
@@ -156,6 +162,7 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
 
     k = rollback.iteration
     rollback_failed = rollback.failed
+    ran = _how_it_ran(rollback.scalars_only)
     values = loop_values(rollback.values, list(rollback.values)) if rollback.values else ""
     try:
         found = (rollback.body, []) if rollback.body is not None else one_iteration(rollback.source, first.cell_file)
@@ -168,7 +175,7 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
             end, why = take_if_it_fits(namespace)  # (names: the replay assigns only its copy's)
         if why or end is None or found is None or rollback.state is None:
             what = "The cell raised" if rollback_failed else "NaN/Inf first appeared"
-            first.notes.append(f"{what} in iteration {k}, which ran with the recorder off; it "
+            first.notes.append(f"{what} in iteration {k}, {ran}; it "
                                f"could not be replayed in detail: {why or 'no state was kept'}")
             return first
         code, _ = found
@@ -181,17 +188,25 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
         rollback.release()
     if rollback_failed:
         if detailed.exception is None or first.exception is None or detailed.exception.type != first.exception.type:
-            first.notes.append(f"The cell raised in iteration {k}, which ran with the recorder off; replayed from "
+            first.notes.append(f"The cell raised in iteration {k}, {ran}; replayed from "
                                "its saved state that iteration did not raise the same error, so the report is "
                                "built from the run itself")
             return first
-        return _merged(first, detailed, k, values, failed=True, whole=whole)
+        return _merged(first, detailed, k, values, failed=True, whole=whole, ran=ran)
     if detailed.iterations.first_nonfinite is None and not detailed.nonfinite:
-        first.notes.append(f"NaN/Inf first appeared in iteration {k}, which ran with the recorder off; replayed "
+        first.notes.append(f"NaN/Inf first appeared in iteration {k}, {ran}; replayed "
                            "from its saved state it stayed finite (it depends on something outside the model, "
                            "the optimizer and the loop variables)")
         return first
-    return _merged(first, detailed, k, values, whole=whole)
+    return _merged(first, detailed, k, values, whole=whole, ran=ran)
+
+
+def _how_it_ran(scalars_only: bool) -> str:
+    """How the iteration ran the first time, for the report's notes."""
+    if scalars_only:
+        return ("which ran with its ops screened for NaN/Inf only where they made a scalar (on CUDA a screen of "
+                "every op would synchronise the device after each)")
+    return "which ran with the recorder off"
 
 
 def _why_no_body(source: str) -> str:
@@ -237,7 +252,8 @@ def _run_once(first: Trace, rollback: IterationRollback, code: Any, namespace: d
         return run_under_capture(run, capture, timeout)
 
 
-def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = False, whole: bool = False) -> Trace:
+def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = False, whole: bool = False,
+            ran: str = "which ran with the recorder off") -> Trace:
     """The replay's ops (and NaN/Inf origin, or failing op); the whole run's loop series, graphs, history and
     exception (the replay's, the same error, when it is the error being explained: its op is recorded)."""
     detailed.iterations = dataclasses.replace(first.iterations, replayed=k)
@@ -249,9 +265,10 @@ def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = F
     for name in kept:
         setattr(detailed, name, getattr(first, name))
     if whole:
+        first_run = ("with the recorder asleep (always on records only what fits its cost budget)"
+                     if "recorder off" in ran else ran.replace("which ran ", ""))
         detailed.notes = list(first.notes) + [
-            f"The step {'raised' if failed else 'went NaN/Inf'} with the recorder asleep (always on records only "
-            "what fits its cost budget): the cell was run again from the state saved "
+            f"The step {'raised' if failed else 'went NaN/Inf'} {first_run}: the cell was run again from the state saved "
             f"{'when it raised' if failed else 'when NaN/Inf first showed, before the optimizer step'} (weights, "
             "optimizer state, RNG), with every op recorded, in a copy of the notebook's names. Its ops are the "
             "ones shown; what the cell did outside the model and the optimizer (printing, which was hidden, the "
@@ -259,7 +276,7 @@ def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = F
         return detailed
     what = ("The cell raised in iteration" if failed else "NaN/Inf first appeared in iteration")
     detailed.notes = list(first.notes) + [
-        f"{what} {k}, which ran with the recorder off: that iteration alone was replayed from the state "
+        f"{what} {k}, {ran}: that iteration alone was replayed from the state "
         f"saved {'when it raised' if failed else 'when NaN/Inf first showed, before its optimizer step'} (weights, optimizer state, RNG and its "
         "loop variables), with every op recorded. Its ops are the ones shown; what the body did outside the "
         "model and the optimizer (printing, which was hidden, files) happened twice"]

@@ -111,18 +111,23 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     counts from the latest optimizer step, not from the start (a long loop that keeps stepping is not hung).
     ``budget``: always on's cost budget (``capture/sampling.py``): iterations are recorded op by op only while
     that stays cheap, and the one that fails is replayed in detail (on the native recorder; not for a compiled
-    step, whose replay compares compiled and eager runs op by op)."""
+    step, whose replay compares compiled and eager runs op by op). Where the run screens only scalars (CUDA), no
+    state is copied before the cell: the iteration whose loss goes NaN/Inf keeps its own and is replayed alone."""
     chosen = choose_engine(engine, memory_limit=memory_limit, build=build)
     if detail is None:  # one run, every op screened where that is cheap: no replay, no snapshot (engine.py)
         detail = screens_every_op()
-    snapshot = snapshot_for(source, namespace) if rollback and not detail else None
+    # Always on, CUDA (scalars screened only): no copy of the state before every cell; the iteration whose loss
+    # goes NaN/Inf keeps its own (``scalars_only`` below) and is replayed with every op screened.
+    scalars_only = rollback and budget and not detail and chosen == "python" and memory_limit is None
+    snapshot = snapshot_for(source, namespace) if rollback and not detail and not scalars_only else None
     # torch.compile: a compiled step that goes NaN/Inf or raises is replayed eagerly from this state (compile_replay.py)
     compile_plan = compile_replay.plan(source, namespace, rollback, snapshot)
     past = history_for(source, namespace) if history else None
     # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone.
     sampled = rollback and detail and chosen == "native" and not every_iteration and memory_limit is None
-    iteration_rollback = IterationRollback(source, namespace, native.load(build=False)) if sampled else None
-    budget = budget and iteration_rollback is not None and compile_plan is None
+    iteration_rollback = (IterationRollback(source, namespace, native.load(build=False)) if sampled else
+                          IterationRollback(source, namespace, scalars_only=True) if scalars_only else None)
+    budget = budget and sampled and compile_plan is None
     if execute is None:
         trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
                            history=past, detail=detail, engine=chosen, every_iteration=every_iteration,

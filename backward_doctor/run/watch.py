@@ -67,10 +67,13 @@ class Watch:
         detail = screens_every_op()
         # The iteration where NaN/Inf first showed, unrecorded, is replayed alone: the body of the cell's loop,
         # or a library's step (``find_body``, asked then: its batch bound in).
-        sampled = (detail and self.engine == "native" and not every_iteration and memory_limit is None
-                   and (find_body is not None or training_loop(source) is not None))
-        self.rollback = IterationRollback(source, namespace, native.load(build=False),
-                                          find_body=find_body) if sampled else None
+        # On CUDA (the Python recorder, scalars screened only) the iteration whose loss went NaN/Inf likewise.
+        replayable = memory_limit is None and (find_body is not None or training_loop(source) is not None)
+        sampled = replayable and detail and self.engine == "native" and not every_iteration
+        scalars_only = replayable and not detail and self.engine == "python"
+        self.rollback = IterationRollback(source, namespace, native.load(build=False) if sampled else None,
+                                          find_body=find_body, scalars_only=scalars_only) \
+            if sampled or scalars_only else None
         capture = make_capture(self.engine, namespace, cell_file=cell_file or cell_filename(), source=source,
                                memory_limit=memory_limit, detail=detail, every_iteration=every_iteration)
         capture.rollback = self.rollback

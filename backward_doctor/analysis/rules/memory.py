@@ -133,9 +133,18 @@ def oom(trace: Trace) -> list[Finding]:
         early = rec is None or rec.phase == "forward"  # the rest of the step never ran: predictions are floors
         hint = (f", k={k} at least is needed (the step failed early, so this is a floor)" if early
                 else f", k={k} is predicted to fit") if k else ""
-        msg += (" Activations saved for backward grow with the batch and dominate: keep the batch and split "
-                f"it into micro-batches (gradient accumulation){hint}, or use AMP or activation checkpointing. "
-                "Deleting outputs or emptying the cache does not reduce what backward needs.")
+        if limit and requested > 0.9 * limit:  # (CUDA's allocator says what it was asked for; a simulated limit too)
+            k_min = -(-requested // int(0.9 * limit))
+            msg += (f" The one tensor being allocated, {format_bytes(requested)}, is larger than "
+                    f"{'the whole device' if requested > limit else 'nine tenths of the device'} by itself. If it "
+                    f"grows with the batch, only a split into {k_min} micro-batches or more can fit it (gradient "
+                    "accumulation; AMP halves it at most); if it does not (a size taken from the wrong dimension, an "
+                    "outer product or a broadcast made real, a `.repeat` or `.contiguous()` of a large expanded "
+                    "view), no split helps: check the shape this line asks for.")
+        else:
+            msg += (" Activations saved for backward grow with the batch and dominate: keep the batch and split "
+                    f"it into micro-batches (gradient accumulation){hint}, or use AMP or activation checkpointing. "
+                    "Deleting outputs or emptying the cache does not reduce what backward needs.")
         fixes = ["accumulate", "amp", "checkpoint"]
     preds_text = {name: format_bytes(v) for name, v in preds.items()}
     return [at("oom", where, msg, op=rec.op if rec else None, fixes=fixes, title="Out of memory",
