@@ -305,7 +305,8 @@ def always_on() -> dict[str, Any]:
     sh = InteractiveShell.instance()
     sh.run_cell("%load_ext backward_doctor", store_history=False)
     out: dict[str, Any] = {}
-    for cell_name, cell in (("loop_100", _LOOP), ("step", STEP + "torch.cuda.synchronize()\n")):
+    for cell_name, cell in (("loop_100", _LOOP), ("loop_500", _LOOP.replace("range(100)", "range(500)")),
+                            ("step", STEP + "torch.cuda.synchronize()\n")):
         times: dict[str, list[float]] = {"plain": [], "on": []}
         states = {"plain": _mlp(seed=2), "on": _mlp(seed=2)}
         for r in range(6):
@@ -326,7 +327,9 @@ def always_on() -> dict[str, Any]:
                                                       states["on"]["model"].parameters()))
         out[cell_name] = {"plain_ms": p * 1e3, "on_ms": o * 1e3, "x": o / p, "extra_ms": (o - p) * 1e3,
                           "weights_bit_identical": same,
-                          "last_report_ops": bd.last_report().trace.op_count if bd.last_report() else None}
+                          "last_report_ops": bd.last_report().trace.op_count if bd.last_report() else None,
+                          "recorded": bd.last_report().trace.iterations.recorded if bd.last_report() else None,
+                          "notes": [n[:200] for n in bd.last_report().trace.notes] if bd.last_report() else None}
     return out
 
 

@@ -417,3 +417,82 @@ def test_a_clean_loop_screened_only_at_scalars_keeps_no_state(shell, scalars_onl
             mock.patch("backward_doctor.run.iteration_replay.take_if_it_fits", spy):
         result, _ = _run(shell, TRAIN)
     assert result.success and bd.last_report().ok and taken == []
+
+
+@pytest.fixture
+def python_sampled(monkeypatch, scalars_only):
+    """Always on as it runs once the process uses CUDA, on the CPU: the Python recorder samples the loop within
+    the cost budget (asleep: its dispatch mode off the stack) and screens only scalars when awake."""
+    from backward_doctor.capture import python_sampling
+
+    monkeypatch.setattr(python_sampling, "samples_here", lambda: True)
+
+
+def test_the_python_recorder_sleeps_through_a_long_loop_and_leaves_nothing_on(shell, python_sampled):
+    cell = TRAIN.replace("range(40)", "range(300)")
+    plain: dict = {}
+    exec(SETUP + cell, plain)
+    _on(shell, "--engine python")
+    _run(shell, SETUP)
+    before = fi.baseline()
+    result, cap = _run(shell, cell)
+    assert result.success and cap.outputs == []
+    report = bd.last_report()
+    its = report.trace.iterations
+    assert report.ok and report.trace.engine == "python" and its.steps == 300
+    assert 0 < len(its.recorded) < 10 and report.trace.op_count < 10 * 42, its.recorded   # (42 ops an iteration)
+    assert any("iterations were recorded op by op" in n for n in report.trace.notes)
+    for a, b in zip(_weights(shell.user_ns["model"]), _weights(plain["model"])):
+        assert torch.equal(a, b)
+    assert fi.leftovers(before, shell.user_ns) == []
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    assert not is_in_torch_dispatch_mode()      # (torch's flags put back as its modes leave: compile stays compiled)
+
+
+def test_nan_in_an_iteration_the_python_recorder_slept_through_is_replayed(shell, python_sampled):
+    _on(shell, "--engine python")
+    _run(shell, SETUP)
+    result, _ = _run(shell, NAN_AT_30)
+    assert result.success and shell.user_ns["steps"] == 40
+    report = bd.last_report()
+    f = report.findings[0]
+    assert (f.kind, f.op, f.line, f.iteration) == ("nonfinite", "aten::div", 5, 30), str(report)
+    assert 30 not in report.trace.iterations.recorded and report.trace.iterations.replayed == 30
+    assert any("NaN/Inf first appeared in iteration 30, which ran with the recorder off" in n
+               for n in report.trace.notes), report.trace.notes
+
+
+def test_a_step_that_raises_asleep_on_the_python_recorder_is_replayed_whole(shell, python_sampled):
+    _on(shell, "--engine python")
+    _run(shell, SETUP + "runs = []\n")
+    cell = "runs.append(1)\nn_runs = len(runs)\nout = model(x)\nout = out.relu_()\nout.sigmoid_()\nout.sum().backward()"
+    result, cap = _run(shell, cell)
+    assert isinstance(result.error_in_exec, RuntimeError) and shell.user_ns["n_runs"] == 1
+    report = bd.last_report()
+    assert (report.findings[0].kind, report.findings[0].line) == ("inplace", 5), str(report)
+    assert any("the cell was run again from the state saved when it raised" in n for n in report.trace.notes)
+
+
+def test_a_mode_the_cell_enters_while_the_python_recorder_sleeps_keeps_it_asleep(shell, python_sampled):
+    """Woken above the cell's own mode, the doctor's would be popped by that mode's exit: it stays asleep."""
+    _on(shell, "--engine python")
+    _run(shell, SETUP + """
+from torch.utils._python_dispatch import TorchDispatchMode
+class Counting(TorchDispatchMode):
+    n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        Counting.n += 1
+        return func(*args, **(kwargs or {}))
+""")
+    before = fi.baseline()
+    cell = TRAIN.replace("range(40)", "range(64)").replace("    opt.zero_grad()\n", "    opt.zero_grad()\n    m = Counting().__enter__() if i == 3 else None\n")
+    result, cap = _run(shell, cell + "m3 = Counting.n\n")
+    assert result.success, cap.stderr
+    assert torch._C._len_torch_dispatch_stack() == 1                     # the cell's own mode, still on
+    torch._C._get_dispatch_stack_at(0).__exit__(None, None, None)
+    assert fi.leftovers(before, shell.user_ns) == []
+    report = bd.last_report()
+    assert report.trace.iterations.recorded == [] or max(report.trace.iterations.recorded) <= 3, \
+        report.trace.iterations.recorded
+    assert shell.user_ns["m3"] > 0

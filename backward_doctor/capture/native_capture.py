@@ -30,7 +30,7 @@ import torch
 
 from .. import native
 from .native_records import NativeRecords, _tables
-from .native_sampling import NativeSampling
+from .loop_sampling import LoopSampling
 from .sampling import PowersOfTwo, Sampling
 from .record import _tensors
 from .loop_watch import LoopWatch
@@ -116,7 +116,7 @@ class _NativeLedger(MemoryLedger):
         return dict(final) if final is not None else super().bytes_by_producer()
 
 
-class NativeCapture(NativeRecords, NativeSampling, Capture):
+class NativeCapture(NativeRecords, LoopSampling, Capture):
     """:class:`Capture` with the per-op records taken in C++; ``detail=True`` screens every op's outputs
     for NaN/Inf there too (the replay that finds where it was born)."""
 
@@ -128,13 +128,7 @@ class NativeCapture(NativeRecords, NativeSampling, Capture):
         #: recorder enforces op by op.
         if sampling is None:
             sampling = PowersOfTwo() if sample_iterations else None
-        self._sampling = sampling if self.memory_limit is None else None
-        self._unmarked: dict[int, tuple[torch.optim.Optimizer, int]] = {}  # (asleep steps: see _mark_unmarked)
-        self._iter_t = 0.0       # when the latest iteration the policy was asked about began (perf_counter)
-        self._iter_k = 0         # and its number
-        self._iter_ops = 0       # the recorder's op count then
-        self._next_candidate = 0  # asleep: the first iteration the policy is asked about again
-        self._compiling = 0
+        self._init_sampling(sampling)
         if self.check_indices:
             raise ValueError("NativeCapture: check_indices needs the Python tier (Capture)")
         self._ext = native.load()
@@ -146,7 +140,6 @@ class NativeCapture(NativeRecords, NativeSampling, Capture):
         self._ledger.on_free = self._on_free
         self._stack_ids: dict[tuple[int, ...], int] = {(): 0}
         self._stacks: list[tuple[int, ...]] = [()]
-        self._post_counts: list[int] = []  # op count at the end of each optimizer step
         self._native_out: dict[str, Any] | None = None
         self._failed: tuple | None = None  # failing op: index, overload, arguments, name and phase if not kept
         #: bytes the C++ recorder held at the end of the step (its buffers; not on the Python heap)
@@ -212,19 +205,7 @@ class NativeCapture(NativeRecords, NativeSampling, Capture):
     def finish(self):
         self._mark_unmarked()
         self._converted()
-        its = self.trace.iterations
-        # Counted in completed iterations (0-based, as loop variables count): the part of the cell after
-        # the last step is recorded too, but it is no iteration, so the two counts add up to the steps. (None
-        # recorded: always on slept throughout, and ``sampling.nothing_recorded`` says so.)
-        done = [r for r in its.recorded if r < its.steps]
-        if its.skipped and done:
-            shown = ", ".join(map(str, done[:12])) + (", ..." if len(done) > 12 else "")
-            self.trace.notes.append(
-                f"training loop: {its.steps} optimizer steps; {len(done)} of the {its.steps} iterations were "
-                f"recorded op by op (iterations {shown}, counted from 0), the other {its.skipped} ran with the "
-                "recorder off (their ops and memory are not in the trace)"
-                + ("; always on records only what fits its cost budget" if not self._first_recorded else "")
-                + ". `every_iteration=True` (`--every-iteration`) records them all, at 2-4x a plain step.")
+        self._sampling_note()
         return super().finish()
 
     # ---------------------------------------------------------------- hooks

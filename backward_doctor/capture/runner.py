@@ -138,7 +138,14 @@ def make_capture(engine: str, namespace: dict[str, Any], *, every_iteration: boo
                  **kwargs: Any) -> Capture:
     """A :class:`Capture` for ``engine`` ("python" or "native"; see ``tiers.choose_engine``); the native
     one samples a loop's iterations unless ``every_iteration``, within always-on's cost budget when ``budget``
-    (``sampling.py``; the Python tier records every op)."""
+    (``sampling.py``). The Python tier records every op, except always on's once the process uses CUDA
+    (``python_sampling.py``)."""
+    if engine == "python" and budget and not every_iteration:
+        from . import python_sampling
+        from .sampling import CostBudget
+
+        if python_sampling.samples_here():
+            return python_sampling.SampledCapture(namespace, sampling=CostBudget(), **kwargs)
     if engine == "native":
         from .native_capture import NativeCapture
         from .sampling import CostBudget

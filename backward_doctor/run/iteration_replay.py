@@ -79,6 +79,7 @@ class IterationRollback:
         self.locals: dict[str, Any] = {}  # the locals of the function running the loop, when one does
         self.why_not = ""
         self.failed = False  # kept for an exception, not for NaN/Inf
+        self.seen_in_scalar = False
         self.torch_rng: bytes | None = None  # torch's state at the iteration's start (native: kept in C++)
 
     def iteration_began(self, iteration: int) -> None:
@@ -93,6 +94,7 @@ class IterationRollback:
         if self.iteration is not None:
             return
         self.iteration = iteration
+        self.seen_in_scalar = what == "scalar"  # (the recorder was on, screening scalars only; else asleep)
         state, self.why_not = take_if_it_fits(self.namespace)
         if state is None:
             return
@@ -162,7 +164,7 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
 
     k = rollback.iteration
     rollback_failed = rollback.failed
-    ran = _how_it_ran(rollback.scalars_only)
+    ran = _how_it_ran(rollback.scalars_only and rollback.seen_in_scalar)
     values = loop_values(rollback.values, list(rollback.values)) if rollback.values else ""
     try:
         found = (rollback.body, []) if rollback.body is not None else one_iteration(rollback.source, first.cell_file)

@@ -127,7 +127,7 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     sampled = rollback and detail and chosen == "native" and not every_iteration and memory_limit is None
     iteration_rollback = (IterationRollback(source, namespace, native.load(build=False)) if sampled else
                           IterationRollback(source, namespace, scalars_only=True) if scalars_only else None)
-    budget = budget and sampled and compile_plan is None
+    budget = budget and (sampled or scalars_only) and compile_plan is None
     if execute is None:
         trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
                            history=past, detail=detail, engine=chosen, every_iteration=every_iteration,
@@ -150,7 +150,7 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
         # ends as a plain run leaves it (the replay recomputes the same step).
         trace = replay_in_detail(trace, source, namespace, snapshot, timeout=timeout, memory_limit=memory_limit)
     del snapshot
-    if budget and trace.engine == "native":
+    if budget:
         note = nothing_recorded(trace)
         if note:
             trace.notes.append(note)

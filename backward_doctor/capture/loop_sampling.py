@@ -1,12 +1,16 @@
-"""The native recorder's side of a loop's iterations: which ones it records op by op (``sampling.py``), its
-sleep through the others (observer off, module and parameter hooks removed), and what an unrecorded step
-still does: count the iteration, let the loop watch read it, check and mark its gradients.
+"""A loop's iterations sampled: which ones are recorded op by op (``sampling.py``), the sleep through the
+others (the recorder off, module and parameter hooks removed), and what an unrecorded step still does: count
+the iteration, let the loop watch read it, check and mark its gradients.
 
-A mixin of :class:`~backward_doctor.capture.native_capture.NativeCapture` (before :class:`Capture` in its
-bases: its ``super()`` calls go to the Python tier's hooks, which record a step in full).
+A mixin of the captures that sample, before :class:`Capture` in their bases (its ``super()`` calls go to the
+Python tier's hooks, which record a step in full): :class:`~backward_doctor.capture.native_capture.NativeCapture`
+and, for always on where the native recorder is not used (CUDA),
+:class:`~backward_doctor.capture.python_sampling.SampledCapture`. Their ``_ext`` switches the recorder: the
+native recorder's module, or the Python tier's :class:`~backward_doctor.capture.python_sampling.ModeSwitch`
+(``sleep()``, ``wake()``, ``op_count()``, ``set_optimizer_depth()``).
 
 >>> from backward_doctor.capture.native_capture import NativeCapture
->>> issubclass(NativeCapture, NativeSampling)
+>>> issubclass(NativeCapture, LoopSampling)
 True
 """
 from __future__ import annotations
@@ -18,8 +22,34 @@ from typing import Any
 import torch
 
 
-class NativeSampling:
-    """Iterations recorded or slept through (see the module docstring); fields in ``NativeCapture.__init__``."""
+class LoopSampling:
+    """Iterations recorded or slept through (see the module docstring); fields in :meth:`_init_sampling`."""
+
+    def _init_sampling(self, sampling: Any) -> None:
+        self._sampling = sampling if self.memory_limit is None else None
+        self._unmarked: dict[int, tuple[torch.optim.Optimizer, int]] = {}  # (asleep steps: see _mark_unmarked)
+        self._iter_t = 0.0       # when the latest iteration the policy was asked about began (perf_counter)
+        self._iter_k = 0         # and its number
+        self._iter_ops = 0       # the recorder's op count then
+        self._next_candidate = 0  # asleep: the first iteration the policy is asked about again
+        self._compiling = 0
+        self._post_counts: list[int] = []  # op count at the end of each optimizer step
+
+    def _sampling_note(self) -> None:
+        """The trace's note on which iterations were recorded (at the end of the run)."""
+        its = self.trace.iterations
+        # Counted in completed iterations (0-based, as loop variables count): the part of the cell after
+        # the last step is recorded too, but it is no iteration, so the two counts add up to the steps. (None
+        # recorded: always on slept throughout, and ``sampling.nothing_recorded`` says so.)
+        done = [r for r in its.recorded if r < its.steps]
+        if its.skipped and done:
+            shown = ", ".join(map(str, done[:12])) + (", ..." if len(done) > 12 else "")
+            self.trace.notes.append(
+                f"training loop: {its.steps} optimizer steps; {len(done)} of the {its.steps} iterations were "
+                f"recorded op by op (iterations {shown}, counted from 0), the other {its.skipped} ran with the "
+                "recorder off (their ops and memory are not in the trace)"
+                + ("; always on records only what fits its cost budget" if not self._first_recorded else "")
+                + ". `every_iteration=True` (`--every-iteration`) records them all, at 2-4x a plain step.")
 
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         if self._asleep:  # an unsampled iteration: only its end is counted (and its numbers read)
@@ -70,8 +100,9 @@ class NativeSampling:
                                             last_n=iteration - self._iter_k, last_ops=ops):
             if self._asleep:
                 self._wake()
-            self._count = self._iter_ops = self._ext.op_count()
-            super()._begin_iteration(iteration)
+            if not self._asleep:  # (the Python tier's mode stays off under a mode the cell entered since)
+                self._count = self._iter_ops = self._ext.op_count()
+                super()._begin_iteration(iteration)
         elif not self._asleep and self._opt_depth == 0 and not self._compiling:
             self._fall_asleep()
         self._iter_t, self._iter_k = time.perf_counter(), iteration
@@ -111,4 +142,4 @@ class NativeSampling:
             super()._accumulated(param)
 
 
-__all__ = ["NativeSampling"]
+__all__ = ["LoopSampling"]
