@@ -297,7 +297,17 @@ _LOOP = ("for _ in range(100):\n    opt.zero_grad()\n    loss = torch.nn.functio
          "    loss.backward()\n    opt.step()\ntorch.cuda.synchronize()\n")
 
 
-def always_on() -> dict[str, Any]:
+def always_on_without_loss_read() -> dict[str, Any]:
+    """``always_on``'s loops with the asleep loss read (a synchronisation an iteration) left out: its share."""
+    from unittest import mock
+
+    from backward_doctor.capture import python_sampling
+
+    with mock.patch.object(python_sampling, "cuda_scalar", lambda t: None):
+        return always_on(loops_only=True)
+
+
+def always_on(loops_only: bool = False) -> dict[str, Any]:
     from IPython.core.interactiveshell import InteractiveShell
 
     import backward_doctor as bd
@@ -306,7 +316,7 @@ def always_on() -> dict[str, Any]:
     sh.run_cell("%load_ext backward_doctor", store_history=False)
     out: dict[str, Any] = {}
     for cell_name, cell in (("loop_100", _LOOP), ("loop_500", _LOOP.replace("range(100)", "range(500)")),
-                            ("step", STEP + "torch.cuda.synchronize()\n")):
+                            ("step", STEP + "torch.cuda.synchronize()\n"))[:2 if loops_only else 3]:
         times: dict[str, list[float]] = {"plain": [], "on": []}
         states = {"plain": _mlp(seed=2), "on": _mlp(seed=2)}
         for r in range(6):
@@ -576,7 +586,8 @@ def panel() -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[], dict[str, Any]]] = {
     "memory": memory, "oom": oom, "assert": device_assert, "snapshot": snapshot, "async": async_claims,
     "always_on": always_on, "native": native, "reader": reader, "profile": profile, "amp": amp,
-    "compiled": compiled, "panel": panel, "always_on_failures": always_on_failures}
+    "compiled": compiled, "panel": panel, "always_on_failures": always_on_failures,
+    "always_on_without_loss_read": always_on_without_loss_read}
 
 
 def main(argv: list[str] | None = None) -> int:

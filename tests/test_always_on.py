@@ -496,3 +496,18 @@ class Counting(TorchDispatchMode):
     assert report.trace.iterations.recorded == [] or max(report.trace.iterations.recorded) <= 3, \
         report.trace.iterations.recorded
     assert shell.user_ns["m3"] > 0
+
+
+def test_out_of_memory_in_an_iteration_slept_through_is_placed_in_it(shell, python_sampled):
+    """(Seen on an H200: "in iteration 0", the op count of the sleeping recorder taken for the op that ran out.)
+    The allocator's error is raised by hand here, with CUDA's wording."""
+    _on(shell, "--engine python")
+    _run(shell, SETUP)
+    cell = TRAIN.replace("    loss.backward()\n", "    if i == 12:\n        raise torch.OutOfMemoryError("
+                         "'CUDA out of memory. Tried to allocate 256.00 GiB. GPU 0 has a total capacity of 139.80 GiB')\n"
+                         "    loss.backward()\n")
+    result, _ = _run(shell, cell)
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    f = bd.last_report().findings[0]
+    assert (f.kind, f.iteration, f.evidence["loop_value"]) == ("oom", 12, "i = 12"), str(bd.last_report())
+    assert f.evidence["requested"] == 256 << 30

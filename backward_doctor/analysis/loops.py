@@ -82,7 +82,8 @@ def _iteration(trace: Trace, f: Finding, line: int, in_cell_loop: bool, first: b
             return its.steps - tail, tail
     if index is None:
         return None, False
-    iteration = its.iteration_of(index) if its.starts else 0
+    # (no iteration recorded: the run stopped before its first step ended, or slept until then, always on)
+    iteration = its.iteration_of(index) if its.starts or its.replayed is not None else its.steps
     tail = in_cell_loop and bool(iteration) and ran_after_step(trace, index, line) is not None
     return iteration - tail, tail
 

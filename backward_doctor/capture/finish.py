@@ -23,6 +23,7 @@ from .stats import dtype_name
 from ..trace.queries import skipped_amp_steps
 from ..trace.parts import STORAGE_EVENTS_CAP, LossInfo, NonFiniteScalar, ParameterTotals, RunHistory
 from ..trace.records import CATEGORIES, ExceptionInfo, OpRecord, TensorMeta, Trace
+from ..util.units import allocator_request
 
 if TYPE_CHECKING:
     from .record import OpRecorder
@@ -90,7 +91,8 @@ def record_exception(cap: "OpRecorder", exc: BaseException) -> None:
     if modules:
         cap._where_stacks.append((info.where, tuple(modules)))
     if isinstance(exc, torch.OutOfMemoryError):
-        info.oom = cap._oom or cap._memory_breakdown(cap._count, None)
+        # (asleep, always on's sampling: no recorded op ran out; the allocator's message says what was asked for)
+        info.oom = cap._oom or cap._memory_breakdown(None if cap._asleep else cap._count, allocator_request(str(exc)))
         info.oom.eval_mode = eval_mode
     info.raised = raised_by_code(exc)
     cap.trace.exception = info

@@ -336,7 +336,7 @@ class OpRecorder(CaptureState):
             index=index, op=name, phase=phase, inputs=[meta(t, with_stats=True) for t in ins], where=where,
             error=f"{type(exc).__name__}: {exc}".split("\n")[0][:500], fwd_index=fwd_index, index_check=idx)
 
-    def _memory_breakdown(self, index: int, requested: int | None) -> OomInfo:
+    def _memory_breakdown(self, index: int | None, requested: int | None) -> OomInfo:
         """Live bytes now by category; by producing op into ``_oom_producers`` (named by module at the end)."""
         by_producer: dict[int, int] = {}
         for producer, nbytes in self._ledger.bytes_by_producer().items():

@@ -145,7 +145,8 @@ def make_capture(engine: str, namespace: dict[str, Any], *, every_iteration: boo
         from .sampling import CostBudget
 
         if python_sampling.samples_here():
-            return python_sampling.SampledCapture(namespace, sampling=CostBudget(), **kwargs)
+            # (no allocator history: with Python stacks it costs at every allocation, asleep or not)
+            return python_sampling.SampledCapture(namespace, sampling=CostBudget(), **{**kwargs, "cuda_history": False})
     if engine == "native":
         from .native_capture import NativeCapture
         from .sampling import CostBudget
