@@ -430,6 +430,35 @@ def profile() -> dict[str, Any]:
     return {"diagnose_s": total, "ops": report.trace.op_count, "top_tottime": buf.getvalue()[-5000:]}
 
 
+def profile_always_on() -> dict[str, Any]:
+    """Where always on's time goes on CUDA (cProfile of the cell run by IPython, the Python recorder sampling):
+    a 500-iteration loop and a single step."""
+    import cProfile
+    import io
+    import pstats
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext backward_doctor", store_history=False)
+    sh.run_cell("%backward_doctor on", store_history=False)
+    out: dict[str, Any] = {}
+    for name, cell in (("loop_500", _LOOP.replace("range(100)", "range(500)")),
+                       ("step", STEP + "torch.cuda.synchronize()\n")):
+        sh.user_ns.update(_mlp(seed=8))
+        sh.run_cell(cell, store_history=False)  # (warm)
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        sh.run_cell(cell, store_history=False)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        out[name] = {"s": time.perf_counter() - t0, "top_tottime": buf.getvalue()[-6000:]}
+    sh.run_cell("%backward_doctor off", store_history=False)
+    return out
+
+
 _AMP_LOOP = """\
 for xb, yb in loader:
     optimizer.zero_grad()
@@ -587,7 +616,7 @@ SECTIONS: dict[str, Callable[[], dict[str, Any]]] = {
     "memory": memory, "oom": oom, "assert": device_assert, "snapshot": snapshot, "async": async_claims,
     "always_on": always_on, "native": native, "reader": reader, "profile": profile, "amp": amp,
     "compiled": compiled, "panel": panel, "always_on_failures": always_on_failures,
-    "always_on_without_loss_read": always_on_without_loss_read}
+    "always_on_without_loss_read": always_on_without_loss_read, "profile_always_on": profile_always_on}
 
 
 def main(argv: list[str] | None = None) -> int:
