@@ -511,3 +511,16 @@ def test_out_of_memory_in_an_iteration_slept_through_is_placed_in_it(shell, pyth
     f = bd.last_report().findings[0]
     assert (f.kind, f.iteration, f.evidence["loop_value"]) == ("oom", 12, "i = 12"), str(bd.last_report())
     assert f.evidence["requested"] == 256 << 30
+
+
+def test_a_device_side_assert_while_the_python_recorder_slept_says_how_to_find_the_index(shell, python_sampled):
+    """Asleep, ops are not pre-checked: the device-side assert a CUDA kernel raises then (simulated here by its
+    message) gets a note saying what to run once the kernel is restarted."""
+    _on(shell, "--engine python")
+    _run(shell, SETUP)
+    cell = TRAIN.replace("    loss.backward()\n", "    if i == 20:\n        raise RuntimeError("
+                         "'CUDA error: device-side assert triggered')\n    loss.backward()\n")
+    result, _ = _run(shell, cell)
+    assert isinstance(result.error_in_exec, RuntimeError)
+    notes = bd.last_report().trace.notes
+    assert any("run the cell under `%%backward_doctor`, which checks the indices of every op" in n for n in notes)

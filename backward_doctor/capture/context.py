@@ -298,11 +298,12 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         self._note_loop_values(self.trace.iterations.steps)
         if self.rollback is not None and self._asleep and isinstance(exc, Exception) \
                 and not isinstance(exc, NameError) and not self.trace.timed_out \
-                and "out of memory" not in str(exc).lower() \
+                and "out of memory" not in str(exc).lower() and "device-side assert" not in str(exc) \
                 and "DataLoader worker" not in str(exc):  # (the loader's next batch: not the body's to replay)
             # An error in an iteration the recorder did not record: that iteration can be replayed
             # (its weights are still those it began with unless its optimizer step already ran). A name the
-            # code misspelt would only fail again: no state is copied for it.
+            # code misspelt would only fail again: no state is copied for it. (Nor after a device-side assert: the
+            # CUDA context is lost, nothing more runs on it.)
             self.rollback.went_wrong(self.trace.iterations.steps)
 
     def finish(self) -> Trace:

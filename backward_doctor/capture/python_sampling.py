@@ -10,7 +10,8 @@ iterations the budget records. What still runs at every step: the optimizer hook
 ``backward()`` (one synchronisation an iteration, which a loop that logs ``loss.item()`` makes anyway), so
 that the iteration that goes NaN/Inf keeps its state for the replay, and the memory series is the CUDA
 allocator's count (the Python tier's ledger sees only the ops it records; CPU tensors made asleep are not in
-that series).
+that series). Asleep, indices are not checked before kernels launch: an out-of-range index is a device-side
+assert, as without the doctor, and the report says so (``%%backward_doctor`` checks every op).
 
 >>> issubclass(SampledCapture, LoopSampling)
 True
@@ -132,6 +133,15 @@ class SampledCapture(LoopSampling, Capture):
         super()._compile_ended()
         if self._asleep:
             self._remove_module_hooks()
+
+    def record_exception(self, exc: BaseException) -> None:
+        super().record_exception(exc)
+        if self._asleep and "device-side assert" in str(exc):
+            self.trace.notes.append(
+                "the iteration that failed ran with always on's recorder asleep: indices are checked before the "
+                "kernel runs (an out-of-range index raised as an IndexError, the CUDA context alive) only in the "
+                "iterations it records. The CUDA context is now unusable: restart the kernel, then run the cell "
+                "under `%%backward_doctor`, which checks the indices of every op before it launches")
 
     def finish(self):
         self._mark_unmarked()
