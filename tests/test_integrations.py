@@ -221,3 +221,35 @@ def test_hf_nan_screened_only_at_scalars_is_replayed_at_its_step(tmp_path, monke
     assert report.trace.engine == "python" and report.trace.iterations.replayed == POISONED_STEP
     assert any(f"NaN/Inf first appeared in iteration {POISONED_STEP}, which ran with its ops screened for NaN/Inf "
                "only where they made a scalar" in n for n in report.trace.notes), report.trace.notes
+
+
+def test_hf_on_cuda_simulated_samples_steps_and_replays_the_nan_one(tmp_path, monkeypatch):
+    """As on CUDA (simulated on the CPU): the Python recorder samples the library's steps (0, 1, 2, 4, 8),
+    asleep with its dispatch mode off the stack; the step that went NaN/Inf, asleep, is replayed alone. A
+    correct run trains bit-identically."""
+    from backward_doctor.capture import python_sampling
+    from backward_doctor.run import watch
+
+    monkeypatch.setattr(watch, "screens_every_op", lambda: False)
+    monkeypatch.setattr(python_sampling, "samples_here", lambda: True)
+    plain = _hf(None, None)
+    plain["trainer"].train()
+    cb = integrations.DoctorCallback(tmp_path, engine="python")
+    before, hook = fi.baseline(), sys.excepthook
+    ns = _hf(None, cb)
+    ns["trainer"].train()
+    its = cb.report.trace.iterations
+    assert cb.report.ok and its.steps == 10 and its.recorded == [0, 1, 2, 4, 8], (str(cb.report), its.recorded)
+    for a, b in zip(_state(ns["model"]), _state(plain["model"])):
+        assert torch.equal(a, b)
+    _clean_after(before, ns, hook)
+
+    cb = integrations.DoctorCallback(tmp_path, engine="python")
+    ns = _hf(HF_NAN, cb, poison=True)
+    ns["trainer"].train()
+    f = cb.report.findings[0]
+    assert (f.kind, f.op, f.line) == ("nonfinite", "aten::log", ll.marked_line(ns, "MyTrainer", "# <-- here"))
+    its = cb.report.trace.iterations
+    assert its.replayed == POISONED_STEP and POISONED_STEP not in its.recorded, its
+    assert any(f"NaN/Inf first appeared in iteration {POISONED_STEP}, which ran with the recorder off" in n
+               for n in cb.report.trace.notes), cb.report.trace.notes

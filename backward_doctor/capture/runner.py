@@ -135,18 +135,20 @@ class Watchdog:
 
 
 def make_capture(engine: str, namespace: dict[str, Any], *, every_iteration: bool = False, budget: bool = False,
-                 **kwargs: Any) -> Capture:
+                 watching: bool = False, **kwargs: Any) -> Capture:
     """A :class:`Capture` for ``engine`` ("python" or "native"; see ``tiers.choose_engine``); the native
     one samples a loop's iterations unless ``every_iteration``, within always-on's cost budget when ``budget``
-    (``sampling.py``). The Python tier records every op, except always on's once the process uses CUDA
-    (``python_sampling.py``)."""
-    if engine == "python" and budget and not every_iteration:
+    (``sampling.py``). The Python tier records every op, except, once the process uses CUDA, always on's
+    (``budget``) and the library callbacks' (``watching``: iterations 0, 1, 2 and powers of two, as the native
+    recorder samples them), which sample too (``python_sampling.py``)."""
+    if engine == "python" and (budget or watching) and not every_iteration:
         from . import python_sampling
-        from .sampling import CostBudget
+        from .sampling import CostBudget, PowersOfTwo
 
         if python_sampling.samples_here():
             # (no allocator history: with Python stacks it costs at every allocation, asleep or not)
-            return python_sampling.SampledCapture(namespace, sampling=CostBudget(), **{**kwargs, "cuda_history": False})
+            return python_sampling.SampledCapture(namespace, sampling=CostBudget() if budget else PowersOfTwo(),
+                                                  **{**kwargs, "cuda_history": False})
     if engine == "native":
         from .native_capture import NativeCapture
         from .sampling import CostBudget

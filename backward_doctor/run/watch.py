@@ -75,7 +75,8 @@ class Watch:
                                           find_body=find_body, scalars_only=scalars_only) \
             if sampled or scalars_only else None
         capture = make_capture(self.engine, namespace, cell_file=cell_file or cell_filename(), source=source,
-                               memory_limit=memory_limit, detail=detail, every_iteration=every_iteration)
+                               memory_limit=memory_limit, detail=detail, every_iteration=every_iteration,
+                               watching=True)
         capture.rollback = self.rollback
         if library:  # a library's own loop, seen from its callback: its iterations are numbered from the first
             capture.trace.iterations.library = library
