@@ -119,3 +119,21 @@ def test_cuda_memory_view_draws_allocator_lines():
                       "allocated_per_op": [int(v * 1.1) for v in (sum(c) for c in zip(*tr.memory.by_category.values()))]}
     svg = svg_plots.memory_timeline_svg(tr)
     assert "<title>CUDA allocated</title>" in svg and "device" in svg
+
+
+def test_the_allocator_line_stays_inside_the_plot_and_is_named():
+    """Seen on an H200: the allocator counts the whole process (tensors made before the step too), above the
+    step's own peak; it was drawn off the top of the plot, over the phase names, with no legend."""
+    import re
+
+    from backward_doctor.render import svg_plots
+
+    report = bd.diagnose("import torch\nx = torch.randn(256, 256, requires_grad=True)\n(x @ x).sum().backward()")
+    tr = report.trace
+    n = len(tr.memory.op_index)
+    tr.memory.cuda = {"allocated_per_op": [3 * tr.memory.peak_bytes] * n}
+    svg = svg_plots.memory_timeline_svg(tr)
+    line = re.search(r'<polyline points="([^"]+)"[^>]*><title>CUDA allocated', svg).group(1)
+    ys = [float(p.split(",")[1]) for p in line.split()]
+    assert min(ys) >= 22                                   # the plot's top edge (``up``)
+    assert ">CUDA allocated</text>" in svg and "(whole process)" in svg

@@ -102,7 +102,10 @@ def memory_timeline_svg(trace: Trace, *, width: int = 1000, height: int = 320,
     xs = [mem.op_index[i] for i in pos] + [mem.op_index[pos[-1]] + 1]  # each sample spans [i, i + 1)
     ys = [[r[i] for i in pos] for r in rows]
     cap = mem.limit_bytes or mem.device_total_bytes
-    top = max(max(sum(col) for col in zip(*ys)), mem.peak_bytes or 0, 1)
+    alloc = (mem.cuda or {}).get("allocated_per_op") or []
+    # (the allocator's count is the whole process's: tensors made before the step and outside it too; it was drawn
+    # off the top of the plot on an H200 when it was not in the scale)
+    top = max(max(sum(col) for col in zip(*ys)), mem.peak_bytes or 0, max(alloc, default=0), 1)
     show_cap = bool(cap) and cap <= 4 * top
     ymax = max(top, cap if show_cap else 0) * 1.12
     scale, unit = scale_unit(ymax)
@@ -141,8 +144,6 @@ def memory_timeline_svg(trace: Trace, *, width: int = 1000, height: int = 320,
         out.append(f'<polygon points="{upper} {lower}" fill="{CATEGORY_COLORS[c]}" fill-opacity="0.95">'
                    f"<title>{esc(CATEGORY_LABELS[c])}</title></polygon>")
         base = tops
-    cuda = mem.cuda or {}
-    alloc = cuda.get("allocated_per_op") or []
     if alloc:
         start = max(0, trace.op_count - len(alloc))
         keep = downsample(list(range(len(alloc))), [list(alloc)])
@@ -182,6 +183,10 @@ def memory_timeline_svg(trace: Trace, *, width: int = 1000, height: int = 320,
         out.append(f'<rect x="{left + pw + 14}" y="{ly}" width="10" height="10" fill="{CATEGORY_COLORS[c]}"/>'
                    f'<text x="{left + pw + 30}" y="{ly + 9}" fill="{_INK}">{esc(CATEGORY_LABELS[c])}</text>')
         ly += 17
+    if alloc:
+        out.append(f'<line x1="{left + pw + 14}" x2="{left + pw + 24}" y1="{ly + 5}" y2="{ly + 5}" stroke="{_INK}"/>'
+                   f'<text x="{left + pw + 30}" y="{ly + 9}" fill="{_INK}">CUDA allocated</text>'
+                   f'<text x="{left + pw + 30}" y="{ly + 22}" fill="{_MUTED}" font-size="10">(whole process)</text>')
     if cap and not show_cap:
         out.append(f'<text x="{width - 4}" y="{height - 6}" text-anchor="end" fill="{_MUTED}" font-size="10">'
                    f"device capacity {esc(format_bytes(cap))} (off the scale)</text>")
