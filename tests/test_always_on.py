@@ -426,6 +426,20 @@ def python_sampled(monkeypatch, scalars_only):
     from backward_doctor.capture import python_sampling
 
     monkeypatch.setattr(python_sampling, "samples_here", lambda: True)
+    monkeypatch.setattr(python_sampling, "trains_on_cuda", lambda params: True)
+
+
+def test_a_cpu_loop_in_a_process_that_uses_cuda_is_recorded_in_full(shell, monkeypatch, scalars_only):
+    """Asleep, the Python tier could not count a CPU loop's memory (the CUDA allocator's count is not its): a
+    step whose parameters are on the CPU is recorded every iteration, as before."""
+    from backward_doctor.capture import python_sampling
+
+    monkeypatch.setattr(python_sampling, "samples_here", lambda: True)
+    _on(shell, "--engine python")
+    _run(shell, SETUP)
+    result, _ = _run(shell, TRAIN)
+    its = bd.last_report().trace.iterations
+    assert result.success and its.recorded == list(range(41)) and its.live_kind == "ledger", its.recorded
 
 
 def test_the_python_recorder_sleeps_through_a_long_loop_and_leaves_nothing_on(shell, python_sampled):

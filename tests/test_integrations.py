@@ -232,6 +232,7 @@ def test_hf_on_cuda_simulated_samples_steps_and_replays_the_nan_one(tmp_path, mo
 
     monkeypatch.setattr(watch, "screens_every_op", lambda: False)
     monkeypatch.setattr(python_sampling, "samples_here", lambda: True)
+    monkeypatch.setattr(python_sampling, "trains_on_cuda", lambda params: True)
     plain = _hf(None, None)
     plain["trainer"].train()
     cb = integrations.DoctorCallback(tmp_path, engine="python")

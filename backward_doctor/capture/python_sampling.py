@@ -39,6 +39,17 @@ def samples_here() -> bool:
     return cuda_in_use()
 
 
+def trains_on_cuda(params: list[Any]) -> bool:
+    """Whether the step's parameters (those the namespace holds) live on CUDA; none found (a library keeps them
+    out of reach) counts as yes. A CPU step in a process that uses CUDA is recorded in full, as before: asleep,
+    the Python tier could not count its memory (the CUDA allocator's count is not its).
+
+    >>> trains_on_cuda([torch.zeros(1)]), trains_on_cuda([])
+    (False, True)
+    """
+    return not params or any(p.is_cuda for p in params)
+
+
 class ModeSwitch:
     """The Python tier's recorder switch for :class:`LoopSampling` (the native recorder's module has the same
     four calls): asleep is the doctor's dispatch mode off torch's stack.
@@ -100,6 +111,7 @@ class SampledCapture(LoopSampling, Capture):
         super().__init__(*args, **kwargs)
         self._init_sampling(sampling)
         self._ext = ModeSwitch(self)
+        self._may_sleep = True
 
     def _install(self) -> None:
         super()._install()
@@ -110,7 +122,11 @@ class SampledCapture(LoopSampling, Capture):
 
     def _make_watch(self) -> LoopWatch:
         """On CUDA: the allocator's live bytes (it counts while the mode is off) and the loss read on the device."""
-        if not self._cuda:
+        # (made once the namespace's parameters are registered: whether this step may sleep at all)
+        self._may_sleep = trains_on_cuda([p for p in (r() for r in self._params.values()) if p is not None])
+        if not self._may_sleep:
+            self._sampling = None  # (every iteration recorded: the Python tier as it always was)
+        if not self._cuda or not self._may_sleep:
             return super()._make_watch()
         self.trace.iterations.live_kind = "cuda"
         # (read through the capture: cuda.start installs the cheap reader after the watch is made)
@@ -149,4 +165,4 @@ class SampledCapture(LoopSampling, Capture):
         return super().finish()
 
 
-__all__ = ["SampledCapture", "ModeSwitch", "cuda_scalar", "samples_here"]
+__all__ = ["SampledCapture", "ModeSwitch", "cuda_scalar", "samples_here", "trains_on_cuda"]
