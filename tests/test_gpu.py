@@ -211,3 +211,11 @@ def test_hf_trainer_callback_on_cuda_samples_steps_and_replays_the_nan_step(tmp_
     f = cb.report.findings[0]
     assert (f.kind, f.op) == ("nonfinite", "aten::log"), str(cb.report)
     assert cb.report.trace.iterations.replayed == 6
+
+
+def test_gradients_consumed_earlier_are_read_per_device():
+    """(Not yet run on a GPU: written after this session's device time ran out.)"""
+    from backward_doctor.capture.context import _any_each
+
+    ts = [torch.zeros(3, device="cuda"), torch.ones(2, device="cuda"), torch.zeros(1), torch.ones(4, device="cuda")]
+    assert _any_each(ts) == [False, True, False, True]

@@ -46,6 +46,27 @@ _WRAPPER_FILES = (os.path.join("torch", "_dynamo", "eval_frame.py"), os.path.joi
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
 
+def _any_each(tensors: list[torch.Tensor]) -> list[bool]:
+    """``bool(t.any())`` of each tensor, with one synchronisation per CUDA device rather than one per tensor (a
+    cell's start reads every gradient an earlier step consumed: on a GPU each read waited for the device).
+
+    >>> _any_each([torch.zeros(2), torch.ones(3)])
+    [False, True]
+    """
+    out: list[bool] = [False] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            if t.device.type == "cpu" or t.is_sparse:
+                out[i] = bool(t.any())
+            else:
+                by_device.setdefault(t.device, []).append(i)
+        for idx in by_device.values():
+            for i, v in zip(idx, torch.stack([tensors[i].any() for i in idx]).tolist()):
+                out[i] = bool(v)
+    return out
+
+
 class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, CaptureState, holds the fields)
     """Record the ops and memory of the code run inside ``with Capture(...)``.
 
@@ -223,12 +244,12 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
     def _forget_zeroed_grads(self) -> None:
         """Gradients zeroed since their step (e.g. by zero_grad in another cell) are not stale."""
         marks = self.history.stepped_grads
-        with torch.no_grad():
-            for grad in list(marks.keys()):
-                if not bool(grad.any()):
-                    marks.pop(grad, None)
-                else:  # (an unrecorded step tells by its version whether this run's backward added to it)
-                    self._mark_versions[id(grad)] = grad._version
+        grads = list(marks.keys())
+        for grad, nonzero in zip(grads, _any_each(grads)):
+            if not nonzero:
+                marks.pop(grad, None)
+            else:  # (an unrecorded step tells by its version whether this run's backward added to it)
+                self._mark_versions[id(grad)] = grad._version
 
     # ---------------------------------------------------------------- hooks
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
