@@ -105,7 +105,8 @@ def cuda_scalar(t: Any) -> float | None:
 
 
 class SampledCapture(LoopSampling, Capture):
-    """:class:`Capture` whose loop iterations are sampled by ``sampling`` (always on's :class:`CostBudget`)."""
+    """:class:`Capture` whose loop iterations are sampled by ``sampling`` (always on's :class:`CostBudget`, the
+    library callbacks' :class:`PowersOfTwo`)."""
 
     def __init__(self, *args: Any, sampling: Sampling, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
