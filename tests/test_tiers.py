@@ -84,3 +84,21 @@ def test_a_clean_step_is_seen_once(engine):
         report = bd.diagnose(CELL.replace("torch.log(", "torch.exp("), ns, engine=engine)
     assert report.ok and not any("replayed" in n for n in report.trace.notes)
     assert report.trace.needs_detail is None and ns["seen"] == [0]
+
+
+def test_a_replay_that_does_not_go_nan_again_keeps_the_first_runs_report(monkeypatch):
+    """(Found simulating CUDA under ``%%backward_doctor`` on ``trainer.fit()``: the replay of a Lightning trainer
+    that had reached its last step returned at once, and its empty trace replaced the run's report: "OK".) State
+    the snapshot does not roll back, here a list the cell counts its runs in, makes the replay differ."""
+    monkeypatch.setattr(tiers, "screens_every_op", lambda: False)
+    monkeypatch.setattr(step, "screens_every_op", lambda: False)
+    ns = _ns()
+    ns["runs"] = []
+    cell = ("runs.append(1)\nh = model(x)\nloss = (h * (float('nan') if len(runs) == 1 else 1.0)).mean()\n"
+            "loss.backward()\nopt.step()\n")
+    report = bd.diagnose(cell, ns)
+    f = report.findings[0]
+    assert f.kind == "nonfinite" and f.evidence["located"] is False and f.line == 3, str(report)
+    assert "replayed from the state saved before it the step stayed finite" in f.message
+    assert any("it did not appear again" in n and "where it was born is not known" in n for n in report.trace.notes)
+    assert ns["runs"] == [1, 1]

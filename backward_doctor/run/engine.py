@@ -150,6 +150,17 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         detailed = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit,
                               filename=first.cell_file, detail=True, engine=engine)
+    if not detailed.nonfinite and detailed.iterations.first_nonfinite is None:
+        # Replayed, the step stayed finite (or did other work: a library's trainer that had reached its last step
+        # returns at once): the first run's report stands, with what it could not locate.
+        steps = ("" if detailed.iterations.steps == first.iterations.steps else
+                 f" (the replay ran {detailed.iterations.steps} optimizer steps, the run {first.iterations.steps}: "
+                 "state outside the model and the optimizer, such as a trainer's step count, was not rolled back)")
+        first.notes.append("NaN/Inf appeared in this step; replayed from the state saved before it with every op's "
+                           f"output checked, it did not appear again{steps}, so where it was born is not known. The "
+                           "cell's code ran twice")
+        first.needs_detail = "nonfinite:not_reproduced"  # (the rule says so rather than ask for a replay)
+        return first
     detailed.stale_steps = first.stale_steps
     detailed.graph_holders = first.graph_holders
     detailed.history = first.history

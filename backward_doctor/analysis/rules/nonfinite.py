@@ -45,17 +45,22 @@ def _explain(op: str | None) -> tuple[str, str]:
 
 
 def _without_origin(trace: Trace) -> list[Finding]:
-    """First tier only (no rollback, so no detailed replay): say that NaN/Inf happened and where it showed."""
-    if trace.needs_detail != "nonfinite":
+    """First tier only (no rollback, so no detailed replay; or a replay that stayed finite): say that NaN/Inf
+    happened and where it showed."""
+    if trace.needs_detail not in ("nonfinite", "nonfinite:not_reproduced"):
         return []
     hint = trace.nonfinite_hint
     reached = [k for k, v in trace.nonfinite_reached.items() if v] or ["loss"]
     where = Where(line=hint.line, file=hint.file, cell_line=hint.line) if hint is not None else Where()
     msg = (f"NaN/Inf reached the {', '.join(reached)}"
            f"{' (first seen in a scalar at line ' + str(where.line) + ')' if where.line else ''}. "
-           "The cheap first pass does not check every op, and without a rollback snapshot the step could not "
-           "be replayed to find the op that made it: run the cell again with rollback on (the default) to get "
-           "the origin.")
+           + ("The cheap first pass does not check every op, and without a rollback snapshot the step could not "
+              "be replayed to find the op that made it: run the cell again with rollback on (the default) to get "
+              "the origin." if trace.needs_detail == "nonfinite" else
+              "The cheap first pass does not check every op, and replayed from the state saved before it the step "
+              "stayed finite: it depends on something the replay did not restore (a counter, the next batch of an "
+              "iterator, a library's own state). Run the cell once more under the doctor with its state as it "
+              "was, or on the CPU, where every op is checked in the one run."))
     return [at("nonfinite", where, msg, title="NaN/Inf in this step (origin not located)",
                evidence={"reached": reached, "located": False})]
 
