@@ -500,7 +500,8 @@ class Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 """)
     before = fi.baseline()
-    cell = TRAIN.replace("range(40)", "range(64)").replace("    opt.zero_grad()\n", "    opt.zero_grad()\n    m = Counting().__enter__() if i == 3 else None\n")
+    cell = TRAIN.replace("range(40)", "range(64)").replace(
+        "    opt.zero_grad()\n", "    opt.zero_grad()\n    m = Counting().__enter__() if i == 3 else None\n")
     result, cap = _run(shell, cell + "m3 = Counting.n\n")
     assert result.success, cap.stderr
     assert torch._C._len_torch_dispatch_stack() == 1                     # the cell's own mode, still on
@@ -518,7 +519,8 @@ def test_out_of_memory_in_an_iteration_slept_through_is_placed_in_it(shell, pyth
     _on(shell, "--engine python")
     _run(shell, SETUP)
     cell = TRAIN.replace("    loss.backward()\n", "    if i == 12:\n        raise torch.OutOfMemoryError("
-                         "'CUDA out of memory. Tried to allocate 256.00 GiB. GPU 0 has a total capacity of 139.80 GiB')\n"
+                         "'CUDA out of memory. Tried to allocate 256.00 GiB. GPU 0 has a total capacity "
+                         "of 139.80 GiB')\n"
                          "    loss.backward()\n")
     result, _ = _run(shell, cell)
     assert isinstance(result.error_in_exec, torch.OutOfMemoryError)

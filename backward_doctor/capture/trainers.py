@@ -20,6 +20,7 @@ import linecache
 import re
 import weakref
 from dataclasses import dataclass
+import functools
 from typing import Any, Callable, Iterable
 
 from ..trace.parts import LrSetting
@@ -98,6 +99,64 @@ def find_library_loop(namespace: dict[str, Any], source: str) -> LibraryLoop | N
         return LibraryLoop(kind[0], ast.get_source_segment(source, node) or f"{node.func.value.id}.{node.func.attr}()",
                            node.lineno, ref)
     return None
+
+
+# ----------------------------------------------------------------------------- the library's own step
+class StepArguments:
+    """A ``transformers.Trainer``'s ``training_step`` wrapped (an attribute of the instance, removed when the
+    watch ends) to know the current call's arguments: the batch an iteration that goes NaN/Inf is replayed
+    with. They are referenced during the call only, and kept once, by the replay, until it has run. (The
+    callback's, ``integrations/hf.py``, and a cell's that calls ``trainer.train()``: :func:`library_step`.)"""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self._had = "training_step" in vars(trainer)
+        self._saved = vars(trainer).get("training_step")
+        step = self._step = trainer.training_step
+        self._current: tuple[tuple, dict] | None = None
+
+        @functools.wraps(step)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the traceback
+            self._current = (args, kwargs)
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._current = None
+
+        trainer.training_step = training_step
+
+    def body(self) -> Any:
+        """The current step again, its arguments bound in (None outside a step)."""
+        if self._current is None:
+            return None
+        args, kwargs = self._current
+        return functools.partial(self._step, *args, **kwargs)
+
+    def remove(self) -> None:
+        if self._had:
+            self.trainer.training_step = self._saved
+        else:
+            vars(self.trainer).pop("training_step", None)
+
+
+def library_step(namespace: dict[str, Any], source: str) -> tuple[Callable[[], Any], Callable[[], None]] | None:
+    """``(find_body, remove)`` for the ``transformers`` trainer whose loop ``source`` calls, its ``training_step``
+    wrapped (:class:`StepArguments`; ``remove`` takes the wrapper out: call it when the run ends, whatever
+    happened); None for anything else. So that the iteration that goes NaN/Inf in a cell's ``trainer.train()``
+    is replayed alone, through the library's own step, rather than the whole cell (the library does not start
+    again from the same state: a trainer at its last step returns at once). Lightning's step is known from its
+    callback's hooks only: such a cell is replayed whole, as before.
+
+    >>> library_step({}, "x = 1") is None
+    True
+    """
+    loop = find_library_loop(namespace, source)
+    trainer = loop.ref() if loop is not None and loop.library == "transformers" else None
+    if trainer is None:
+        return None
+    steps = StepArguments(trainer)
+    return steps.body, steps.remove
 
 
 # ----------------------------------------------------------------------------- where the learning rate was set
@@ -245,4 +304,5 @@ def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, str, int,
     return None
 
 
-__all__ = ["LibraryLoop", "find_library_loop", "find_lr_setting", "locate_lr", "user_sources", "configure_optimizers_span"]
+__all__ = ["LibraryLoop", "StepArguments", "find_library_loop", "find_lr_setting", "library_step", "locate_lr",
+           "user_sources", "configure_optimizers_span"]

@@ -29,6 +29,7 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
+from ..capture.trainers import StepArguments
 from .watching import LoopDoctor
 
 
@@ -49,7 +50,7 @@ class DoctorCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         namespace = {k: kwargs[k] for k in ("model", "optimizer", "lr_scheduler") if kwargs.get(k) is not None}
         trainer = _calling_trainer()
-        steps = _StepArguments(trainer) if trainer is not None else None
+        steps = StepArguments(trainer) if trainer is not None else None
         self.doctor.begin(namespace, output_dir=getattr(args, "output_dir", None),
                           find_body=steps.body if steps is not None else None,
                           cleanup=steps.remove if steps is not None else None, library="transformers")
@@ -82,43 +83,6 @@ def _calling_trainer() -> Trainer | None:
         return None
     finally:
         del frame
-
-
-class _StepArguments:
-    """``trainer.training_step`` wrapped (an attribute of the instance, removed when the watch ends) to know
-    the current call's arguments: the batch an iteration that goes NaN/Inf is replayed with. They are
-    referenced during the call only, and kept once, by the replay, until it has run."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self._had = "training_step" in vars(trainer)
-        self._saved = vars(trainer).get("training_step")
-        step = self._step = trainer.training_step
-        self._current: tuple[tuple, dict] | None = None
-
-        @functools.wraps(step)
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the traceback
-            self._current = (args, kwargs)
-            try:
-                return step(*args, **kwargs)
-            finally:
-                self._current = None
-
-        trainer.training_step = training_step
-
-    def body(self) -> Any:
-        """The current step again, its arguments bound in (None outside a step)."""
-        if self._current is None:
-            return None
-        args, kwargs = self._current
-        return functools.partial(self._step, *args, **kwargs)
-
-    def remove(self) -> None:
-        if self._had:
-            self.trainer.training_step = self._saved
-        else:
-            vars(self.trainer).pop("training_step", None)
 
 
 def _ending_on_exception(trainer: Trainer, callback: DoctorCallback) -> Any:

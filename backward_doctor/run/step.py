@@ -21,6 +21,7 @@ from ..capture.excerpts import keep_excerpts
 from ..capture.history import history_for
 from ..capture.runner import cell_filename, make_capture, run_source, run_under_capture
 from ..capture.sampling import nothing_recorded
+from ..capture.trainers import library_step
 from ..report import Report
 from ..report.places import Namer, name_places
 from ..trace import Trace
@@ -116,28 +117,38 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     chosen = choose_engine(engine, memory_limit=memory_limit, build=build)
     if detail is None:  # one run, every op screened where that is cheap: no replay, no snapshot (engine.py)
         detail = screens_every_op()
-    # Always on, CUDA (scalars screened only): no copy of the state before every cell; the iteration whose loss
-    # goes NaN/Inf keeps its own (``scalars_only`` below) and is replayed with every op screened.
-    scalars_only = rollback and budget and not detail and chosen == "python" and memory_limit is None
+    # CUDA (scalars screened only): always on copies no state before every cell, and a library's loop is not
+    # replayed whole (the library does not start again from the same state): the iteration whose loss goes
+    # NaN/Inf keeps its own (``scalars_only``) and is replayed alone with every op screened (a library's loop:
+    # through its own step, ``capture/trainers.library_step``).
+    scalars_only = rollback and not detail and chosen == "python" and memory_limit is None
+    lib_step = library_step(namespace, source) if scalars_only else None
+    scalars_only = scalars_only and (budget or lib_step is not None)
     snapshot = snapshot_for(source, namespace) if rollback and not detail and not scalars_only else None
     # torch.compile: a compiled step that goes NaN/Inf or raises is replayed eagerly from this state (compile_replay.py)
     compile_plan = compile_replay.plan(source, namespace, rollback, snapshot)
     past = history_for(source, namespace) if history else None
     # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone.
     sampled = rollback and detail and chosen == "native" and not every_iteration and memory_limit is None
+    body = lib_step[0] if lib_step is not None else None
     iteration_rollback = (IterationRollback(source, namespace, native.load(build=False)) if sampled else
-                          IterationRollback(source, namespace, scalars_only=True) if scalars_only else None)
+                          IterationRollback(source, namespace, find_body=body, scalars_only=True) if scalars_only
+                          else None)
     budget = budget and (sampled or scalars_only) and compile_plan is None
-    if execute is None:
-        trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
-                           history=past, detail=detail, engine=chosen, every_iteration=every_iteration,
-                           rollback=iteration_rollback, stall=stall, budget=budget)
-    else:
-        capture = make_capture(chosen, namespace, cell_file=cell_file or cell_filename(), source=source,
-                               memory_limit=memory_limit, history=past, detail=detail,
-                               every_iteration=every_iteration, budget=budget)
-        capture.rollback = iteration_rollback
-        trace = run_under_capture(execute, capture, timeout, stall)
+    try:
+        if execute is None:
+            trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
+                               history=past, detail=detail, engine=chosen, every_iteration=every_iteration,
+                               rollback=iteration_rollback, stall=stall, budget=budget)
+        else:
+            capture = make_capture(chosen, namespace, cell_file=cell_file or cell_filename(), source=source,
+                                   memory_limit=memory_limit, history=past, detail=detail,
+                                   every_iteration=every_iteration, budget=budget)
+            capture.rollback = iteration_rollback
+            trace = run_under_capture(execute, capture, timeout, stall)
+    finally:
+        if lib_step is not None:
+            lib_step[1]()  # (the trainer's training_step as it was: the replay runs the one it wrapped)
     if iteration_rollback is not None and iteration_rollback.iteration is not None:
         trace = replay_iteration(trace, iteration_rollback, namespace, timeout=timeout, engine=chosen)
     if compile_plan is not None:
