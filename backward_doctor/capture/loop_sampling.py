@@ -35,6 +35,24 @@ class LoopSampling:
         self._compiling = 0
         self._post_counts: list[int] = []  # op count at the end of each optimizer step
 
+    def _start_sampling(self) -> None:
+        """The run has started (the capture installed): a policy that does not record the first iteration (always
+        on's) puts the recorder to sleep from the first op, nothing recorded yet, nothing open."""
+        self._iter_t = time.perf_counter()
+        if self._sampling is not None and not self._sampling.records_first():
+            self._first_recorded = False
+            self._fall_asleep()
+
+    def _compile_started(self) -> None:
+        self._compiling += 1
+        super()._compile_started()
+
+    def _compile_ended(self) -> None:
+        self._compiling = max(0, self._compiling - 1)
+        super()._compile_ended()  # (the module hooks back: not while asleep)
+        if self._asleep:
+            self._remove_module_hooks()
+
     def _sampling_note(self) -> None:
         """The trace's note on which iterations were recorded (at the end of the run)."""
         its = self.trace.iterations

@@ -156,10 +156,7 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
         self._undo.push("recorder's ledger", self._ledger.detach)
         self._ledger.attach(self._ext)
         self._yield_to_profiler()
-        self._iter_t = time.perf_counter()
-        if self._sampling is not None and not self._sampling.records_first():
-            self._first_recorded = False
-            self._fall_asleep()  # (always on: from the first op; nothing recorded yet, nothing open)
+        self._start_sampling()
 
     def _stop_recorder(self) -> None:
         if self._ext.running():
@@ -210,16 +207,12 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
 
     # ---------------------------------------------------------------- hooks
     def _compile_started(self) -> None:
-        self._compiling += 1
         super()._compile_started()
         self._ext.pause()  # what torch.compile runs while it compiles is not the step's work
 
     def _compile_ended(self) -> None:
-        self._compiling = max(0, self._compiling - 1)
         self._ext.resume()
         super()._compile_ended()
-        if self._asleep:
-            self._remove_module_hooks()
 
     def _set_stack(self) -> None:
         sid = self._stack_ids.get(self._stack_key)

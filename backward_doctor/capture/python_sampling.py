@@ -112,22 +112,18 @@ class SampledCapture(LoopSampling, Capture):
         super().__init__(*args, **kwargs)
         self._init_sampling(sampling)
         self._ext = ModeSwitch(self)
-        self._may_sleep = True
 
     def _install(self) -> None:
         super()._install()
-        self._iter_t = self._t0
-        if self._sampling is not None and not self._sampling.records_first():
-            self._first_recorded = False
-            self._fall_asleep()  # (from the first op: nothing recorded yet)
+        self._start_sampling()
 
     def _make_watch(self) -> LoopWatch:
         """On CUDA: the allocator's live bytes (it counts while the mode is off) and the loss read on the device."""
         # (made once the namespace's parameters are registered: whether this step may sleep at all)
-        self._may_sleep = trains_on_cuda([p for p in (r() for r in self._params.values()) if p is not None])
-        if not self._may_sleep:
+        if not trains_on_cuda([p for p in (r() for r in self._params.values()) if p is not None]):
             self._sampling = None  # (every iteration recorded: the Python tier as it always was)
-        if not self._cuda or not self._may_sleep:
+            return super()._make_watch()
+        if not self._cuda:
             return super()._make_watch()
         self.trace.iterations.live_kind = "cuda"
         # (read through the capture: cuda.start installs the cheap reader after the watch is made)
@@ -140,16 +136,6 @@ class SampledCapture(LoopSampling, Capture):
 
     def _set_stack(self) -> None:
         pass  # (the Python tier's module stack is read at each op)
-
-    def _compile_started(self) -> None:
-        self._compiling += 1
-        super()._compile_started()
-
-    def _compile_ended(self) -> None:
-        self._compiling = max(0, self._compiling - 1)
-        super()._compile_ended()
-        if self._asleep:
-            self._remove_module_hooks()
 
     def record_exception(self, exc: BaseException) -> None:
         super().record_exception(exc)
