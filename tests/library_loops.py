@@ -180,6 +180,31 @@ def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer
     return ns
 
 
+#: compute_loss with a log of zero for batches holding token 98 (a rare token: data-dependent NaN/Inf)
+HF_NAN = '''
+class MyTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(**inputs)
+        rare = (inputs["input_ids"] == 98).float().mean(dim=1)
+        loss = out.loss + torch.log(1 - rare.max() * 8).clamp(max=0)   # <-- here
+        return (loss, out) if return_outputs else loss
+'''
+#: the sample the shuffled loader (seed 0) puts in optimizer step 6, an iteration the sampled recorders leave out
+POISONED_SAMPLE, POISONED_STEP = 36, 6
+
+
+def hf_rare_token_trainer(trainer_source: str | None, callbacks: list | None = None, poison: bool = False,
+                          **args: Any) -> dict[str, Any]:
+    """:func:`hf_trainer` for 10 steps over 40 samples in which token 98 (what :data:`HF_NAN` takes the log of
+    zero for) appears nowhere, or with ``poison`` in :data:`POISONED_SAMPLE` only; *args* to :func:`hf_args`."""
+    ns = hf_trainer(trainer_source=trainer_source, steps=10, n=40, callbacks=callbacks, **args)
+    ds = ns["train_ds"]
+    ds.ids[ds.ids == 98] = 97
+    if poison:
+        ds.ids[POISONED_SAMPLE, 3] = 98
+    return ns
+
+
 # ----------------------------------------------------------------------------- Lightning
 def _lightning() -> Any:
     return pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is a test dependency (pyproject [test])")

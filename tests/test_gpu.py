@@ -168,16 +168,6 @@ def test_one_allocation_larger_than_the_device_is_named_as_such():
     assert "The one tensor being allocated, 256.0 GiB, is larger than the whole device by itself" in f.message
 
 
-HF_NAN = '''
-class MyTrainer(Trainer):
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = model(**inputs)
-        rare = (inputs["input_ids"] == 98).float().mean(dim=1)
-        loss = out.loss + torch.log(1 - rare.max() * 8).clamp(max=0)   # <-- here
-        return (loss, out) if return_outputs else loss
-'''
-
-
 def test_hf_trainer_callback_on_cuda_samples_steps_and_replays_the_nan_step(tmp_path):
     """The transformers callback on a CUDA Trainer: the Python recorder samples the steps (0, 1, 2, 4, 8: asleep
     its dispatch mode is off the stack), weights as a plain run's; a step whose loss goes NaN asleep is replayed."""
@@ -187,13 +177,7 @@ def test_hf_trainer_callback_on_cuda_samples_steps_and_replays_the_nan_step(tmp_
     from backward_doctor import integrations
 
     def trainer(source, callback, poison=False):
-        ns = ll.hf_trainer(trainer_source=source, steps=10, n=40, callbacks=[callback] if callback else None,
-                           use_cpu=False)
-        ds = ns["train_ds"]
-        ds.ids[ds.ids == 98] = 97
-        if poison:
-            ds.ids[36, 3] = 98
-        return ns
+        return ll.hf_rare_token_trainer(source, [callback] if callback else None, poison=poison, use_cpu=False)
 
     plain = trainer(None, None)
     plain["trainer"].train()
@@ -206,11 +190,11 @@ def test_hf_trainer_callback_on_cuda_samples_steps_and_replays_the_nan_step(tmp_
     for a, b in zip(ns["model"].state_dict().values(), plain["model"].state_dict().values()):
         assert torch.equal(a, b)
     cb = integrations.DoctorCallback(tmp_path)
-    ns = trainer(HF_NAN, cb, poison=True)
+    ns = trainer(ll.HF_NAN, cb, poison=True)
     ns["trainer"].train()
     f = cb.report.findings[0]
     assert (f.kind, f.op) == ("nonfinite", "aten::log"), str(cb.report)
-    assert cb.report.trace.iterations.replayed == 6
+    assert cb.report.trace.iterations.replayed == ll.POISONED_STEP
 
 
 def test_gradients_consumed_earlier_are_read_per_device():

@@ -19,15 +19,7 @@ from backward_doctor.capture.native_capture import native_available
 import fault_injection as fi
 import library_loops as ll
 
-#: compute_loss with a log of zero for batches holding token 98 (a rare token: data-dependent NaN/Inf)
-HF_NAN = '''
-class MyTrainer(Trainer):
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = model(**inputs)
-        rare = (inputs["input_ids"] == 98).float().mean(dim=1)
-        loss = out.loss + torch.log(1 - rare.max() * 8).clamp(max=0)   # <-- here
-        return (loss, out) if return_outputs else loss
-'''
+HF_NAN, POISONED_SAMPLE, POISONED_STEP = ll.HF_NAN, ll.POISONED_SAMPLE, ll.POISONED_STEP
 HF_RAISES = '''
 class MyTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -36,17 +28,10 @@ class MyTrainer(Trainer):
             return out.logits @ out.logits   # <-- here
         return out.loss
 '''
-#: the sample the shuffled loader (seed 0) puts in optimizer step 6, an iteration the recorder leaves out
-POISONED_SAMPLE, POISONED_STEP = 36, 6
 
 
 def _hf(source: str | None, callback, poison: bool = False) -> dict:
-    ns = ll.hf_trainer(trainer_source=source, steps=10, n=40, callbacks=[callback] if callback else None)
-    ds = ns["train_ds"]
-    ds.ids[ds.ids == 98] = 97
-    if poison:
-        ds.ids[POISONED_SAMPLE, 3] = 98
-    return ns
+    return ll.hf_rare_token_trainer(source, [callback] if callback else None, poison=poison)
 
 
 def _state(model) -> list[torch.Tensor]:

@@ -104,16 +104,6 @@ def test_a_replay_that_does_not_go_nan_again_keeps_the_first_runs_report(monkeyp
     assert ns["runs"] == [1, 1]
 
 
-HF_NAN = '''
-class MyTrainer(Trainer):
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = model(**inputs)
-        rare = (inputs["input_ids"] == 98).float().mean(dim=1)
-        loss = out.loss + torch.log(1 - rare.max() * 8).clamp(max=0)   # <-- here
-        return (loss, out) if return_outputs else loss
-'''
-
-
 def test_a_library_loop_screened_at_scalars_replays_the_librarys_step_not_the_cell(monkeypatch):
     """CUDA's first tier (simulated): ``trainer.train()`` in a cell is not replayed whole (the library would not
     start again from the same state), but the step that went NaN/Inf, through the trainer's own
@@ -122,14 +112,11 @@ def test_a_library_loop_screened_at_scalars_replays_the_librarys_step_not_the_ce
 
     monkeypatch.setattr(tiers, "screens_every_op", lambda: False)
     monkeypatch.setattr(step, "screens_every_op", lambda: False)
-    ns = ll.hf_trainer(trainer_source=HF_NAN, steps=10, n=40)
-    ds = ns["train_ds"]
-    ds.ids[ds.ids == 98] = 97
-    ds.ids[36, 3] = 98                        # (the sample the shuffled loader puts in step 6)
+    ns = ll.hf_rare_token_trainer(ll.HF_NAN, poison=True)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         report = bd.diagnose("trainer.train()\n", ns, engine="python")
     f = report.findings[0]
     assert (f.kind, f.op, f.line) == ("nonfinite", "aten::log", ll.marked_line(ns, "MyTrainer", "# <-- here")), \
         str(report)
-    assert report.trace.iterations.replayed == 6 and report.trace.iterations.steps == 10
+    assert report.trace.iterations.replayed == ll.POISONED_STEP and report.trace.iterations.steps == 10
     assert "training_step" not in vars(ns["trainer"])
