@@ -98,6 +98,19 @@ def test_timeline_is_downsampled_keeping_the_peak():
     assert any("one point per 2 ops" in n for n in trace.notes)
 
 
+def test_timeline_reads_only_whole_samples_after_an_interrupted_add():
+    """A cell's own SIGALRM may raise inside ``Timeline.add`` between writing a sample's op index and its
+    totals (CI saw an IndexError in finish() that way): the samples read back are the whole ones."""
+    from backward_doctor.capture.memory import Timeline
+    tl = Timeline()
+    tl.add(0, [1, 2], 3)
+    tl.index.append(1)               # interrupted after the op index, before its totals
+    assert tl.samples() == ([0], [[1, 2]])
+    fresh = Timeline()
+    fresh.index.append(0)            # interrupted at the very first sample
+    assert fresh.samples() == ([], [])
+
+
 def test_simulated_oom_is_a_torch_out_of_memory_error():
     ns = _mlp()
     report = bd.diagnose("big = model(x.repeat(64, 1))", ns, memory_limit="4MB")

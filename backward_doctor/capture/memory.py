@@ -304,14 +304,17 @@ class Timeline:
 
     def add(self, index: int, totals: list[int], total: int) -> None:
         if self.stride == 1 and len(self.index) < self.capacity - 1:  # the common case: keep every op
-            n = len(self._flat)
-            try:  # both or neither (an exception from a signal handler may land in between)
+            # The width is set before the rows it describes: an exception from a signal handler (a cell's own
+            # SIGALRM) may land between any two statements here, and samples() reads only whole rows.
+            self._width = len(totals)
+            n, k = len(self._flat), len(self.index)
+            try:  # both or neither, so later rows stay paired with their ops
                 self._flat.extend(totals)
                 self.index.append(index)
-            except BaseException:
+            except BaseException:  # (a handler may run just after append returned, still inside this try)
                 del self._flat[n:]
+                del self.index[k:]
                 raise
-            self._width = len(totals)
             return
         pending = self._pending
         if pending is None or total >= pending[2]:
@@ -324,10 +327,10 @@ class Timeline:
         """:meth:`add` for many samples (``width`` totals each, one after the other in ``flat``); the
         total of each is the sum of its totals."""
         if self.stride == 1 and len(self.index) + len(index) < self.capacity:
-            self.index.extend(index)
-            self._flat.extend(flat)
             if len(index):
                 self._width = width
+            self._flat.extend(flat)
+            self.index.extend(index)
             return
         for i, at in enumerate(index):
             totals = list(flat[i * width:(i + 1) * width])
@@ -341,9 +344,9 @@ class Timeline:
         if self._pending is None:
             return
         index, totals, _ = self._pending
-        self.index.append(index)
-        self._flat.extend(totals)
         self._width = len(totals)
+        self._flat.extend(totals)
+        self.index.append(index)
         self._pending, self._in_bucket = None, 0
         if len(self.index) >= self.capacity:
             n = len(self.index)
@@ -357,8 +360,10 @@ class Timeline:
 
     def samples(self) -> tuple[list[int], list[list[int]]]:
         """(op indices, totals per sample), including the open bucket."""
-        index = list(self.index)
-        totals = [self._row(i) for i in range(len(index))]
+        # Only rows whose index and totals were both written (see add): an interrupted add leaves one of them.
+        rows = min(len(self.index), len(self._flat) // self._width) if self._width else 0
+        index = list(self.index[:rows])
+        totals = [self._row(i) for i in range(rows)]
         if self._pending is not None:
             index.append(self._pending[0])
             totals.append(list(self._pending[1]))
