@@ -89,6 +89,13 @@ def test_guess_of_which_cells_train():
     assert not might_train("n = len(x) + w.numel()\nx.sum()", ns) and might_train("x.backward()", ns)
     ns["m"] = torch.zeros(2).as_subclass(ns["Mine"])
     assert might_train("m.total()", ns)
+    # the cell's names are kept by its text, its verdict is not: the same text re-run after a redefinition
+    exec("def go(v):\n    return v\n", ns)
+    assert not might_train("r = go(x)", ns)
+    exec("def go(v):\n    v.sum().backward()\n", ns)
+    assert might_train("r = go(x)", ns)
+    ns["go"] = torch.zeros(1)
+    assert not might_train("r = go(x)", ns)
 
 
 def test_on_off_status_and_bad_arguments(shell):

@@ -34,6 +34,8 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?")
 _DEPTH = 3  # calls followed from the cell into the notebook's own functions
 _MAX_CACHE = 4096
 _by_code: dict[types.CodeType, bool] = {}  # (code objects hold no tensor: names and constants only)
+_by_source: dict[str, "tuple[tuple[str, str], ...] | bool"] = {}  # a cell's text -> its names (see _tokens)
+_MAX_KEPT_SOURCE, _MAX_SOURCES = 2000, 256  # (at most ~0.5 MB of cell text)
 #: values whose attributes and calls run no code of the user's (and a name the namespace lacks: a builtin,
 #: or one the cell assigns; a plain tensor, whose methods are torch's: ``x.backward()`` is caught by its name):
 #: ``n = len(x)`` is decided without a function call
@@ -43,18 +45,38 @@ _INERT = frozenset({type(None), int, float, bool, str, bytes, complex, list, tup
 
 def might_train(source: str, namespace: dict[str, Any]) -> bool:
     """Whether running ``source`` in ``namespace`` may call autograd or an optimizer (see the module doc)."""
-    names = set()
+    tokens = _by_source.get(source)
+    if tokens is None:
+        tokens = _tokens(source)
+    if tokens is True:
+        return True
     get = namespace.get
-    for token in _IDENT.findall(source):
-        head, _, attr = token.partition(".")
-        if head in TRAIN_NAMES or attr in TRAIN_NAMES:
-            return True
-        if type(get(head)) not in _INERT:  # (most names of a cell are data: nothing of the user's runs there)
-            names.add(token)
+    # (most names of a cell are data: nothing of the user's runs there)
+    names = {token for head, token in tokens if type(get(head)) not in _INERT}
     if not names:
         return False
     seen: set[int] = set()
     return any(_trains(fn, _DEPTH, seen) for name in names for fn in _callables(namespace, name))
+
+
+def _tokens(source: str) -> tuple[tuple[str, str], ...] | bool:
+    """The names (``head``, ``head.attr``) ``source`` mentions, or True when one is a training name; kept by the
+    cell's text (a notebook re-runs its cells: the text is what the guess reads again, the namespace is not)."""
+    found: list[tuple[str, str]] = []
+    verdict: tuple[tuple[str, str], ...] | bool = False
+    for token in _IDENT.findall(source):
+        head, _, attr = token.partition(".")
+        if head in TRAIN_NAMES or attr in TRAIN_NAMES:
+            verdict = True
+            break
+        found.append((head, token))
+    else:
+        verdict = tuple(dict.fromkeys(found))
+    if len(_by_source) > _MAX_SOURCES:
+        _by_source.clear()
+    if len(source) <= _MAX_KEPT_SOURCE:  # (a long cell's text is not kept: its regex run is a small part of it)
+        _by_source[source] = verdict
+    return verdict
 
 
 def _callables(namespace: dict[str, Any], token: str) -> list[Any]:
