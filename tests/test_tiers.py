@@ -119,4 +119,67 @@ def test_a_library_loop_screened_at_scalars_replays_the_librarys_step_not_the_ce
     assert (f.kind, f.op, f.line) == ("nonfinite", "aten::log", ll.marked_line(ns, "MyTrainer", "# <-- here")), \
         str(report)
     assert report.trace.iterations.replayed == ll.POISONED_STEP and report.trace.iterations.steps == 10
+    assert f.iteration == ll.POISONED_STEP, str(report)  # (placed in the loop, though no line of the cell ran it)
     assert "training_step" not in vars(ns["trainer"])
+
+
+LIT_LATE_NAN = """\
+import torch
+import pytorch_lightning as pl
+import torch.nn.functional as F
+
+
+class LitLate(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        scale = torch.zeros(()) if batch_idx == 5 else torch.ones(())
+        return loss * torch.log(scale).neg().add(1)  # <-- here
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+
+def test_a_lightning_fit_screened_at_scalars_replays_the_modules_step_not_the_cell(monkeypatch):
+    """The same for Lightning's ``trainer.fit(model, loader)`` in a cell: the batch that went NaN/Inf (the sixth)
+    is replayed through the LightningModule's own ``training_step`` and its backward, from the state kept when
+    it went non-finite; the fit is not run again (a trainer at its last step would return at once: "origin not
+    located"), and the wrapper that knew the batch is gone after the run."""
+    import library_loops as ll
+
+    monkeypatch.setattr(tiers, "screens_every_op", lambda: False)
+    monkeypatch.setattr(step, "screens_every_op", lambda: False)
+    ns = ll.lit_fit(LIT_LATE_NAN, "LitLate", steps=8)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        report = bd.diagnose(ll.LIT_FIT, ns, engine="python")
+    f = report.findings[0]
+    assert (f.kind, f.op, f.line) == ("nonfinite", "aten::log", ll.marked_line(ns, "LitLate", "# <-- here")), \
+        str(report)
+    assert f.function == "LitLate.training_step" and report.trace.iterations.replayed == 5, str(report)
+    assert f.iteration == 5 and f.evidence["loop_value"] == "epoch 0, batch 5", str(report)
+    assert "training_step" not in vars(ns["model"])
+
+
+def test_a_correct_lightning_fit_screened_at_scalars_runs_as_plain(monkeypatch):
+    """The wrapper on the LightningModule's ``training_step`` changes nothing: same weights as a plain fit, the
+    wrapper and the batch it knew gone after the run; a module under manual optimization is not wrapped."""
+    import library_loops as ll
+    from backward_doctor.capture.trainers import library_step
+
+    monkeypatch.setattr(tiers, "screens_every_op", lambda: False)
+    monkeypatch.setattr(step, "screens_every_op", lambda: False)
+    plain, ns = ll.lit_fit(steps=6), ll.lit_fit(steps=6)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        exec(ll.LIT_FIT, plain)
+        report = bd.diagnose(ll.LIT_FIT, ns, engine="python")
+    assert report.ok, str(report)
+    for a, b in zip(plain["model"].parameters(), ns["model"].parameters()):
+        assert torch.equal(a, b)
+    assert "training_step" not in vars(ns["model"])
+    manual = ll.lit_fit(ll.LIT_MANUAL, "LitManual")
+    assert library_step(manual, ll.LIT_FIT) is None and "training_step" not in vars(manual["model"])

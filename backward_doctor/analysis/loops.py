@@ -42,8 +42,10 @@ def place_in_loops(trace: Trace, findings: list[Finding]) -> list[Finding]:
         return findings
     for f in findings:
         line = f.cell_line if f.cell_line is not None else (f.line if f.file is None else None)
-        if line is None and its.library and f.iteration is not None:
-            line = its.library_line  # (a rule placed it in an iteration, at a line of the user's own files)
+        if line is None and its.library and (f.iteration is not None or its.replayed is not None):
+            # (a rule placed it in an iteration, at a line of the user's own files; or the library's step was
+            # replayed alone, from no line of the cell: its ops are that iteration's)
+            line = its.library_line
         if line is None:
             continue
         library = bool(its.library) and line == its.library_line

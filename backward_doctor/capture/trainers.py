@@ -41,6 +41,7 @@ class LibraryLoop:
     call: str   # the call as the cell writes it: ``trainer.train()``
     line: int   # its line in the cell
     ref: Callable[[], Any]
+    model: str | None = None  # the name the call passes its model by (``fit(model, loader)``, ``fit(model=m)``)
 
     def position(self) -> str:
         """Where the library's loop is now: ``epoch 0, batch 3`` ('' when it cannot tell)."""
@@ -96,19 +97,23 @@ def find_library_loop(namespace: dict[str, Any], source: str) -> LibraryLoop | N
             ref = weakref.ref(obj)
         except TypeError:
             ref = (lambda o: lambda: o)(obj)  # (not weakly referable: kept for the run, as the namespace does)
+        given = [a for a in node.args[:1]] + [k.value for k in node.keywords if k.arg == "model"]
+        model = given[0].id if given and isinstance(given[0], ast.Name) else None
         return LibraryLoop(kind[0], ast.get_source_segment(source, node) or f"{node.func.value.id}.{node.func.attr}()",
-                           node.lineno, ref)
+                           node.lineno, ref, model)
     return None
 
 
 # ----------------------------------------------------------------------------- the library's own step
 class StepArguments:
-    """A ``transformers.Trainer``'s ``training_step`` wrapped (an attribute of the instance, removed when the
-    watch ends) to know the current call's arguments: the batch an iteration that goes NaN/Inf is replayed
-    with. They are referenced during the call only, and kept once, by the replay, until it has run. (The
-    callback's, ``integrations/hf.py``, and a cell's that calls ``trainer.train()``: :func:`library_step`.)"""
+    """A ``transformers.Trainer``'s ``training_step`` (or a LightningModule's) wrapped (an attribute of the
+    instance, removed when the watch ends) to know the current call's arguments: the batch an iteration that goes
+    NaN/Inf is replayed with. They are referenced during the call only (``keep_last``: until the next call or
+    :meth:`remove`, for a LightningModule, whose loss reaches ``backward()`` after its ``training_step``
+    returned), and kept once, by the replay, until it has run. (The callback's, ``integrations/hf.py``, and a
+    cell's that calls ``trainer.train()`` or ``trainer.fit(model, ...)``: :func:`library_step`.)"""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, keep_last: bool = False) -> None:
         self.trainer = trainer
         self._had = "training_step" in vars(trainer)
         self._saved = vars(trainer).get("training_step")
@@ -122,7 +127,8 @@ class StepArguments:
             try:
                 return step(*args, **kwargs)
             finally:
-                self._current = None
+                if not keep_last:
+                    self._current = None
 
         trainer.training_step = training_step
 
@@ -134,29 +140,54 @@ class StepArguments:
         return functools.partial(self._step, *args, **kwargs)
 
     def remove(self) -> None:
+        self._current = None
         if self._had:
             self.trainer.training_step = self._saved
         else:
             vars(self.trainer).pop("training_step", None)
 
 
+def step_and_backward(step: Callable[[], Any]) -> None:
+    """A LightningModule's ``training_step`` (``step``, its batch bound in) and the backward of the loss it
+    returns, as Lightning's automatic optimization runs them (the replay of a batch that went NaN/Inf)."""
+    out = step()
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if loss is not None and getattr(loss, "requires_grad", False):
+        loss.backward()
+
+
 def library_step(namespace: dict[str, Any], source: str) -> tuple[Callable[[], Any], Callable[[], None]] | None:
-    """``(find_body, remove)`` for the ``transformers`` trainer whose loop ``source`` calls, its ``training_step``
-    wrapped (:class:`StepArguments`; ``remove`` takes the wrapper out: call it when the run ends, whatever
-    happened); None for anything else. So that the iteration that goes NaN/Inf in a cell's ``trainer.train()``
-    is replayed alone, through the library's own step, rather than the whole cell (the library does not start
-    again from the same state: a trainer at its last step returns at once). Lightning's step is known from its
-    callback's hooks only: such a cell is replayed whole, as before.
+    """``(find_body, remove)`` for the library loop ``source`` calls, the step it runs each iteration wrapped
+    (:class:`StepArguments`; ``remove`` takes the wrapper out: call it when the run ends, whatever happened): a
+    ``transformers`` trainer's ``training_step``, or the ``training_step`` of the LightningModule a Lightning
+    ``fit(model, ...)`` is given by name, with its backward (automatic optimization only: under manual
+    optimization the step also steps the optimizers); None for anything else. So that the iteration that goes
+    NaN/Inf in a cell's ``trainer.train()`` or ``trainer.fit()`` is replayed alone, through the library's own
+    step, rather than the whole cell (the library does not start again from the same state: a trainer at its
+    last step returns at once).
 
     >>> library_step({}, "x = 1") is None
     True
     """
     loop = find_library_loop(namespace, source)
-    trainer = loop.ref() if loop is not None and loop.library == "transformers" else None
-    if trainer is None:
+    if loop is None:
         return None
-    steps = StepArguments(trainer)
-    return steps.body, steps.remove
+    if loop.library == "transformers":
+        trainer = loop.ref()
+        if trainer is None:
+            return None
+        steps = StepArguments(trainer)
+        return steps.body, steps.remove
+    module = namespace.get(loop.model) if loop.model else None
+    if (module is None or not callable(getattr(module, "training_step", None))
+            or getattr(module, "automatic_optimization", None) is not True):
+        return None
+    held = StepArguments(module, keep_last=True)
+
+    def find_body() -> Callable[[], None] | None:
+        body = held.body()
+        return functools.partial(step_and_backward, body) if body is not None else None
+    return find_body, held.remove
 
 
 # ----------------------------------------------------------------------------- where the learning rate was set
@@ -304,5 +335,5 @@ def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, str, int,
     return None
 
 
-__all__ = ["LibraryLoop", "StepArguments", "find_library_loop", "find_lr_setting", "library_step", "locate_lr",
+__all__ = ["LibraryLoop", "StepArguments", "find_library_loop", "step_and_backward", "find_lr_setting", "library_step", "locate_lr",
            "user_sources", "configure_optimizers_span"]

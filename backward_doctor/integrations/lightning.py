@@ -17,6 +17,7 @@ whichever is installed (``pytorch_lightning`` first); importing this module impo
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 try:
@@ -24,6 +25,7 @@ try:
 except ImportError:  # the unified package
     from lightning.pytorch import Callback  # type: ignore[no-redef]
 
+from ..capture.trainers import step_and_backward
 from .watching import LoopDoctor
 
 
@@ -61,12 +63,7 @@ class DoctorLightningCallback(Callback):
         if not getattr(module, "automatic_optimization", True):
             return None  # (its training_step steps the optimizers itself: not run twice)
 
-        def step() -> None:
-            out = module.training_step(batch, index)
-            loss = out.get("loss") if isinstance(out, dict) else out
-            if loss is not None and getattr(loss, "requires_grad", False):
-                loss.backward()
-        return step
+        return functools.partial(step_and_backward, functools.partial(module.training_step, batch, index))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._batch = None
