@@ -261,6 +261,29 @@ class LitManual(pl.LightningModule):
 """
 
 
+#: A LightningModule whose sixth batch (``batch_idx == 5``) makes the loss Inf: ``log(0)`` at the marked line.
+LIT_LATE_NAN = """\
+import torch
+import pytorch_lightning as pl
+import torch.nn.functional as F
+
+
+class LitLate(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        scale = torch.zeros(()) if batch_idx == 5 else torch.ones(())
+        return loss * torch.log(scale).neg().add(1)  # <-- here
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+
 def lit_trainer(steps: int = 4, **extra: Any) -> Any:
     """A quiet CPU `pytorch_lightning.Trainer`: no logger, checkpoints, progress bar or summary."""
     pl = _lightning()

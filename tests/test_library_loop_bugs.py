@@ -8,6 +8,8 @@ it); the bug's line is marked ``# <-- bug`` and the correct version replaces tha
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import linecache
 import os
 import textwrap
@@ -511,3 +513,29 @@ def test_a_leaf_made_to_be_differentiated_is_not_a_loss_rebuilt_from_numbers(eng
                  "z = torch.tensor([1.0, 2.0], requires_grad=True)\n(z * model.weight.sum().item()).sum().backward()\n"):
         report = bd.diagnose(cell, ns, engine=engine)
         assert report.findings == [], str(report)
+
+
+LATE = {  # (namespace, cell, class, iteration, loop value): NaN/Inf in an iteration the native recorder samples out
+    "hf_trainer": (lambda: ll.hf_rare_token_trainer(ll.HF_NAN, poison=True), ll.HF_TRAIN, "MyTrainer",
+                   ll.POISONED_STEP, "epoch 0"),
+    "lightning_fit": (lambda: ll.lit_fit(ll.LIT_LATE_NAN, "LitLate", steps=8), ll.LIT_FIT, "LitLate", 5,
+                      "epoch 0, batch 5"),
+}
+
+
+@pytest.mark.parametrize("loop", sorted(LATE))
+def test_nan_in_an_unrecorded_iteration_of_a_library_loop_is_replayed_through_its_step(loop: str, engine: str):
+    """``trainer.train()`` / ``trainer.fit(model, loader)`` in a cell, NaN/Inf first in an iteration the native
+    recorder slept through (it records 0, 1, 2, 4, 8): that iteration is replayed through the library's own step
+    with its batch (it said "could not be replayed: the cell has no training loop of its own"), placed in the
+    loop with the library's position; the wrapper that knew the batch is gone. (Python: every iteration
+    recorded, found in the one run.)"""
+    build, cell, cls, k, value = LATE[loop]
+    ns = build()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        report = bd.diagnose(cell, ns, engine=engine)
+    f = report.findings[0]
+    assert (f.kind, f.op, f.line) == ("nonfinite", "aten::log", ll.marked_line(ns, cls, "# <-- here")), str(report)
+    assert (f.iteration, f.evidence.get("loop_value")) == (k, value), str(report)
+    assert report.trace.iterations.replayed == (k if engine == "native" else None)
+    assert "training_step" not in vars(ns["trainer"]) and "training_step" not in vars(ns["model"])

@@ -123,28 +123,6 @@ def test_a_library_loop_screened_at_scalars_replays_the_librarys_step_not_the_ce
     assert "training_step" not in vars(ns["trainer"])
 
 
-LIT_LATE_NAN = """\
-import torch
-import pytorch_lightning as pl
-import torch.nn.functional as F
-
-
-class LitLate(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        scale = torch.zeros(()) if batch_idx == 5 else torch.ones(())
-        return loss * torch.log(scale).neg().add(1)  # <-- here
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-"""
-
-
 def test_a_lightning_fit_screened_at_scalars_replays_the_modules_step_not_the_cell(monkeypatch):
     """The same for Lightning's ``trainer.fit(model, loader)`` in a cell: the batch that went NaN/Inf (the sixth)
     is replayed through the LightningModule's own ``training_step`` and its backward, from the state kept when
@@ -154,7 +132,7 @@ def test_a_lightning_fit_screened_at_scalars_replays_the_modules_step_not_the_ce
 
     monkeypatch.setattr(tiers, "screens_every_op", lambda: False)
     monkeypatch.setattr(step, "screens_every_op", lambda: False)
-    ns = ll.lit_fit(LIT_LATE_NAN, "LitLate", steps=8)
+    ns = ll.lit_fit(ll.LIT_LATE_NAN, "LitLate", steps=8)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         report = bd.diagnose(ll.LIT_FIT, ns, engine="python")
     f = report.findings[0]

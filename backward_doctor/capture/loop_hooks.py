@@ -105,6 +105,7 @@ class LoopHooks:
         ``rollback`` keeps the state an iteration the recorder did not record can be replayed from."""
         if self.rollback is not None and self._asleep:
             self.rollback.went_nonfinite(iteration, what)
+            self._note_loop_values(iteration)  # (not noted asleep: where the loop was, a library's epoch and batch)
 
     def _iteration_ended(self) -> None:
         """The outermost optimizer step returned: an iteration of the cell's loop ended, the next starts

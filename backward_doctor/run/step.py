@@ -122,20 +122,23 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     # NaN/Inf keeps its own (``scalars_only``) and is replayed alone with every op screened (a library's loop:
     # through its own step, ``capture/trainers.library_step``).
     scalars_only = rollback and not detail and chosen == "python" and memory_limit is None
-    lib_step = library_step(namespace, source) if scalars_only else None
-    scalars_only = scalars_only and (budget or lib_step is not None)
-    snapshot = snapshot_for(source, namespace) if rollback and not detail and not scalars_only else None
-    # torch.compile: a compiled step that goes NaN/Inf or raises is replayed eagerly from this state (compile_replay.py)
-    compile_plan = compile_replay.plan(source, namespace, rollback, snapshot)
-    past = history_for(source, namespace) if history else None
-    # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone.
+    # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone (a
+    # library's loop: through its own step too).
     sampled = rollback and detail and chosen == "native" and not every_iteration and memory_limit is None
-    body = lib_step[0] if lib_step is not None else None
-    iteration_rollback = (IterationRollback(source, namespace, native.load(build=False)) if sampled else
-                          IterationRollback(source, namespace, find_body=body, scalars_only=True) if scalars_only
-                          else None)
-    budget = budget and (sampled or scalars_only) and compile_plan is None
+    lib_step = library_step(namespace, source) if scalars_only or sampled else None
     try:
+        scalars_only = scalars_only and (budget or lib_step is not None)
+        snapshot = snapshot_for(source, namespace) if rollback and not detail and not scalars_only else None
+        # torch.compile: a compiled step that goes NaN/Inf or raises is replayed eagerly from this state
+        # (compile_replay.py)
+        compile_plan = compile_replay.plan(source, namespace, rollback, snapshot)
+        past = history_for(source, namespace) if history else None
+        body = lib_step[0] if lib_step is not None else None
+        iteration_rollback = (IterationRollback(source, namespace, native.load(build=False), find_body=body)
+                              if sampled else
+                              IterationRollback(source, namespace, find_body=body, scalars_only=True) if scalars_only
+                              else None)
+        budget = budget and (sampled or scalars_only) and compile_plan is None
         if execute is None:
             trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
                                history=past, detail=detail, engine=chosen, every_iteration=every_iteration,
