@@ -284,6 +284,35 @@ class LitLate(pl.LightningModule):
 """
 
 
+#: A LightningModule whose sixth batch makes the loss Inf only in low precision: ``1 + 2**-10`` is 1 in bfloat16,
+#: so under ``precision="bf16-mixed"`` (autocast) ``log(d - 1)`` is ``log(0)`` at the marked line; in float32 it is
+#: finite.
+LIT_BF16_NAN = """\
+import torch
+import pytorch_lightning as pl
+import torch.nn.functional as F
+
+
+class LitBf16(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+        self.probe = torch.nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            self.probe.weight.fill_(1 + 2 ** -10)
+        self.probe.weight.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        d = self.probe(torch.ones(1, 1)) if batch_idx == 5 else torch.full((1, 1), 2.0)
+        return loss * torch.log(d - 1).neg().add(1).mean()  # <-- here
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.1)
+"""
+
+
 def lit_trainer(steps: int = 4, **extra: Any) -> Any:
     """A quiet CPU `pytorch_lightning.Trainer`: no logger, checkpoints, progress bar or summary."""
     pl = _lightning()

@@ -189,6 +189,19 @@ def test_lightning_fit_that_raises_reports_through_on_exception(tmp_path):
     assert fi.leftovers(before, ns) == []
 
 
+def test_lightning_callback_replays_a_mixed_precision_step_in_its_precision_context(tmp_path):
+    """``precision="bf16-mixed"``: the sixth batch's loss is Inf only under autocast. The callback samples (5 is
+    not recorded on the native recorder) and replays that batch's ``training_step`` inside the trainer's precision
+    context, as ``fit()`` ran it: without it the replay stayed finite and the origin was not located."""
+    cb = integrations.DoctorLightningCallback(tmp_path)
+    ns = ll.lit_fit(ll.LIT_BF16_NAN, "LitBf16", steps=8,
+                    trainer_kwargs={"callbacks": [cb], "precision": "bf16-mixed"})
+    exec(ll.LIT_FIT, ns)
+    f = cb.report.findings[0]
+    assert (f.kind, f.op, f.iteration) == ("nonfinite", "aten::log", 5), str(cb.report)
+    assert (f.file, f.line) == (ll.defined_in(ns, "LitBf16"), ll.marked_line(ns, "LitBf16", "# <-- here"))
+
+
 def test_hf_nan_screened_only_at_scalars_is_replayed_at_its_step(tmp_path, monkeypatch):
     """CUDA's first tier, simulated on the CPU: the Python recorder records every step but screens only the
     scalars a forward makes; the step whose loss went NaN/Inf is replayed alone with every op screened."""

@@ -520,6 +520,10 @@ LATE = {  # (namespace, cell, class, iteration, loop value): NaN/Inf in an itera
                    ll.POISONED_STEP, "epoch 0"),
     "lightning_fit": (lambda: ll.lit_fit(ll.LIT_LATE_NAN, "LitLate", steps=8), ll.LIT_FIT, "LitLate", 5,
                       "epoch 0, batch 5"),
+    # (Inf only under autocast: the replay runs the step in the trainer's precision context, as fit() did)
+    "lightning_fit_bf16_mixed": (lambda: ll.lit_fit(ll.LIT_BF16_NAN, "LitBf16", steps=8,
+                                                    trainer_kwargs={"precision": "bf16-mixed"}),
+                                 ll.LIT_FIT, "LitBf16", 5, "epoch 0, batch 5"),
 }
 
 

@@ -16,6 +16,7 @@ call that moves the loop). Libraries are recognised by their classes' modules, n
 from __future__ import annotations
 
 import ast
+import contextlib
 import linecache
 import re
 import weakref
@@ -147,13 +148,34 @@ class StepArguments:
             vars(self.trainer).pop("training_step", None)
 
 
-def step_and_backward(step: Callable[[], Any]) -> None:
+def step_and_backward(step: Callable[[], Any], context: Callable[[], Any] | None = None) -> None:
     """A LightningModule's ``training_step`` (``step``, its batch bound in) and the backward of the loss it
-    returns, as Lightning's automatic optimization runs them (the replay of a batch that went NaN/Inf)."""
-    out = step()
+    returns, as Lightning's automatic optimization runs them (the replay of a batch that went NaN/Inf): the step
+    inside ``context()``, the trainer's precision context (autocast under ``precision="16-mixed"`` or
+    ``"bf16-mixed"``: a NaN/Inf only low precision makes would not show again without it), the backward after
+    it, as Lightning runs it."""
+    with context() if context is not None else contextlib.nullcontext():
+        out = step()
     loss = out.get("loss") if isinstance(out, dict) else out
     if loss is not None and getattr(loss, "requires_grad", False):
         loss.backward()
+
+
+def precision_context(trainer: Any) -> Callable[[], Any] | None:
+    """The context a Lightning ``trainer`` runs each ``training_step`` in (its precision plugin's
+    ``train_step_context``: autocast for mixed precision), or None where this Lightning has none.
+
+    >>> precision_context(object()) is None
+    True
+    """
+    try:
+        plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+        context = getattr(plugin, "train_step_context", None)
+    except Exception as exc:  # another version's layout: the step replays without it (and says so if finite)
+        if not doctors_own(exc):
+            raise
+        return None
+    return context if callable(context) else None
 
 
 def library_step(namespace: dict[str, Any], source: str) -> tuple[Callable[[], Any], Callable[[], None]] | None:
@@ -183,10 +205,11 @@ def library_step(namespace: dict[str, Any], source: str) -> tuple[Callable[[], A
             or getattr(module, "automatic_optimization", None) is not True):
         return None
     held = StepArguments(module, keep_last=True)
+    trainer = loop.ref
 
     def find_body() -> Callable[[], None] | None:
         body = held.body()
-        return functools.partial(step_and_backward, body) if body is not None else None
+        return functools.partial(step_and_backward, body, precision_context(trainer())) if body is not None else None
     return find_body, held.remove
 
 
@@ -335,5 +358,5 @@ def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, str, int,
     return None
 
 
-__all__ = ["LibraryLoop", "StepArguments", "find_library_loop", "step_and_backward", "find_lr_setting", "library_step", "locate_lr",
+__all__ = ["LibraryLoop", "StepArguments", "find_library_loop", "precision_context", "step_and_backward", "find_lr_setting", "library_step", "locate_lr",
            "user_sources", "configure_optimizers_span"]

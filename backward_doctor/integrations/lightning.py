@@ -25,7 +25,7 @@ try:
 except ImportError:  # the unified package
     from lightning.pytorch import Callback  # type: ignore[no-redef]
 
-from ..capture.trainers import step_and_backward
+from ..capture.trainers import precision_context, step_and_backward
 from .watching import LoopDoctor
 
 
@@ -38,6 +38,7 @@ class DoctorLightningCallback(Callback):
         super().__init__()
         self.doctor = LoopDoctor(output_dir, **options)
         self._batch: tuple[Any, Any, int] | None = None  # (module, batch, index) during a batch only
+        self._trainer: Any = None  # (during fit only)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         namespace: dict[str, Any] = {"model": pl_module}
@@ -47,7 +48,7 @@ class DoctorLightningCallback(Callback):
                           library="lightning")
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._batch = (pl_module, batch, batch_idx)
+        self._batch, self._trainer = (pl_module, batch, batch_idx), trainer
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._batch = None
@@ -63,14 +64,15 @@ class DoctorLightningCallback(Callback):
         if not getattr(module, "automatic_optimization", True):
             return None  # (its training_step steps the optimizers itself: not run twice)
 
-        return functools.partial(step_and_backward, functools.partial(module.training_step, batch, index))
+        return functools.partial(step_and_backward, functools.partial(module.training_step, batch, index),
+                                 precision_context(self._trainer))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._batch = None
+        self._batch = self._trainer = None
         self.doctor.end(None)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._batch = None
+        self._batch = self._trainer = None
         self.doctor.end(exception)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
