@@ -189,6 +189,12 @@ class MyTrainer(Trainer):
         loss = out.loss + torch.log(1 - rare.max() * 8).clamp(max=0)   # <-- here
         return (loss, out) if return_outputs else loss
 '''
+#: The same sample makes the gradients NaN/Inf from a finite loss: ``sqrt`` at 0 (its gradient is infinite there);
+#: the Trainer clips (``_foreach_mul_``) and steps (fused AdamW) them into the weights.
+HF_NAN_GRADIENTS = HF_NAN.replace(
+    "        loss = out.loss + torch.log(1 - rare.max() * 8).clamp(max=0)   # <-- here\n",
+    "        z = (out.logits * 0).sum() + (1 - rare.max() * 8).clamp(min=0)\n"
+    "        loss = out.loss + torch.sqrt(z)   # <-- here\n")
 #: the sample the shuffled loader (seed 0) puts in optimizer step 6, an iteration the sampled recorders leave out
 POISONED_SAMPLE, POISONED_STEP = 36, 6
 

@@ -101,6 +101,19 @@ def test_hf_nan_in_an_unrecorded_step_is_stopped_replayed_and_written(tmp_path, 
     _clean_after(before, ns, hook)
 
 
+def test_hf_nan_gradients_from_a_finite_loss_in_an_unrecorded_step_are_replayed(tmp_path, native, capsys):
+    """NaN/Inf shows only in the gradients (``sqrt`` at 0), at the optimizer step, after ``training_step``
+    returned: the step's batch is still known (it was not: "could not be replayed"), and the fused AdamW that
+    wrote NaN into the weights does not hide the origin."""
+    cb = integrations.DoctorCallback(tmp_path)
+    ns = _hf(ll.HF_NAN_GRADIENTS, cb, poison=True)
+    ns["trainer"].train()
+    f = cb.report.findings[0]
+    line = ll.marked_line(ns, "MyTrainer", "# <-- here")
+    assert (f.kind, f.op, f.line, f.iteration) == ("nonfinite", "aten::sqrt", line, POISONED_STEP), str(cb.report)
+    assert cb.report.trace.iterations.replayed == POISONED_STEP and "training_step" not in vars(ns["trainer"])
+
+
 def test_hf_on_nonfinite_continue_trains_to_the_end(tmp_path, native):
     cb = integrations.DoctorCallback(tmp_path, on_nonfinite="continue")
     ns = _hf(HF_NAN, cb, poison=True)

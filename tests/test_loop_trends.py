@@ -257,3 +257,31 @@ def test_a_cpu_loop_on_a_machine_with_an_untouched_gpu_is_a_cpu_loop(monkeypatch
     assert (f.kind, f.line) == ("graph_leak", 8) and 50_000 < f.evidence["growth"]["per_iteration"] < 90_000, f
     assert report.trace.device == "cpu" and report.trace.memory.cuda is None
     assert report.trace.iterations.live_kind == "ledger"
+
+
+# NaN/Inf gradients from a finite loss in iteration 3, then the optimizer writes them into the weights with ops that
+# return nothing (in place over lists: a fused AdamW, a foreach one, `clip_grad_norm_`'s `_foreach_mul_`): the next
+# iteration's forward reads NaN weights. The root cause is iteration 3's backward of sqrt at 0, not "the weights
+# were already NaN" in iteration 4 (both tiers said so: what those ops wrote was not screened).
+FUSED_GRAD_NAN = """
+for i in range(6):
+    opt.zero_grad()
+    out = model(x)
+    z = (out * 0).sum() + (0.0 if i == 3 else 1.0)
+    loss = out.pow(2).mean() + torch.sqrt(z)   # <-- root cause
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "foreach"])
+def test_nan_gradients_written_by_a_fused_or_foreach_step_keep_their_origin(optimizer: str, engine: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **{optimizer: True})
+    ns = _ns(model=model, opt=opt, x=torch.randn(4, 8))
+    report = bd.diagnose(FUSED_GRAD_NAN, ns, engine=engine, every_iteration=True)
+    f = report.findings[0]
+    assert (f.kind, f.op, f.line, f.iteration) == ("nonfinite", "aten::sqrt", 6, 3), str(report)
+    assert "already" not in f.message, f.message

@@ -184,7 +184,13 @@ class OpRecorder(CaptureState):
             _set_grad(False)
             try:
                 if self.detail:
-                    self._screen(index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated)
+                    written: Any = ()
+                    if mutated:  # (what it writes into; a list for `_foreach_mul_`)
+                        wrote = _tensors(tuple(args[i] for i in mutated if i < len(args)), None)
+                        written = {storage_key(t) or 0 for t in wrote}
+                        if not outs:  # (in place, returning nothing: `_foreach_mul_`, `_fused_adamw_`)
+                            outs, out_keys = wrote, tuple(storage_key(o) or 0 for o in wrote)
+                    self._screen(index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, written)
                 else:
                     self._screen_scalar(index, outs[0], where)
             finally:
@@ -294,37 +300,39 @@ class OpRecorder(CaptureState):
                 self.rollback.went_nonfinite(self.trace.iterations.steps, "scalar")  # iteration's own)
             self._nf_scalars[index] = NonFiniteScalar(index=index, line=where.line, file=where.file)
 
-    def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, mutated) -> None:
+    def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, written) -> None:
         if name in _UNINITIALISED:  # fresh memory holds whatever bits were there: not values (DDP's buckets)
             return
+        first, origin, kind, variable = None, None, "op", None
         for o, k in zip(outs, out_keys):
             if not screen_nonfinite(o):
                 continue
-            origin = next((self._nf_origin[ik] for ik in in_keys if ik in self._nf_origin), None)
-            kind, variable = "op", None
-            if origin is None:
-                written = {in_keys[i] for i in mutated if i < len(in_keys)}
-                bad_inputs = [(t, ik) for t, ik in zip(ins, in_keys) if ik not in written and screen_nonfinite(t)]
-                if bad_inputs:
-                    # NaN weights (an earlier step's doing) are not bad data.
-                    kind = "weights" if self._ledger.category(bad_inputs[0][1]) == "parameters" else "input"
-                    variable = self._ns_names.get(bad_inputs[0][1])
-                origin = index
+            if first is None:  # (the first NaN/Inf output is the event; every one carries its origin on)
+                first = o
+                origin = next((self._nf_origin[ik] for ik in in_keys if ik in self._nf_origin), None)
+                if origin is None:
+                    bad_inputs = [(t, ik) for t, ik in zip(ins, in_keys) if ik not in written and screen_nonfinite(t)]
+                    if bad_inputs:
+                        # NaN weights (an earlier step's doing) are not bad data.
+                        kind = "weights" if self._ledger.category(bad_inputs[0][1]) == "parameters" else "input"
+                        variable = self._ns_names.get(bad_inputs[0][1])
+                    origin = index
             if k:
                 self._nf_origin[k] = origin
-            self._nf_by_index.setdefault(index, origin)
-            events = self.trace.nonfinite
-            if origin != index and len(events) >= _MAX_EVENTS:
-                return
-            # Statistics cost a few reductions: the first origins get them, not every echo.
-            stats = origin == index and self._detail_budget > 0
-            self._detail_budget -= stats
-            events.append(NonFiniteEvent(
-                index=index, op=name, phase=phase, where=where, origin=origin, is_origin=origin == index,
-                kind=kind, variable=variable, output=meta(o, with_stats=stats),
-                inputs=[meta(t, with_stats=stats) for t in ins], fwd_op=self._op_name(fwd_index),
-                fwd_index=fwd_index))
+        if first is None:
             return
+        self._nf_by_index.setdefault(index, origin)
+        events = self.trace.nonfinite
+        if origin != index and len(events) >= _MAX_EVENTS:
+            return
+        # Statistics cost a few reductions: the first origins get them, not every echo.
+        stats = origin == index and self._detail_budget > 0
+        self._detail_budget -= stats
+        events.append(NonFiniteEvent(
+            index=index, op=name, phase=phase, where=where, origin=origin, is_origin=origin == index,
+            kind=kind, variable=variable, output=meta(first, with_stats=stats),
+            inputs=[meta(t, with_stats=stats) for t in ins], fwd_op=self._op_name(fwd_index),
+            fwd_index=fwd_index))
 
     def _record_failure(self, index, name, phase, ins, where, exc, func, args, kwargs, fwd_index) -> None:
         if isinstance(exc, torch.OutOfMemoryError) and self._oom is None:

@@ -109,9 +109,10 @@ def find_library_loop(namespace: dict[str, Any], source: str) -> LibraryLoop | N
 class StepArguments:
     """A ``transformers.Trainer``'s ``training_step`` (or a LightningModule's) wrapped (an attribute of the
     instance, removed when the watch ends) to know the current call's arguments: the batch an iteration that goes
-    NaN/Inf is replayed with. They are referenced during the call only (``keep_last``: until the next call or
-    :meth:`remove`, for a LightningModule, whose loss reaches ``backward()`` after its ``training_step``
-    returned), and kept once, by the replay, until it has run. (The callback's, ``integrations/hf.py``, and a
+    NaN/Inf is replayed with. They are referenced during the call only, or with ``keep_last`` until the next call
+    or :meth:`remove` (NaN/Inf gradients from a finite loss show at the optimizer step, after ``training_step``
+    returned; a LightningModule's loss reaches ``backward()`` after it returned; the library's loop holds that
+    batch until its next one anyway), and kept once, by the replay, until it has run. (The callback's, ``integrations/hf.py``, and a
     cell's that calls ``trainer.train()`` or ``trainer.fit(model, ...)``: :func:`library_step`.)"""
 
     def __init__(self, trainer: Any, keep_last: bool = False) -> None:
@@ -198,7 +199,7 @@ def library_step(namespace: dict[str, Any], source: str) -> tuple[Callable[[], A
         trainer = loop.ref()
         if trainer is None:
             return None
-        steps = StepArguments(trainer)
+        steps = StepArguments(trainer, keep_last=True)
         return steps.body, steps.remove
     module = namespace.get(loop.model) if loop.model else None
     if (module is None or not callable(getattr(module, "training_step", None))

@@ -50,7 +50,7 @@ class DoctorCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         namespace = {k: kwargs[k] for k in ("model", "optimizer", "lr_scheduler") if kwargs.get(k) is not None}
         trainer = _calling_trainer()
-        steps = StepArguments(trainer) if trainer is not None else None
+        steps = StepArguments(trainer, keep_last=True) if trainer is not None else None
         self.doctor.begin(namespace, output_dir=getattr(args, "output_dir", None),
                           find_body=steps.body if steps is not None else None,
                           cleanup=steps.remove if steps is not None else None, library="transformers")

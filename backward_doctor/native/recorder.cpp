@@ -652,40 +652,51 @@ void screen(const at::RecordFunction& fn, const Open& o) {
   std::vector<at::Tensor> outs;
   const auto& fo = fn.outputs();
   for_tensors(c10::ArrayRef<const c10::IValue>(fo.data(), fo.size()), [&](const at::Tensor& t) { outs.push_back(t); });
+  if (outs.empty())  // in place, returning nothing (`_foreach_mul_`, `_fused_adamw_`): what it wrote into
+    for (int i : o.mutated)
+      if (i < (int)S->cur_inputs.size())
+        for_tensors(c10::ArrayRef<const c10::IValue>(&S->cur_inputs[i], 1), [&](const at::Tensor& t) { outs.push_back(t); });
+  // The first NaN/Inf output is the event; every one carries its origin on (a list of parameters that one
+  // fused step wrote: the next iteration reads them).
+  const at::Tensor* first = nullptr;
+  int64_t origin = -1, kind = 0, variable = 0;
   for (const auto& out : outs) {
     if (!nonfinite(out)) continue;
-    int64_t origin = -1;
-    for (const auto& t : ins) {
-      auto it = S->nf_origin.find(key_of(t));
-      if (it != S->nf_origin.end()) { origin = it->second; break; }
-    }
-    int64_t kind = 0, variable = 0;
-    if (origin < 0) {
-      std::vector<int64_t> written;  // what the op writes into is not "bad input"
-      for (int i : o.mutated)
-        if (i < (int)S->cur_inputs.size() && S->cur_inputs[i].isTensor()) written.push_back(key_of(S->cur_inputs[i].toTensor()));
+    if (first == nullptr) {
+      first = &out;
       for (const auto& t : ins) {
-        int64_t k = key_of(t);
-        if (std::find(written.begin(), written.end(), k) != written.end() || !nonfinite(t)) continue;
-        auto it = S->live.find(k);
-        kind = it != S->live.end() && it->second.cat == 0 ? 2 : 1;  // NaN weights are an earlier step's doing
-        variable = k;
-        break;
+        auto it = S->nf_origin.find(key_of(t));
+        if (it != S->nf_origin.end()) { origin = it->second; break; }
       }
-      origin = o.index;
+      if (origin < 0) {
+        std::vector<int64_t> written;  // what the op writes into is not "bad input"
+        for (int i : o.mutated)
+          if (i < (int)S->cur_inputs.size())
+            for_tensors(c10::ArrayRef<const c10::IValue>(&S->cur_inputs[i], 1),
+                        [&](const at::Tensor& t) { written.push_back(key_of(t)); });
+        for (const auto& t : ins) {
+          int64_t k = key_of(t);
+          if (std::find(written.begin(), written.end(), k) != written.end() || !nonfinite(t)) continue;
+          auto it = S->live.find(k);
+          kind = it != S->live.end() && it->second.cat == 0 ? 2 : 1;  // NaN weights are an earlier step's doing
+          variable = k;
+          break;
+        }
+        origin = o.index;
+      }
     }
     int64_t k = key_of(out);
     if (k) S->nf_origin[k] = origin;
-    S->nf_by_index.emplace(o.index, origin);
-    if (origin != o.index && (int64_t)S->events.size() >= kMaxEvents * kEventWidth) return;
-    bool stats = origin == o.index && S->detail_budget > 0;  // statistics for the first origins only
-    S->detail_budget -= stats;
-    S->events.insert(S->events.end(), {o.index, origin, kind, variable,
-                                       (int64_t)S->ev_metas.size() / kMetaWidth, (int64_t)(1 + ins.size())});
-    add_meta(out, stats);
-    for (const auto& t : ins) add_meta(t, stats);
-    return;
   }
+  if (first == nullptr) return;
+  S->nf_by_index.emplace(o.index, origin);
+  if (origin != o.index && (int64_t)S->events.size() >= kMaxEvents * kEventWidth) return;
+  bool stats = origin == o.index && S->detail_budget > 0;  // statistics for the first origins only
+  S->detail_budget -= stats;
+  S->events.insert(S->events.end(), {o.index, origin, kind, variable,
+                                     (int64_t)S->ev_metas.size() / kMetaWidth, (int64_t)(1 + ins.size())});
+  add_meta(*first, stats);
+  for (const auto& t : ins) add_meta(t, stats);
 }
 
 // What an op's new outputs count as (see _record.py): forward with grad on and an input that

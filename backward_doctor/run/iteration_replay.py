@@ -171,7 +171,8 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
         whole = found is None and _whole_cell(first, rollback, namespace)
         if whole:  # (no loop in the cell, nothing stepped before it failed: the cell is the iteration)
             found = compile(rollback.source, first.cell_file, "exec"), []
-        why = rollback.why_not or ("" if found is not None else _why_no_body(rollback.source))
+        why = rollback.why_not or ("" if found is not None else _why_no_body(rollback.source,
+                                                                            rollback._find_body is not None))
         end = None
         if not why and rollback.state is not None:
             end, why = take_if_it_fits(namespace)  # (names: the replay assigns only its copy's)
@@ -211,12 +212,17 @@ def _how_it_ran(scalars_only: bool) -> str:
     return "which ran with the recorder off"
 
 
-def _why_no_body(source: str) -> str:
-    """Why no code was found to replay the iteration with (for the report's note)."""
+def _why_no_body(source: str, library: bool = False) -> str:
+    """Why no code was found to replay the iteration with (for the report's note); ``library``: a library's step
+    was looked for (``find_body``).
+
+    >>> _why_no_body("trainer.train()", library=True)
+    "the library's training step of that iteration could not be found (it had not run yet, or ran elsewhere)"
+    """
     from ..util.loops import training_loop
 
-    if not source:
-        return "the library's training step could not be found"
+    if not source or library:
+        return "the library's training step of that iteration could not be found (it had not run yet, or ran elsewhere)"
     if training_loop(source) is not None:
         return "the cell's training loop fetches its own batch (`next(...)`): a replay would take the next one"
     return ("the cell has no training loop of its own (the steps ran inside a function it calls), or running it "
