@@ -547,3 +547,6 @@ def test_nan_in_an_unrecorded_iteration_of_a_library_loop_is_replayed_through_it
     assert (f.iteration, f.evidence.get("loop_value")) == (k, value), str(report)
     assert report.trace.iterations.replayed == (k if engine == "native" else None)
     assert "training_step" not in vars(ns["trainer"]) and "training_step" not in vars(ns["model"])
+    # in bfloat16 the message says what that precision does (rules/amp.py); in float32 it says nothing of it
+    assert ("It ran in bfloat16" in f.message) == ("bf16" in loop), f.message
+    assert f.evidence.get("dtype") == ("bfloat16" if "bf16" in loop else None)

@@ -55,3 +55,15 @@ def test_hang_on_a_lock_names_the_blocked_call():
     src = "import threading\nlock = threading.Lock()\nlock.acquire()\nlock.acquire()"
     f = bd.diagnose(src, timeout=0.5).findings[0]
     assert f.kind == "hang" and f.line == 4 and "`lock.acquire()`" in f.message
+
+
+def test_a_float16_overflow_in_backward_says_what_float16_does_and_names_the_grad_scaler(engine):
+    """A float16 weight whose backward overflows (``log``'s gradient 1/w is 1e5 at w = 1e-5, the forward finite):
+    the origin, and the mixed-precision family's words (rules/amp.py) on float16's range and the GradScaler."""
+    w = torch.nn.Parameter(torch.full((4,), 1e-5, dtype=torch.float16))
+    ns = {"torch": torch, "w": w, "opt": torch.optim.SGD([w], lr=1e-6)}
+    report = bd.diagnose("loss = torch.log(w).sum()\nloss.backward()\nopt.step()\n", ns, engine=engine)
+    f = report.findings[0]
+    assert f.kind == "nonfinite" and f.evidence["phase"] == "backward" and f.evidence["dtype"] == "float16", str(report)
+    assert "It ran in float16: float16 overflows to inf above 65,504" in f.message
+    assert "torch.amp.GradScaler" in f.message

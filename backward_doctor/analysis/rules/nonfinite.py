@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..findings import Finding, at, forward_where, source_line
 from ..trends import history_before, lr_change, nan_pattern
+from .amp import low_precision_origin
 from .learning_rate import diverged_from_start
 from ...capture.stats import format_stats
 from ...trace.records import NonFiniteEvent, Trace, Where
@@ -35,8 +36,19 @@ _EXPLAIN = {
 }
 
 
-def _explain(op: str | None) -> tuple[str, str]:
+#: where the backward of an op fails for another reason than its forward would
+_EXPLAIN_BACKWARD = {
+    "log": ("the gradient of `log`, 1/x, is infinite at 0 and overflows for tiny x",
+            "clamp the input away from 0 (`torch.log(x.clamp_min(1e-8))`) or use a fused, stable op "
+            "(`F.log_softmax`, `F.cross_entropy`)"),
+}
+
+
+def _explain(op: str | None, phase: str = "forward") -> tuple[str, str]:
     base = (op or "").split("::")[-1].rstrip("_")
+    for key, value in (_EXPLAIN_BACKWARD.items() if phase == "backward" else ()):
+        if base == key:
+            return value
     for key, value in _EXPLAIN.items():
         if base.startswith(key) or base == key:
             return value
@@ -224,7 +236,7 @@ def _nonfinite(trace: Trace) -> list[Finding]:
         return [at("nonfinite", where, msg, op=ev.op, title="Non-finite values in the input data",
                    evidence={**evidence, "variable": ev.variable})]
     fwd_op = ev.fwd_op if ev.phase == "backward" else ev.op
-    why, fix = _explain(fwd_op)
+    why, fix = _explain(fwd_op, ev.phase)
     if ev.phase == "backward":
         lead = (f"The forward pass was finite, but the backward of `{fwd_op}` at line {where.line} (`{code}`) "
                 f"produced NaN/Inf in `{ev.op}` ({evidence['output']})")
@@ -233,4 +245,9 @@ def _nonfinite(trace: Trace) -> list[Finding]:
                 f"({evidence['output']})")
     msg = (f"{lead}, and it reached the {', '.join(reached)}: {why}. Fix: {fix}. "
            "Later NaNs (loss, gradients, weights) are consequences of this one.")
+    dtypes = [m.dtype for m in ([ev.output] if ev.output else []) + list(ev.inputs)]
+    low = low_precision_origin(dtypes, ev.phase)
+    if low:  # (mixed precision: the family's own words, rules/amp.py)
+        msg += " " + low
+        evidence["dtype"] = next(d for d in dtypes if d in ("bfloat16", "float16"))
     return [at("nonfinite", where, msg, op=fwd_op, title="NaN/Inf created here", evidence=evidence)]
