@@ -531,7 +531,8 @@ LATE = {  # (namespace, cell, class, iteration, loop value): NaN/Inf in an itera
 
 
 @pytest.mark.parametrize("loop", sorted(LATE))
-def test_nan_in_an_unrecorded_iteration_of_a_library_loop_is_replayed_through_its_step(loop: str, engine: str):
+def test_nan_in_an_unrecorded_iteration_of_a_library_loop_is_replayed_through_its_step(loop: str,
+                                                                                        engine: str) -> None:
     """``trainer.train()`` / ``trainer.fit(model, loader)`` in a cell, NaN/Inf first in an iteration the native
     recorder slept through (it records 0, 1, 2, 4, 8): that iteration is replayed through the library's own step
     with its batch (it said "could not be replayed: the cell has no training loop of its own"), placed in the

@@ -112,8 +112,9 @@ class StepArguments:
     NaN/Inf is replayed with. They are referenced during the call only, or with ``keep_last`` until the next call
     or :meth:`remove` (NaN/Inf gradients from a finite loss show at the optimizer step, after ``training_step``
     returned; a LightningModule's loss reaches ``backward()`` after it returned; the library's loop holds that
-    batch until its next one anyway), and kept once, by the replay, until it has run. (The callback's, ``integrations/hf.py``, and a
-    cell's that calls ``trainer.train()`` or ``trainer.fit(model, ...)``: :func:`library_step`.)"""
+    batch until its next one anyway), and kept once, by the replay, until it has run. (The callback's,
+    ``integrations/hf.py``, and a cell's that calls ``trainer.train()`` or ``trainer.fit(model, ...)``:
+    :func:`library_step`.)"""
 
     def __init__(self, trainer: Any, keep_last: bool = False) -> None:
         self.trainer = trainer
