@@ -360,5 +360,5 @@ def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, str, int,
     return None
 
 
-__all__ = ["LibraryLoop", "StepArguments", "find_library_loop", "precision_context", "step_and_backward", "find_lr_setting", "library_step", "locate_lr",
-           "user_sources", "configure_optimizers_span"]
+__all__ = ["LibraryLoop", "StepArguments", "configure_optimizers_span", "find_library_loop", "find_lr_setting",
+           "library_step", "locate_lr", "precision_context", "step_and_backward", "user_sources"]

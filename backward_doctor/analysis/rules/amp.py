@@ -228,19 +228,23 @@ def amp_crossing(trace: Trace) -> list[Finding]:
                          "inputs": [m.short() for m in failed.inputs], "fix_code": cast})]
 
 
-def low_precision_origin(dtypes: list[str], phase: str) -> str:
-    """What the NaN/Inf rule adds when the op that made the first NaN/Inf ran in float16 or bfloat16 (its output or
-    inputs): that precision may be the cause. Said as a condition: the recorded statistics are those of the
-    low-precision values, not what float32 would have computed.
+def low_precision(dtypes: list[str]) -> str | None:
+    """The first of ``dtypes`` that is float16 or bfloat16, if any.
 
-    >>> low_precision_origin(["float32"], "forward")
-    ''
-    >>> low_precision_origin(["bfloat16"], "forward").split(":")[0]
+    >>> low_precision(["float32", "bfloat16"]), low_precision(["float32"])
+    ('bfloat16', None)
+    """
+    return next((d for d in dtypes if d in _LOW), None)
+
+
+def low_precision_origin(low: str, phase: str) -> str:
+    """What the NaN/Inf rule adds when the op that made the first NaN/Inf ran in ``low`` (float16 or bfloat16, see
+    :func:`low_precision`): that precision may be the cause. Said as a condition: the recorded statistics are
+    those of the low-precision values, not what float32 would have computed.
+
+    >>> low_precision_origin("bfloat16", "forward").split(":")[0]
     'It ran in bfloat16'
     """
-    low = next((d for d in dtypes if d in _LOW), None)
-    if low is None:
-        return ""
     limits = ("float16 overflows to inf above 65,504 and rounds to 0 below ~6e-8" if low == "float16" else
               "bfloat16 keeps 8 significant bits (1 + 2**-10 is 1 there, so their difference is 0)")
     text = (f"It ran in {low}: {limits}, so values finite and distinct in float32 can be inf or equal here. If "
@@ -251,4 +255,4 @@ def low_precision_origin(dtypes: list[str], phase: str) -> str:
     return text + "."
 
 
-__all__ = ["COLLAPSE", "amp_crossing", "amp_misuse", "collapsed", "low_precision_origin"]
+__all__ = ["COLLAPSE", "amp_crossing", "amp_misuse", "collapsed", "low_precision", "low_precision_origin"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..findings import Finding, at, forward_where, source_line
 from ..trends import history_before, lr_change, nan_pattern
-from .amp import low_precision_origin
+from .amp import low_precision, low_precision_origin
 from .learning_rate import diverged_from_start
 from ...capture.stats import format_stats
 from ...trace.records import NonFiniteEvent, Trace, Where
@@ -245,9 +245,8 @@ def _nonfinite(trace: Trace) -> list[Finding]:
                 f"({evidence['output']})")
     msg = (f"{lead}, and it reached the {', '.join(reached)}: {why}. Fix: {fix}. "
            "Later NaNs (loss, gradients, weights) are consequences of this one.")
-    dtypes = [m.dtype for m in ([ev.output] if ev.output else []) + list(ev.inputs)]
-    low = low_precision_origin(dtypes, ev.phase)
-    if low:  # (mixed precision: the family's own words, rules/amp.py)
-        msg += " " + low
-        evidence["dtype"] = next(d for d in dtypes if d in ("bfloat16", "float16"))
+    low = low_precision([m.dtype for m in ([ev.output] if ev.output else []) + list(ev.inputs)])
+    if low is not None:  # (mixed precision: the family's own words, rules/amp.py)
+        msg += " " + low_precision_origin(low, ev.phase)
+        evidence["dtype"] = low
     return [at("nonfinite", where, msg, op=fwd_op, title="NaN/Inf created here", evidence=evidence)]
