@@ -105,3 +105,26 @@ def test_the_wrappers_are_put_back():
     after = (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad, GradScaler.step, clip_grad._clip_grads_with_norm_,
              torch.autograd.backward)
     assert before == after
+
+
+def test_a_long_loop_counts_every_step_past_the_detailed_windows(engine):
+    """Past the windows kept in detail, a one-backward() step is only counted (the watch's fast path): every
+    step still in ``per_step``, the detailed windows still the first ones, and an odd window later on (two
+    backward() calls with a zero_grad() between them, in iteration 30) still kept."""
+    ns = _ns()
+    ns["loader"] = ns["loader"] * 8  # 48 batches
+    cell = """\
+for i, (xb, yb) in enumerate(loader):
+    optimizer.zero_grad()
+    F.cross_entropy(model(xb), yb).backward()
+    if i == 30:
+        optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+    optimizer.step()
+"""
+    acc = bd.diagnose(cell, ns, engine=engine).trace.accumulation
+    assert acc.per_step[:3] == [0, 47, 1], acc.per_step
+    assert len(acc.windows) == accum_watch._DETAILED + 1, [w.iteration for w in acc.windows]
+    assert [w.iteration for w in acc.windows[:3]] == [0, 1, 2]
+    late = acc.windows[-1]
+    assert (late.iteration, late.backward, len(late.zero_grads)) == (30, 2, 1), late

@@ -1,0 +1,72 @@
+"""What always on costs in an iteration it sleeps through, counted in instructions (callgrind), not seconds.
+
+    python benchmarks/asleep_instructions.py [--iterations 100 500] [--jobs 2]
+
+The clock on a shared machine moves a small loop's ratio by several points from run to run, more than a change
+to always on's per-iteration hooks moves it; instruction counts do not. Four processes under
+``valgrind --tool=callgrind`` (plain and always on, each running the small MLP loop of ``whole_path.py`` for
+two lengths): the difference between the lengths is the per-iteration count, the run's setup and report
+cancelling out. The cost budget is told never to record an iteration (``CostBudget.records``), so what is
+counted is the asleep path alone: the optimizer hooks, the ``backward()`` and ``zero_grad()`` wrappers, the
+loop watch, the allocator's reports. (Recorded iterations are the budget's business: ``always_on.py``.)
+Needs ``valgrind``; each process takes 2-4 minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _child(mode: str, n: int) -> None:
+    """One measured process: a short warm-up run, then the loop of ``n`` iterations."""
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent)]
+    import torch
+
+    torch.set_num_threads(1)
+    import always_on as ao
+    import whole_path as wp
+    from backward_doctor.capture import sampling
+
+    sampling.CostBudget.records = lambda self, *a, **k: False  # (asleep throughout: see the docstring)
+    shell, ns = ao._Shell(), wp.small_mlp()
+    for cell in (wp._loop(50), wp._loop(n)):
+        shell.run(ns, cell, watched=mode == "on")
+
+
+def _count(mode: str, n: int, out: str) -> int:
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.{mode}.{n}",
+                           sys.executable, __file__, "--child", mode, str(n)],
+                          env=env, capture_output=True, text=True, check=True)
+    return int(re.search(r"refs:\s*([\d,]+)", done.stderr).group(1).replace(",", ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, nargs=2, default=[100, 500], metavar=("SHORT", "LONG"))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child[0], int(args.child[1]))
+        return
+    short, long = args.iterations
+    if not long > short > 0:
+        ap.error("--iterations SHORT LONG: 0 < SHORT < LONG")
+    with tempfile.TemporaryDirectory() as out, ThreadPoolExecutor(args.jobs) as pool:
+        runs = {(m, n): pool.submit(_count, m, n, out) for m in ("plain", "on") for n in (short, long)}
+        per = {m: (runs[m, long].result() - runs[m, short].result()) / (long - short) for m in ("plain", "on")}
+    print(f"instructions per iteration: plain {per['plain']:,.0f}, always on asleep {per['on']:,.0f} "
+          f"(+{per['on'] - per['plain']:,.0f}, {per['on'] / per['plain']:.3f}x)")
+
+
+if __name__ == "__main__":
+    main()
