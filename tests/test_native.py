@@ -366,3 +366,30 @@ def test_a_simulated_device_fails_the_allocation_inside_the_op_as_a_plain_run_al
     # the memory of the failed allocation went back: the next plain step still works
     ns = make()
     exec(src, ns)
+
+
+def test_the_allocators_count_is_the_blocks_allocated_since_start():
+    """``allocated()``: net CPU bytes handed out since ``start()`` (the live series of an asleep loop), kept in the
+    recorder's own table of blocks: thousands alive at once (the table grows), freed in another order; a block
+    allocated before start and freed during the run does not count. (The allocator reports to the threads that
+    carry the recorder's thread-local state: the cell's, autograd's and torch's intra-op workers.)"""
+    ext = native.load()
+    before = torch.empty(1 << 16, dtype=torch.uint8)
+    ext.start(CELL, False, 1000, -1, False)
+    try:
+        assert ext.sleep()
+        kept = [torch.empty(64 + i % 7 * 16, dtype=torch.uint8) for i in range(5000)]
+        grown = ext.allocated()
+        assert grown >= sum(t.untyped_storage().nbytes() for t in kept), grown
+        del before  # (allocated before start: its free is not this run's)
+        assert ext.allocated() == grown
+        half = sum(t.untyped_storage().nbytes() for t in kept[::2])
+        del kept[::2]
+        assert ext.allocated() == grown - half
+        extra = torch.empty(1 << 12, dtype=torch.uint8)
+        assert ext.allocated() == grown - half + (1 << 12)
+        kept.clear()
+        del extra
+        assert 0 <= ext.allocated() < 4096, ext.allocated()  # (no tensor left: at most small bookkeeping)
+    finally:
+        ext.stop()
