@@ -266,10 +266,7 @@ class AccumulationWatch:
             self._depth = self._depth - 1 if self._depth > 0 else 0
             self._opt = None
             rec.per_step[1] += 1
-            self._n = 0
-            self._zeroed = False
-            if self._calls or self._sites:
-                self._new_window()
+            self._new_window()
             return
         self._depth = max(0, self._depth - 1)
         opt, self._opt = getattr(self, "_opt", None), None

@@ -113,9 +113,10 @@ constexpr int kDuration = 18, kNonfiniteScalar = 19, kStackId = 20, kStart = 21;
 constexpr size_t kStorageLogCap = 100000;
 
 // The CPU blocks allocated since start, with their sizes: the allocator reports every CPU allocation and free of
-// the step here, on every thread, the recorder asleep or not (a small loop: ~60 an iteration). Open addressing
-// in two flat arrays, so that a report allocates nothing (a node-based map did, at each allocation: a fifth of
-// always on's cost an iteration of a small CPU loop, measured with callgrind).
+// the step here, on the threads that carry the recorder's thread-local state (the cell's, autograd's, torch's
+// intra-op workers; not a plain Python thread), the recorder asleep or not (a small loop: ~60 an iteration).
+// Open addressing in two flat arrays, so that a report allocates nothing (a node-based map did, at each
+// allocation: over a quarter of always on's cost an iteration of a small CPU loop, measured with callgrind).
 class BlockTable {
  public:
   BlockTable() { rehash(1024); }
@@ -166,8 +167,8 @@ class BlockTable {
   size_t mask_ = 0, used_ = 0, live_ = 0;  // used_: live blocks and tombstones
 };
 
-// A lock held for a few instructions, almost never contended (the allocator's other threads: a DataLoader's pin
-// thread, autograd's device threads): a mutex's lock and unlock cost more than the table's work here.
+// A lock held for a few instructions, almost never contended (the other reporting threads: autograd's device
+// threads, intra-op workers): a mutex's lock and unlock cost more than the table's work here.
 class SpinLock {
  public:
   void lock() { while (flag_.test_and_set(std::memory_order_acquire)) std::this_thread::yield(); }
@@ -243,7 +244,7 @@ struct State {
   int64_t total = 0, count = 0, depth_bwd = 0, last_phase = 0;
   int64_t start_ns = 0, last_end_ns = 0;  // when recording started, when the latest op ended
   at::CallbackHandle handle = 0;
-  // Net CPU bytes the allocator handed out since start (all threads; sleeping or not): a training
+  // Net CPU bytes the allocator handed out since start (the reporting threads; sleeping or not): a training
   // loop's live memory at each iteration's end, where the per-op ledger is off.
   // Only blocks allocated since start count when freed: the allocator also reports frees of blocks an
   // earlier recording saw allocated (garbage of an earlier cell collected now), not this run's memory.
