@@ -352,6 +352,47 @@ def test_a_long_cheap_loop_records_some_iterations_within_the_budget(shell):
     assert set(its.recorded) <= {1, 2, 4, 8, 16, 32, 64, 128, 256}, its.recorded
 
 
+HOOKS_SEEN = """
+from torch.nn.modules import module as _m
+hooks = []
+for i in range(300):
+    hooks.append((len(_m._global_forward_hooks), len(model[0].weight._post_accumulate_grad_hooks or {})))
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_asleep_from_the_start_no_hook_is_installed_until_an_iteration_is_recorded(shell):
+    """Always on's first iteration is not recorded: the module and parameter hooks are not installed while the
+    namespace is scanned only to come off at the first op; a recorded iteration has them, and its ops are named
+    by module."""
+    _on(shell)
+    _run(shell, SETUP)
+    result, cap = _run(shell, HOOKS_SEEN)
+    assert result.success, cap.stderr
+    report = bd.last_report()
+    if report.trace.engine != "native":
+        pytest.skip("the cost budget is the native recorder's")
+    hooks, recorded = shell.user_ns["hooks"], report.trace.iterations.recorded
+    assert hooks[0] == (0, 0) and recorded and 0 not in recorded
+    # an iteration's first line runs after the previous step decided whether it is recorded
+    assert all(hooks[k] == (1, 1) for k in recorded if k < 300), (recorded, [hooks[k] for k in recorded])
+    assert all(hooks[k] == (0, 0) for k in range(300) if k not in recorded)
+    assert {op.where.module for op in report.trace.ops if op.phase == "forward"} >= {"model.0", "model.2"}
+    assert not torch.nn.modules.module._global_forward_hooks
+    # a single step, never recorded: not one hook was made (not even to be taken off again)
+    made, register = [], torch.Tensor.register_post_accumulate_grad_hook
+
+    def counted(self, hook):
+        made.append(hook)
+        return register(self, hook)
+
+    with mock.patch.object(torch.Tensor, "register_post_accumulate_grad_hook", counted):
+        result, cap = _run(shell, "opt.zero_grad()\nloss = model(x).pow(2).mean()\nloss.backward()\nopt.step()\n")
+    assert result.success and bd.last_report().trace.op_count == 0 and made == []
+
 def test_a_step_that_takes_its_batch_from_an_iterator_is_not_run_again(shell):
     _on(shell)
     _run(shell, SETUP + "it = iter([x, x * float('nan'), x])\n")
