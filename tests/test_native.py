@@ -393,3 +393,71 @@ def test_the_allocators_count_is_the_blocks_allocated_since_start():
         assert 0 <= ext.allocated() < 4096, ext.allocated()  # (no tensor left: at most small bookkeeping)
     finally:
         ext.stop()
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_the_graph_walk_in_cpp_answers_as_the_python_walk():
+    """``GraphWalks`` (step_state.graph_holders' walks of the graphs tensors still carry) in C++ and in Python:
+    the same earlier run found first, the same oldest node, the same limit, the same sharing of clean nodes."""
+    from backward_doctor.capture.step_state import GraphWalks
+
+    seq = torch._C._autograd._get_sequence_nr
+    w = torch.ones(3, requires_grad=True)
+    runs, kept = [], []
+    for r in range(3):  # three earlier "runs", each leaving a graph behind
+        lo = seq()
+        kept.append(_Twice.apply(w * (r + 1)).exp())
+        runs.append((r + 10, lo, seq()))
+    start = seq()
+    fresh = (w * 3).sin().sum()
+    shared = w.cos()
+    holders = [fresh, shared.sum(), (shared * 2).sum(), (kept[2] + kept[0]).sum(), (kept[1] * w).mean(),
+               _Twice.apply(shared).sum(), torch.ones(2, requires_grad=True) * 1]
+    deep = w
+    for _ in range(30):
+        deep = deep * 1.5
+    holders.append(deep.sum())
+    for limit in (2000, 5, 1):
+        for earlier in (runs, runs[1:], []):
+            answers = {}
+            for native_walk in (True, False):
+                walks = GraphWalks(start, earlier, limit, native=native_walk)
+                assert (walks._c is not None) == native_walk
+                answers[native_walk] = [(walks.earlier_runs(t), walks.oldest_seq(t)) for t in holders]
+            assert answers[True] == answers[False], (limit, earlier)
+    walks = GraphWalks(start, runs)
+    assert [walks.earlier_runs(t) for t in holders[3:5]] == [[12], [11]]
+    assert walks.oldest_seq(fresh) >= start and walks.oldest_seq(kept[0]) == start  # (no node of this run)
+    assert walks.earlier_runs(kept[0]) == [10] and GraphWalks(start, runs[1:]).earlier_runs(kept[0]) == []
+
+
+def test_nonzero_each_answers_as_torchs_any():
+    """The cell start's check of the gradients an earlier step consumed (``_any_each``), read in C++ up to the
+    first value other than zero: the same answers as ``any()``; None where it does not read (torch answers)."""
+    from backward_doctor.capture.context import _any_each
+
+    ext = native.load()
+    cases = []
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        z = torch.zeros(1000, dtype=dtype)
+        last, nan, neg0 = z.clone(), z.clone(), z.clone()
+        last[-1], nan[-1], neg0[:] = 1e-7, float("nan"), -0.0
+        cases += [z, last, nan, neg0, torch.ones(3, dtype=dtype), torch.zeros(0, dtype=dtype)]
+    tiny = torch.zeros(5)
+    tiny[3] = 1e-45  # (a float32 denormal)
+    cases.append(tiny)
+    answers = ext.nonzero_each(cases)
+    assert answers == [bool(t.any()) for t in cases]
+    odd = [torch.zeros(4, 4).t(), torch.arange(3), torch.zeros(2, dtype=torch.complex64)]
+    odd[0][1, 2] = 1.0
+    assert ext.nonzero_each(odd) == [None, None, None]
+    assert _any_each(cases + odd) == [bool(t.any()) for t in cases + odd]

@@ -34,6 +34,7 @@ from .process import complete, interrupts_deferred
 from .mode import _DoctorMode, take_off
 from .record import OpRecorder
 from .memory import shape_of, storage_key
+from .. import native
 from ..trace.parts import Carrier
 from ..trace.records import Trace, Where
 
@@ -48,16 +49,22 @@ _sequence_nr = torch._C._autograd._get_sequence_nr
 
 def _any_each(tensors: list[torch.Tensor]) -> list[bool]:
     """``bool(t.any())`` of each tensor, with one synchronisation per CUDA device rather than one per tensor (a
-    cell's start reads every gradient an earlier step consumed: on a GPU each read waited for the device).
+    cell's start reads every gradient an earlier step consumed: on a GPU each read waited for the device), and
+    on the CPU only up to the first value other than zero where the native recorder is loaded.
 
     >>> _any_each([torch.zeros(2), torch.ones(3)])
     [False, True]
     """
     out: list[bool] = [False] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
+    # (the native recorder reads a CPU gradient up to its first value other than zero, where torch reads it all)
+    ext = native.ready()
+    known = ext.nonzero_each(tensors) if ext is not None and hasattr(ext, "nonzero_each") else [None] * len(tensors)
     with torch.no_grad():
         for i, t in enumerate(tensors):
-            if t.device.type == "cpu" or t.is_sparse:
+            if known[i] is not None:
+                out[i] = known[i]
+            elif t.device.type == "cpu" or t.is_sparse:
                 out[i] = bool(t.any())
             else:
                 by_device.setdefault(t.device, []).append(i)
