@@ -1,6 +1,7 @@
 """What always on costs in an iteration it sleeps through, counted in instructions (callgrind), not seconds.
 
     python benchmarks/asleep_instructions.py [--iterations 100 500] [--jobs 2]
+    python benchmarks/asleep_instructions.py --step hf_t5 [--runs 2 6]     # a whole cell: one training step
 
 The clock on a shared machine moves a small loop's ratio by several points from run to run, more than a change
 to always on's per-iteration hooks moves it; instruction counts do not. Four processes under
@@ -9,7 +10,12 @@ two lengths): the difference between the lengths is the per-iteration count, the
 cancelling out. The cost budget is told never to record an iteration (``CostBudget.records``), so what is
 counted is the asleep path alone: the optimizer hooks, the ``backward()`` and ``zero_grad()`` wrappers, the
 loop watch, the allocator's reports. (Recorded iterations are the budget's business: ``always_on.py``.)
-Needs ``valgrind``; each process takes 2-4 minutes.
+
+``--step NAME``: the whole path of one cell of ``whole_path.py``'s workload NAME (a single step: ``run_cell``,
+always on's set-up before the cell and its report after, the cost budget as it is), counted as the difference
+between running the cell ``SHORT`` and ``LONG`` times after a warm-up run, per run. A single step's extra is
+mostly what always on does once a cell (the namespace scanned, the graphs left behind walked, the report).
+Needs ``valgrind``; each process takes 2-4 minutes (a ``transformers`` workload longer: its import).
 """
 from __future__ import annotations
 
@@ -25,8 +31,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _child(mode: str, n: int) -> None:
-    """One measured process: a short warm-up run, then the loop of ``n`` iterations."""
+def _child(mode: str, n: int, step: str | None = None) -> None:
+    """One measured process: a short warm-up run, then the loop of ``n`` iterations (``step``: a warm-up run of
+    that workload's cell, then ``n`` runs of it)."""
     sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent)]
     import torch
 
@@ -34,17 +41,25 @@ def _child(mode: str, n: int) -> None:
     import always_on as ao
     import whole_path as wp
     from backward_doctor.capture import sampling
+    from backward_doctor.capture.native_capture import native_available
 
+    native_available(build=True)
+    shell = ao._Shell()
+    if step is not None:
+        ns, cell = wp.WORKLOADS[step]()
+        for _ in range(1 + n):
+            shell.run(ns, cell, watched=mode == "on")
+        return
     sampling.CostBudget.records = lambda self, *a, **k: False  # (asleep throughout: see the docstring)
-    shell, ns = ao._Shell(), wp.small_mlp()
+    ns = wp.small_mlp()
     for cell in (wp._loop(50), wp._loop(n)):
         shell.run(ns, cell, watched=mode == "on")
 
 
-def _count(mode: str, n: int, out: str) -> int:
+def _count(mode: str, n: int, out: str, step: str | None = None) -> int:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.{mode}.{n}",
-                           sys.executable, __file__, "--child", mode, str(n)],
+                           sys.executable, __file__, "--child", mode, str(n)] + (["--step", step] if step else []),
                           env=env, capture_output=True, text=True, check=True)
     return int(re.search(r"refs:\s*([\d,]+)", done.stderr).group(1).replace(",", ""))
 
@@ -52,19 +67,29 @@ def _count(mode: str, n: int, out: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, nargs=2, default=[100, 500], metavar=("SHORT", "LONG"))
+    ap.add_argument("--step", default=None, metavar="NAME", help="a whole cell of whole_path.py's workload NAME")
+    ap.add_argument("--runs", type=int, nargs=2, default=[2, 6], metavar=("SHORT", "LONG"),
+                    help="with --step: how many runs of the cell the two processes of each mode make")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _child(args.child[0], int(args.child[1]))
+        _child(args.child[0], int(args.child[1]), args.step)
         return
-    short, long = args.iterations
+    if args.step is not None:
+        sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent)]
+        import whole_path as wp
+
+        if args.step not in wp.WORKLOADS or args.step.startswith("loop"):
+            ap.error(f"--step: one of {', '.join(n for n in wp.WORKLOADS if not n.startswith('loop'))}")
+    short, long = args.runs if args.step else args.iterations
     if not long > short > 0:
-        ap.error("--iterations SHORT LONG: 0 < SHORT < LONG")
+        ap.error("SHORT LONG: 0 < SHORT < LONG")
     with tempfile.TemporaryDirectory() as out, ThreadPoolExecutor(args.jobs) as pool:
-        runs = {(m, n): pool.submit(_count, m, n, out) for m in ("plain", "on") for n in (short, long)}
+        runs = {(m, n): pool.submit(_count, m, n, out, args.step) for m in ("plain", "on") for n in (short, long)}
         per = {m: (runs[m, long].result() - runs[m, short].result()) / (long - short) for m in ("plain", "on")}
-    print(f"instructions per iteration: plain {per['plain']:,.0f}, always on asleep {per['on']:,.0f} "
+    what = f"instructions per run of the {args.step} cell" if args.step else "instructions per iteration"
+    print(f"{what}: plain {per['plain']:,.0f}, always on{'' if args.step else ' asleep'} {per['on']:,.0f} "
           f"(+{per['on'] - per['plain']:,.0f}, {per['on'] / per['plain']:.3f}x)")
 
 

@@ -393,6 +393,7 @@ def test_asleep_from_the_start_no_hook_is_installed_until_an_iteration_is_record
         result, cap = _run(shell, "opt.zero_grad()\nloss = model(x).pow(2).mean()\nloss.backward()\nopt.step()\n")
     assert result.success and bd.last_report().trace.op_count == 0 and made == []
 
+
 def test_a_step_that_takes_its_batch_from_an_iterator_is_not_run_again(shell):
     _on(shell)
     _run(shell, SETUP + "it = iter([x, x * float('nan'), x])\n")
