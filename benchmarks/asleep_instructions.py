@@ -57,7 +57,8 @@ def _child(mode: str, n: int, step: str | None = None) -> None:
 
 
 def _count(mode: str, n: int, out: str, step: str | None = None) -> int:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    # (one hash seed: set and dict orders, and so the code paths through them, the same in every process)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.{mode}.{n}",
                            sys.executable, __file__, "--child", mode, str(n)] + (["--step", step] if step else []),
                           env=env, capture_output=True, text=True, check=True)
