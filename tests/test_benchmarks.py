@@ -68,3 +68,13 @@ def test_the_always_on_column_runs():
                         out.stdout, re.M)
         assert row, (cell, out.stdout)
         assert float(row.group(1)) > 0 and float(row.group(2)) > 0 and row.group(6) == "0", row.group(0)
+
+
+def test_the_instruction_count_benchmark_refuses_bad_arguments_and_runs_nothing():
+    """``asleep_instructions.py`` (callgrind, minutes a process: not run here) says what is wrong with its
+    arguments before it starts a process."""
+    script = os.path.join(ROOT, "benchmarks", "asleep_instructions.py")
+    for args, said in ((["--step", "nope"], "--step: one of mlp, cnn"), (["--step", "mlp", "--runs", "3", "2"],
+                       "0 < SHORT < LONG"), (["--iterations", "0", "5"], "0 < SHORT < LONG")):
+        out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and said in out.stderr and "instructions per" not in out.stdout, (args, out.stderr)
