@@ -395,16 +395,6 @@ def test_the_allocators_count_is_the_blocks_allocated_since_start():
         ext.stop()
 
 
-class _Twice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
-
-
 def test_the_graph_walk_in_cpp_answers_as_the_python_walk():
     """``GraphWalks`` (step_state.graph_holders' walks of the graphs tensors still carry) in C++ and in Python:
     the same earlier run found first, the same oldest node, the same limit, the same sharing of clean nodes."""
@@ -415,13 +405,13 @@ def test_the_graph_walk_in_cpp_answers_as_the_python_walk():
     runs, kept = [], []
     for r in range(3):  # three earlier "runs", each leaving a graph behind
         lo = seq()
-        kept.append(_Twice.apply(w * (r + 1)).exp())
+        kept.append(_Double.apply(w * (r + 1)).exp())
         runs.append((r + 10, lo, seq()))
     start = seq()
     fresh = (w * 3).sin().sum()
     shared = w.cos()
     holders = [fresh, shared.sum(), (shared * 2).sum(), (kept[2] + kept[0]).sum(), (kept[1] * w).mean(),
-               _Twice.apply(shared).sum(), torch.ones(2, requires_grad=True) * 1]
+               _Double.apply(shared).sum(), torch.ones(2, requires_grad=True) * 1]
     deep = w
     for _ in range(30):
         deep = deep * 1.5
