@@ -1020,17 +1020,27 @@ bool readable(const at::Tensor& t) {
          !t.key_set().has(c10::DispatchKey::Python) && t.is_contiguous();
 }
 
+// Calls ``f(data, n)`` with a tensor's values in their own type, read in place (a readable tensor of one of the
+// four floating dtypes); false, ``f`` not called, for any other.
+template <typename F>
+bool read_floats(const at::Tensor& t, F&& f) {
+  if (!readable(t)) return false;
+  const void* d = t.const_data_ptr();
+  const int64_t n = t.numel();
+  switch (t.scalar_type()) {
+    case at::kFloat: f(static_cast<const float*>(d), n); return true;
+    case at::kDouble: f(static_cast<const double*>(d), n); return true;
+    case at::kHalf: f(static_cast<const at::Half*>(d), n); return true;
+    case at::kBFloat16: f(static_cast<const at::BFloat16*>(d), n); return true;
+    default: return false;
+  }
+}
+
 // The value of a one-element CPU floating tensor (the loss); None when it cannot be read in place.
 py::object scalar_value(const at::Tensor& t) {
-  if (!readable(t) || t.numel() != 1) return py::none();
-  const void* d = t.const_data_ptr();
-  switch (t.scalar_type()) {
-    case at::kFloat: return py::float_(*static_cast<const float*>(d));
-    case at::kDouble: return py::float_(*static_cast<const double*>(d));
-    case at::kHalf: return py::float_(as_double(*static_cast<const at::Half*>(d)));
-    case at::kBFloat16: return py::float_(as_double(*static_cast<const at::BFloat16*>(d)));
-    default: return py::none();
-  }
+  double v = 0;
+  if (t.numel() != 1 || !read_floats(t, [&v](const auto* p, int64_t) { v = as_double(*p); })) return py::none();
+  return py::float_(v);
 }
 
 template <typename T>
@@ -1062,16 +1072,7 @@ double sumsq(const T* p, int64_t n) {
 // contiguous, a subclass, an unsupported dtype). An undefined or empty gradient adds nothing.
 bool add_sumsq(const at::Tensor& g, double& acc) {
   if (!g.defined() || g.numel() == 0) return true;
-  if (!readable(g)) return false;
-  const void* d = g.const_data_ptr();
-  int64_t n = g.numel();
-  switch (g.scalar_type()) {
-    case at::kFloat: acc += sumsq(static_cast<const float*>(d), n); return true;
-    case at::kDouble: acc += sumsq(static_cast<const double*>(d), n); return true;
-    case at::kHalf: acc += sumsq(static_cast<const at::Half*>(d), n); return true;
-    case at::kBFloat16: acc += sumsq(static_cast<const at::BFloat16*>(d), n); return true;
-    default: return false;
-  }
+  return read_floats(g, [&acc](const auto* p, int64_t n) { acc += sumsq(p, n); });
 }
 
 template <typename T>
@@ -1088,21 +1089,11 @@ bool any_nonzero(const T* d, int64_t n) {
 py::list nonzero_each(const std::vector<at::Tensor>& ts) {
   py::list out;
   for (const auto& t : ts) {
-    if (!readable(t)) {
+    bool found = false;
+    if (read_floats(t, [&found](const auto* p, int64_t n) { found = any_nonzero(p, n); }))
+      out.append(py::bool_(found));
+    else
       out.append(py::none());
-      continue;
-    }
-    const void* d = t.const_data_ptr();
-    const int64_t n = t.numel();
-    bool found;
-    switch (t.scalar_type()) {
-      case at::kFloat: found = any_nonzero(static_cast<const float*>(d), n); break;
-      case at::kDouble: found = any_nonzero(static_cast<const double*>(d), n); break;
-      case at::kHalf: found = any_nonzero(static_cast<const at::Half*>(d), n); break;
-      case at::kBFloat16: found = any_nonzero(static_cast<const at::BFloat16*>(d), n); break;
-      default: out.append(py::none()); continue;
-    }
-    out.append(py::bool_(found));
   }
   return out;
 }
@@ -1158,21 +1149,21 @@ class GraphWalk {
   // limit without finding one adds its nodes to `clean`: the later walks do not enter them again (a model's
   // outputs share most of their graph).
   py::object earlier_run(const at::Tensor& t) {
-    std::unordered_set<Node*> seen;
+    std::optional<int64_t> found;
     std::vector<NodePtr> walked;
-    std::deque<NodePtr> queue{t.grad_fn()};
-    while (!queue.empty() && seen.size() < limit_) {
-      NodePtr node = std::move(queue.front());
-      queue.pop_front();
-      if (!node || clean_.count(node.get()) || !seen.insert(node.get()).second) continue;
+    const bool ended = walk(t, &clean_, [&](NodePtr& node) {
       const uint64_t seq = node->sequence_nr();
       if (seq < start_)
         for (const auto& [run, lo, hi] : runs_)
-          if (lo <= seq && seq < hi) return py::int_(run);  // (one node of an earlier run is enough to know)
-      for (const auto& edge : node->next_edges()) queue.push_back(edge.function);
+          if (lo <= seq && seq < hi) {
+            found = run;  // (one node of an earlier run is enough to know)
+            return false;
+          }
       walked.push_back(std::move(node));
-    }
-    if (seen.size() < limit_) {  // walked to the end: every node behind these is clean too
+      return true;
+    });
+    if (found) return py::int_(*found);
+    if (ended) {  // walked to the end: every node behind these is clean too
       for (auto& node : walked) {
         clean_.insert(node.get());
         kept_.push_back(std::move(node));
@@ -1183,21 +1174,33 @@ class GraphWalk {
 
   // The smallest sequence number >= start of the nodes behind `t` (start when there is none), a walk of its own.
   uint64_t oldest_seq(const at::Tensor& t) const {
-    std::unordered_set<Node*> seen;
-    std::deque<NodePtr> queue{t.grad_fn()};
     uint64_t oldest = std::numeric_limits<uint64_t>::max();
-    while (!queue.empty() && seen.size() < limit_) {
-      NodePtr node = std::move(queue.front());
-      queue.pop_front();
-      if (!node || !seen.insert(node.get()).second) continue;
+    walk(t, nullptr, [&](NodePtr& node) {
       const uint64_t seq = node->sequence_nr();
       if (seq >= start_ && seq < oldest) oldest = seq;
-      for (const auto& edge : node->next_edges()) queue.push_back(edge.function);
-    }
+      return true;
+    });
     return oldest == std::numeric_limits<uint64_t>::max() ? start_ : oldest;
   }
 
  private:
+  // Breadth first from ``t``'s node in the order of each node's edges, each node once, none of ``skip``, at most
+  // ``limit_`` nodes: ``visit(node)`` is called with each (after its edges are queued) and false stops the walk.
+  // True when the walk ended before the limit (not stopped, not cut).
+  template <typename Visit>
+  bool walk(const at::Tensor& t, const std::unordered_set<Node*>* skip, Visit&& visit) const {
+    std::unordered_set<Node*> seen;
+    std::deque<NodePtr> queue{t.grad_fn()};
+    while (!queue.empty() && seen.size() < limit_) {
+      NodePtr node = std::move(queue.front());
+      queue.pop_front();
+      if (!node || (skip && skip->count(node.get())) || !seen.insert(node.get()).second) continue;
+      for (const auto& edge : node->next_edges()) queue.push_back(edge.function);
+      if (!visit(node)) return false;
+    }
+    return seen.size() < limit_;
+  }
+
   uint64_t start_;
   std::vector<std::tuple<int64_t, uint64_t, uint64_t>> runs_;
   size_t limit_;
