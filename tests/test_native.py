@@ -395,6 +395,42 @@ def test_the_allocators_count_is_the_blocks_allocated_since_start():
         ext.stop()
 
 
+def test_the_cpu_allocator_is_wrapped_while_recording_and_its_blocks_outlive_it():
+    """The recorder counts CPU blocks by wrapping c10's CPU allocator for the recording (torch's own memory reports,
+    a mutex and a map at every allocation, are off then): wrapped from start to stop and put back after, even when
+    the recording ends in an error; a block allocated while recording and freed after it ends is freed as any other
+    (by the allocator's own deleter), and counts in no later recording; the ledger still hears of a recorded
+    storage's free (the loop's live memory goes down as the step frees what it made)."""
+    ext = native.load()
+    assert not ext.cpu_allocator_wrapped()
+    ext.start(CELL, False, 1000, -1, False)
+    try:
+        assert ext.cpu_allocator_wrapped()
+        kept = torch.ones(1 << 14)  # (outlives the recording)
+        made = ext.allocated()
+        assert made >= kept.untyped_storage().nbytes()
+        x = torch.randn(256, 256, requires_grad=True)
+        (x * 2).sum().backward()
+        with_grad = ext.allocated()
+        x.grad = None
+        assert ext.allocated() <= with_grad - 256 * 256 * 4
+    finally:
+        ext.stop()
+    assert not ext.cpu_allocator_wrapped()
+    ext.start(CELL, False, 1000, -1, False)
+    try:
+        assert ext.allocated() == 0
+        del kept  # (allocated by the earlier recording: not this one's)
+        assert ext.allocated() == 0
+        with pytest.raises(RuntimeError):
+            torch.empty(3) @ torch.empty(4)
+    finally:
+        ext.stop()
+    assert not ext.cpu_allocator_wrapped()
+    again = torch.arange(10.0)  # (the default allocator again, its blocks freed as before)
+    assert again.sum().item() == 45.0
+
+
 def test_the_graph_walk_in_cpp_answers_as_the_python_walk():
     """``GraphWalks`` (step_state.graph_holders' walks of the graphs tensors still carry) in C++ and in Python:
     the same earlier run found first, the same oldest node, the same limit, the same sharing of clean nodes."""
