@@ -88,7 +88,7 @@ class CostBudget(PowersOfTwo):
     """The candidates of :class:`PowersOfTwo` after the first, each recorded only while the recording spent so
     far plus this one's estimate stays within ``share`` of the cell's plain time plus ``slack_s`` (the rest of
     always-on's budget, 1.15x + 10 ms, goes to its fixed costs: set-up, the per-iteration watch, the report;
-    the watch alone is ~5-10% of a loop of 0.3 ms steps, benchmarks/RESULTS.md). The estimate is measured: a
+    the watch alone is ~15% of a loop of 0.2 ms steps on a CPU, benchmarks/RESULTS.md). The estimate is measured: a
     recorded iteration's time beyond an asleep one's, plus converting its ops."""
 
     name = "within always-on's cost budget"
