@@ -397,10 +397,10 @@ def test_the_allocators_count_is_the_blocks_allocated_since_start():
 
 def test_the_cpu_allocator_is_wrapped_while_recording_and_its_blocks_outlive_it():
     """The recorder counts CPU blocks by wrapping c10's CPU allocator for the recording (torch's own memory reports,
-    a mutex and a map at every allocation, are off then): wrapped from start to stop and put back after, even when
-    the recording ends in an error; a block allocated while recording and freed after it ends is freed as any other
-    (by the allocator's own deleter), and counts in no later recording; the ledger still hears of a recorded
-    storage's free (the loop's live memory goes down as the step frees what it made)."""
+    a mutex and a map at every allocation, are off then): wrapped from start to stop and put back after, also when
+    an op failed during the recording; a block allocated while recording and freed after it ends is freed as any
+    other (by the allocator's own deleter), and counts in no later recording; a block freed during the recording
+    leaves the count (the loop's live memory goes down as the step frees what it made)."""
     ext = native.load()
     assert not ext.cpu_allocator_wrapped()
     ext.start(CELL, False, 1000, -1, False)

@@ -264,6 +264,13 @@ struct RawCount {
   BlockTable blocks;
   std::atomic<int64_t> total{0};
   std::atomic<bool> on{false};
+  // A recording starts (on) or ends (off): no block counted yet, or any more.
+  void reset(bool counting) {
+    std::lock_guard<SpinLock> guard(lock);
+    on.store(counting, std::memory_order_release);
+    blocks = BlockTable();
+    total.store(0, std::memory_order_relaxed);
+  }
 };
 RawCount& raw() {
   static RawCount* r = new RawCount();  // (never destroyed: a tensor may be freed at exit)
@@ -889,6 +896,12 @@ std::string human(int64_t n) {
   return buf;
 }
 
+// The memory at `ptr` was freed: the recorded storage it held, if any, leaves the ledger (owner thread only).
+void forget_data(void* ptr) {
+  auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
+  if (it != S->by_data.end()) uncount(it->second);
+}
+
 void count_raw(void* ptr, int64_t size) {
   RawCount& r = raw();
   if (!r.on.load(std::memory_order_acquire)) return;
@@ -908,9 +921,7 @@ struct Reporter : public torch::profiler::impl::ProfilerStateBase {
     if (device.is_cpu() && !S->wrapped) count_raw(ptr, size);
     if (std::this_thread::get_id() != S->owner) return;
     if (size < 0) {
-      if (S->wrapped) return;  // (counted_delete tells the ledger)
-      auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
-      if (it != S->by_data.end()) uncount(it->second);
+      if (!S->wrapped) forget_data(ptr);  // (wrapped: counted_delete tells the ledger)
       return;
     }
     if (S->limit >= 0 && S->paused == 0 && !S->oom && S->total + size > S->limit) simulated_oom(ptr, size);
@@ -970,10 +981,8 @@ std::atomic<std::thread::id> g_owner{std::thread::id()};
 void counted_delete(void* ptr) {
   count_raw(ptr, -1);
   // (the owner thread alone touches S, and only it ends the recording: no other thread reads S here)
-  if (std::this_thread::get_id() == g_owner.load(std::memory_order_relaxed) && S != nullptr && S->wrapped) {
-    auto it = S->by_data.find(reinterpret_cast<int64_t>(ptr));
-    if (it != S->by_data.end()) uncount(it->second);
-  }
+  if (std::this_thread::get_id() == g_owner.load(std::memory_order_relaxed) && S != nullptr && S->wrapped)
+    forget_data(ptr);
   g_inner_delete(ptr);
 }
 
@@ -1044,13 +1053,7 @@ void start(const std::string& cell_file, bool frames, int64_t max_ops, int64_t l
   S->recs.reserve(1 << 14);
   S->tensors.reserve(1 << 15);
   S->reporter = std::make_shared<Reporter>();
-  {
-    RawCount& r = raw();
-    std::lock_guard<SpinLock> guard(r.lock);
-    r.blocks = BlockTable();
-    r.total.store(0, std::memory_order_relaxed);
-    r.on.store(true, std::memory_order_release);
-  }
+  raw().reset(true);
   g_owner.store(S->owner, std::memory_order_relaxed);
   S->wrapped = wrap_cpu_allocator();
   if (S->wrapped) g_carrier.store(S->reporter.get(), std::memory_order_release);
@@ -1412,13 +1415,7 @@ py::dict stop() {
   pop_reporter();
   g_carrier.store(nullptr, std::memory_order_release);
   if (S->wrapped) unwrap_cpu_allocator();
-  {
-    RawCount& r = raw();
-    std::lock_guard<SpinLock> guard(r.lock);
-    r.on.store(false, std::memory_order_release);
-    r.blocks = BlockTable();
-    r.total.store(0, std::memory_order_relaxed);
-  }
+  raw().reset(false);
   g_owner.store(std::thread::id(), std::memory_order_relaxed);
   FLAGS_caffe2_log_level = S->saved_log_level;
   State* s = S;
