@@ -17,7 +17,8 @@ at most 1 GiB) for one window, the first that accumulated, and frees them at its
 >>> import torch
 >>> from backward_doctor.trace.accumulation import Accumulation
 >>> w = AccumulationWatch(acc := Accumulation(), frames=None, iteration=lambda: 0, params=list)
->>> w.backward_began(torch.tensor(2.0)); w.backward_began(torch.tensor(2.0))
+>>> w.backward_began(torch.tensor(2.0)), w.backward_began(torch.tensor(2.0))  # (both counted)
+(True, True)
 >>> w.step_began(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), (), {}); w.step_ended()
 >>> acc.per_step
 [0, 0, 1]
@@ -44,6 +45,7 @@ _CALLS = 8          # backward() calls kept per window
 _BUCKETS = 33       # per_step[32] counts steps fed by 32 or more backward() calls
 _CHECK_CAP = 1 << 30
 _graph_task_id = torch._C._current_graph_task_id
+_get_ident = threading.get_ident  # (read at every backward() and zero_grad() of a loop)
 
 
 class Patches:
@@ -101,12 +103,14 @@ class AccumulationWatch:
         self._check: EquivalenceCheck | None = None
         self._checked = False    # the check ran (or was refused) once: never again this run
         self._first_backward = True
-        self._nested: list[bool] = []  # per backward() running: whether it runs inside another one
         self._calls: list[BackwardCall] = []
         self._zeros: list[tuple[ZeroGradCall, Any]] = []
         self._sites: set[int] = set()
         self._syncs: set[bool] = set()  # Accelerate's sync flag as backward() saw it (both: accumulate() ran)
         self._accelerate = sys.modules.get("accelerate.state")  # (imported before the run, or not in use)
+        # Every detailed window kept, no library's sync flag to read: a window of one backward() and no
+        # zero_grad() after it is only counted (step_ended's first branch). Once true, true for the run.
+        self._counting = False
         self._new_window()
         self.patches = Patches()
         self.patches.add(torch.optim.Optimizer, "zero_grad", lambda real: self._wrap_zero(real, "optimizer"))
@@ -135,15 +139,13 @@ class AccumulationWatch:
         return self._frames.where(sys._getframe(2)) if self._frames is not None else None
 
     # ---------------------------------------------------------------- backward()
-    def backward_began(self, t: Any) -> None:
+    def backward_began(self, t: Any) -> bool:
         """``backward()`` is about to run on ``t`` (the loss; the caller unpacks a one-element sequence). A
         backward() run from inside another (reentrant checkpointing recomputes and backpropagates a segment) is
-        part of that one: not counted."""
-        if threading.get_ident() != self._thread or _graph_task_id() != -1:
-            self._nested.append(True)
-            return
-        self._nested.append(False)
-        self._n += 1
+        part of that one: not counted. Returns whether it was counted, for :meth:`backward_ended`."""
+        if _get_ident() != self._thread or _graph_task_id() != -1:
+            return False
+        n = self._n = self._n + 1
         if self._accelerate is not None:
             sync, _ = _accelerate_state(self._accelerate)
             if sync is not None:
@@ -151,16 +153,17 @@ class AccumulationWatch:
         if self._first_backward:  # the run's first window: gradients nobody zeroed may be None already
             self._first_backward = False
             self._zeroed = self._zeroed or all(p.grad is None for p in self._params())
-        if self._n <= _CALLS and (len(self.record.windows) < _DETAILED or self._check is not None):  # (_detailed)
+        if n <= _CALLS and (len(self.record.windows) < _DETAILED or self._check is not None):  # (_detailed)
             call = self._call(t)
             self._calls.append(call)
             self._sites.add(call.site)
-        if self._n == 2 and self._may_check():
+        if n == 2 and self._may_check():
             self._start_check()
         if self._check is not None:
             d, _ = divisor(t) if isinstance(t, torch.Tensor) else (1.0, "")
             self._check.divisors.append(d)
             self._measure("began")
+        return True
 
     def _call(self, t: Any) -> BackwardCall:
         w = self._where()
@@ -170,10 +173,10 @@ class AccumulationWatch:
                             cell_line=getattr(w, "cell_line", None), function=getattr(w, "function", None),
                             site=site, loss=self._scalar(t), divisor=d, root=root)
 
-    def backward_ended(self) -> None:
-        """The backward() that began last returned (or raised)."""
-        nested = self._nested.pop() if self._nested else True
-        if self._check is not None and not nested:
+    def backward_ended(self, counted: bool = True) -> None:
+        """The backward() that began last returned (or raised); ``counted``: what its
+        :meth:`backward_began` returned."""
+        if counted and self._check is not None:
             self._measure("ended")
 
     def _measure(self, when: str) -> None:
@@ -228,7 +231,7 @@ class AccumulationWatch:
 
     def zeroing(self, obj: Any, target: str) -> None:
         """``obj.zero_grad()`` is about to run."""
-        if threading.get_ident() != self._thread:
+        if _get_ident() != self._thread:
             return
         if self._n == 0:  # before the window's first backward()
             self._zeroed = True
@@ -257,16 +260,15 @@ class AccumulationWatch:
 
     def step_ended(self) -> None:
         """The outermost optimizer step returned: its window closes."""
-        rec = self.record
-        if (self._n == 1 and not self._zeros and self._check is None and self._accelerate is None
-                and len(rec.windows) >= _DETAILED and len(rec.per_step) > 1):
+        if self._counting and self._n == 1 and not self._zeros and self._check is None and not self._calls:
             # A long loop's common window, once the detailed ones are kept: one backward(), no zero_grad() after
-            # it, no check running: only counted (what the general path below would do for it, in a third of
-            # the bytecodes: this runs at every step).
+            # it, no check running, no call kept: only counted (what the general path below would do for it, in a
+            # fraction of the bytecodes: this runs at every step; _new_window's lists are empty already).
             self._depth = self._depth - 1 if self._depth > 0 else 0
             self._opt = None
-            rec.per_step[1] += 1
-            self._new_window()
+            self.record.per_step[1] += 1
+            self._n = 0
+            self._zeroed = False
             return
         self._depth = max(0, self._depth - 1)
         opt, self._opt = getattr(self, "_opt", None), None
@@ -293,6 +295,7 @@ class AccumulationWatch:
                 self._checked = False
             self._check = None
         self._new_window()
+        self._counting = self._accelerate is None and len(rec.windows) >= _DETAILED and len(per_step) > 1
 
     def skipped_step(self) -> None:
         """A GradScaler skipped the optimizer step (inf/NaN gradients): the window ends without a step."""

@@ -47,17 +47,19 @@ class LoopHooks:
                                                 iteration=lambda: self.trace.iterations.steps, quiet=self._quiet_ops,
                                                 scalar=watch._scalar)
 
+        saw, began, ended = watch.saw_backward, accum.backward_began, accum.backward_ended  # (bound once)
+
         def wrap(real: Any) -> Any:
             def backward(*args: Any, **kwargs: Any) -> Any:
                 tensors = args[0] if args else kwargs.get("tensors")
                 if isinstance(tensors, _SEQUENCES) and len(tensors) == 1:  # (the loss, once for both watches)
                     tensors = tensors[0]
-                watch.saw_backward(tensors)
-                accum.backward_began(tensors)
+                saw(tensors)
+                counted = began(tensors)
                 try:
                     return real(*args, **kwargs)
                 finally:
-                    accum.backward_ended()
+                    ended(counted)
             return backward
 
         # (The undo goes on the stack before the patch: a Ctrl-C in between leaves nothing installed. The undo
@@ -119,11 +121,12 @@ class LoopHooks:
         self._watch.iteration_ended()
         self._precision.step_ended()
         self._accum.step_ended()
-        its.steps += 1
+        steps = its.steps = its.steps + 1
         self._iter_seq.append(_sequence_nr())
-        if self.rollback is not None:
-            self.rollback.iteration_began(its.steps)
-        self._begin_iteration(its.steps)
+        rollback = self.rollback
+        if rollback is not None:
+            rollback.iteration_began(steps)
+        self._begin_iteration(steps)
 
     def _begin_iteration(self, iteration: int) -> None:
         """Iteration ``iteration`` starts at the next op, recorded (the native recorder samples them)."""

@@ -93,7 +93,7 @@ class LoopSampling:
                 if self.history is not None and id(opt) not in self._stale_checked:
                     self._check_stale_unrecorded(opt, sys._getframe(1))
             self._opt_depth += 1
-            if "closure" in kwargs or len(args) > 1:  # (step(closure): the gradients are read after it ran)
+            if kwargs or len(args) > 1:  # (step(closure): the gradients are read after it ran)
                 wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, None, outermost))
                 if wrapped is not None:
                     return wrapped
@@ -107,14 +107,16 @@ class LoopSampling:
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._asleep:
-            self._opt_depth = self._opt_depth - 1 if self._opt_depth > 0 else 0
+            depth = self._opt_depth = self._opt_depth - 1 if self._opt_depth > 0 else 0
             # (the next run, and the next recorded iteration, must know these gradients were consumed: marked
             # when the recorder wakes or the run ends, not at every step of a long loop)
             self._unmarked[id(opt)] = (opt, self._watch.backward_calls)
-        else:
-            super()._optim_post(opt, args, kwargs)
-            self._ext.set_optimizer_depth(self._opt_depth)
-            self._post_counts.append(self._ext.op_count())
+            if depth == 0:
+                self._iteration_ended()
+            return
+        super()._optim_post(opt, args, kwargs)
+        self._ext.set_optimizer_depth(self._opt_depth)
+        self._post_counts.append(self._ext.op_count())
         if self._opt_depth == 0:
             self._iteration_ended()
 

@@ -30,6 +30,8 @@ from .memory import grad_of
 from ..trace.parts import Iterations
 from .process import doctors_own
 
+_Tensor = torch.Tensor
+_isfinite, _sqrt = math.isfinite, math.sqrt  # (module names: read at every iteration of a loop)
 _MAX_POINTS = 4096  # per series; past it every other point is dropped and the stride doubles
 
 
@@ -82,10 +84,6 @@ def python_sumsq(grads: Sequence[torch.Tensor]) -> float | None:
         return float(sum(float(n) ** 2 for n in norms))
 
 
-def _finite(v: float | None) -> float | None:
-    return v if v is not None and math.isfinite(v) else None  # (JSON has no NaN; first_nonfinite says it)
-
-
 class LoopWatch:
     """The per-iteration series of one run, written into ``its`` (an :class:`Iterations`).
 
@@ -120,11 +118,16 @@ class LoopWatch:
         the wrapper in ``loop_hooks.py`` unpacks a one-element sequence): a one-element tensor is the loss."""
         self._backwards += 1
         self.backward_calls += 1
-        value = self._scalar(loss) if isinstance(loss, torch.Tensor) else None
+        if not isinstance(loss, _Tensor):
+            return
+        value = self._scalar(loss)
         if value is None:
             return
-        self._loss = value
-        if not math.isfinite(value) and not self._bad:
+        if _isfinite(value):
+            self._loss = value
+            return
+        self._loss = None  # (the series keeps finite values only: JSON has no NaN; first_nonfinite says it)
+        if not self._bad:
             self._bad = "loss"
             # Seen before its backward (and, with gradient accumulation, in the very micro-batch that
             # made it): the state to replay from is the one of this moment.
@@ -132,10 +135,11 @@ class LoopWatch:
 
     def before_step(self, opt: torch.optim.Optimizer) -> None:
         """The outermost ``optimizer.step()`` is about to run: the gradients it will use, its lr."""
-        groups = opt.param_groups  # (read once: this runs at every step of a loop)
+        # (this runs at every step of a loop, asleep or not: each attribute read once, the common case first)
+        groups = opt.param_groups
         group = groups[0] if groups else {}
         lr = group.get("lr")
-        self._lr = float(lr) if isinstance(lr, (int, float)) else None
+        self._lr = lr if type(lr) is float else float(lr) if isinstance(lr, (int, float)) else None
         if self.its.base_lr is None:  # (a scheduler keeps the configured rate as "initial_lr")
             base = group.get("initial_lr", lr)
             self.its.base_lr = float(base) if isinstance(base, (int, float)) else None
@@ -151,10 +155,9 @@ class LoopWatch:
                     raise
                 ss = None
             if ss is not None:
-                if math.isfinite(ss):
-                    self._norm = math.sqrt(ss)
-                else:
-                    self._norm = math.inf
+                if _isfinite(ss):
+                    self._norm = _sqrt(ss)
+                else:  # (kept out of the series, as the loss: first_nonfinite says it)
                     self._bad = self._bad or "gradients"
         if self._bad:
             self._first(self._bad)
@@ -169,13 +172,12 @@ class LoopWatch:
     def iteration_ended(self) -> None:
         """Iteration ``its.steps`` ended (called before it is counted): its numbers join the series."""
         its = self.its
-        if its.steps % its.stride == 0:
-            loss, norm = self._loss, self._norm  # (_finite, inlined: this runs at every step of a loop)
-            its.loss.append(loss if loss is not None and math.isfinite(loss) else None)
-            its.grad_norm.append(norm if norm is not None and math.isfinite(norm) else None)
+        if its.steps % its.stride == 0:  # (the values are finite or None already: read so above)
+            its.loss.append(self._loss)
+            its.grad_norm.append(self._norm)
             its.lr.append(self._lr)
             live = self._live()
-            its.live_bytes.append(-1 if live is None else int(live))
+            its.live_bytes.append(live if type(live) is int else -1 if live is None else int(live))
             its.backwards.append(self._backwards)
             if len(its.loss) > _MAX_POINTS:
                 for series in (its.loss, its.grad_norm, its.lr, its.live_bytes, its.backwards):
