@@ -3,6 +3,7 @@
     python benchmarks/asleep_instructions.py [--iterations 100 500] [--jobs 2]
     python benchmarks/asleep_instructions.py --step hf_t5 [--runs 2 6]     # a whole cell: one training step
     python benchmarks/asleep_instructions.py --step loop_2000 --runs 1 2   # a whole loop cell, sampled
+    python benchmarks/asleep_instructions.py --bytecodes [--iterations 100 300] [--top 25]
 
 The clock on a shared machine moves a small loop's ratio by several points from run to run, more than a change
 to always on's per-iteration hooks moves it; instruction counts do not. Four processes under
@@ -19,6 +20,12 @@ mostly what always on does once a cell (the namespace scanned, the graphs left b
 loop's (``loop_2000``) adds the iterations it sleeps through and those its budget records (decided by the clock,
 which valgrind slows about evenly: the same iterations are picked as outside it, give or take one).
 Needs ``valgrind``; each process takes 2-4 minutes (a ``transformers`` workload longer: its import).
+
+``--bytecodes``: the Python bytecodes always on adds to an asleep iteration, by function, in seconds and without
+valgrind (one process, a tracer that counts each frame's opcodes, plain and asleep, the same two lengths). The
+doctor's hooks are Python: on a loop of 0.2 ms steps their bytecodes are most of what always on costs, and the
+count moves only when their code does (callgrind's count also moves by several thousand instructions with where
+the heap's free blocks lie).
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -59,6 +67,52 @@ def _child(mode: str, n: int, step: str | None = None) -> None:
         shell.run(ns, cell, watched=mode == "on")
 
 
+def _bytecodes(short: int, long: int) -> dict[tuple[str, str, int], float]:
+    """(file, function, first line) -> bytecodes executed per iteration, always on asleep minus plain (both
+    through IPython's ``run_cell``; the cost budget told never to record, as in ``_child``)."""
+    import collections
+
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent)]
+    import torch
+
+    torch.set_num_threads(1)
+    import always_on as ao
+    import whole_path as wp
+    from backward_doctor.capture import sampling
+    from backward_doctor.capture.native_capture import native_available
+
+    native_available(build=True)
+    sampling.CostBudget.records = lambda self, *a, **k: False
+    shell, ns = ao._Shell(), wp.small_mlp()
+    counts: collections.Counter = collections.Counter()
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            code = frame.f_code
+            counts[code.co_filename.rsplit("/", 1)[-1], code.co_name, code.co_firstlineno] += 1
+        return local
+
+    def new_frame(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        return local
+
+    def run(n: int, watched: bool) -> dict:
+        counts.clear()
+        sys.settrace(new_frame)
+        try:
+            shell.run(ns, wp._loop(n), watched=watched)
+        finally:
+            sys.settrace(None)
+        return dict(counts)
+
+    per = {}
+    for watched in (True, False):
+        run(short, watched)  # (a warm-up: what a first run imports and caches is not an iteration's)
+        a, b = run(short, watched), run(long, watched)
+        per[watched] = {k: (b.get(k, 0) - a.get(k, 0)) / (long - short) for k in set(a) | set(b)}
+    return {k: per[True].get(k, 0) - per[False].get(k, 0) for k in set(per[True]) | set(per[False])}
+
+
 def _count(mode: str, n: int, out: str, step: str | None = None) -> int:
     # (one hash seed: set and dict orders, and so the code paths through them, the same in every process)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
@@ -75,6 +129,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, nargs=2, default=[2, 6], metavar=("SHORT", "LONG"),
                     help="with --step: how many runs of the cell the two processes of each mode make")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--bytecodes", action="store_true",
+                    help="count Python bytecodes with a tracer instead (seconds, no valgrind)")
+    ap.add_argument("--top", type=int, default=25, help="with --bytecodes: the functions listed")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -86,9 +143,18 @@ def main() -> None:
 
         if args.step not in wp.WORKLOADS:
             ap.error(f"--step: one of {', '.join(wp.WORKLOADS)}")
+    if args.bytecodes and args.step:
+        ap.error("--bytecodes counts the small loop's iterations: not with --step")
     short, long = args.runs if args.step else args.iterations
     if not long > short > 0:
         ap.error("SHORT LONG: 0 < SHORT < LONG")
+    if args.bytecodes:
+        extra = _bytecodes(short, long)
+        rows = sorted(((v, k) for k, v in extra.items() if abs(v) >= 0.5), reverse=True)
+        print(f"bytecodes per iteration always on adds asleep: {sum(extra.values()):,.0f}")
+        for v, (file, fn, line) in rows[:args.top]:
+            print(f"{v:8.1f}  {file}:{line} {fn}")
+        return
     with tempfile.TemporaryDirectory() as out, ThreadPoolExecutor(args.jobs) as pool:
         runs = {(m, n): pool.submit(_count, m, n, out, args.step) for m in ("plain", "on") for n in (short, long)}
         per = {m: (runs[m, long].result() - runs[m, short].result()) / (long - short) for m in ("plain", "on")}

@@ -5,6 +5,8 @@ micro-batches (a reentrant checkpoint's, a second loss's), and the counts per op
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -128,3 +130,32 @@ for i, (xb, yb) in enumerate(loader):
     assert [w.iteration for w in acc.windows[:3]] == [0, 1, 2]
     late = acc.windows[-1]
     assert (late.iteration, late.backward, len(late.zero_grads)) == (30, 2, 1), late
+
+
+def test_the_counting_only_path_keeps_what_the_general_path_keeps(engine, monkeypatch):
+    """The fast path past the detailed windows (one backward(), nothing else in the window) writes exactly what
+    the general path writes for the same loop: with it switched off (``_counting`` never set), the same
+    record, field for field, on a loop of single steps, accumulation of two, and odd windows late on."""
+    cell = """\
+for i, (xb, yb) in enumerate(loader):
+    optimizer.zero_grad()
+    F.cross_entropy(model(xb), yb).backward()
+    if i % 7 == 3:
+        F.cross_entropy(model(xb), yb).backward()
+    if i in (25, 33):
+        optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+    optimizer.step()
+"""
+
+    def accumulation() -> dict:
+        ns = _ns()
+        ns["loader"] = ns["loader"] * 7  # 42 batches
+        return dataclasses.asdict(bd.diagnose(cell, ns, engine=engine).trace.accumulation)
+
+    fast = accumulation()
+    never = property(lambda self: False, lambda self, value: None)  # (set by the watch, read as False)
+    monkeypatch.setattr(accum_watch.AccumulationWatch, "_counting", never, raising=False)
+    general = accumulation()
+    assert fast == general
+    assert fast["per_step"][1] > accum_watch._DETAILED, fast["per_step"]  # (the fast path had steps to count)

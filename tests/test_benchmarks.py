@@ -75,6 +75,21 @@ def test_the_instruction_count_benchmark_refuses_bad_arguments_and_runs_nothing(
     arguments before it starts a process."""
     script = os.path.join(ROOT, "benchmarks", "asleep_instructions.py")
     for args, said in ((["--step", "nope"], "--step: one of mlp, cnn"), (["--step", "mlp", "--runs", "3", "2"],
-                       "0 < SHORT < LONG"), (["--iterations", "0", "5"], "0 < SHORT < LONG")):
+                       "0 < SHORT < LONG"), (["--iterations", "0", "5"], "0 < SHORT < LONG"),
+                      (["--bytecodes", "--step", "mlp"], "not with --step")):
         out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and said in out.stderr and "instructions per" not in out.stdout, (args, out.stderr)
+
+
+def test_the_bytecode_count_names_the_hooks_an_asleep_iteration_runs():
+    """``asleep_instructions.py --bytecodes`` (a tracer, seconds): what always on adds to an iteration it sleeps
+    through, by function: the optimizer hooks, the backward() wrapper, the loop watch. A count, not a time: the
+    bound is a regression guard, generous (about 700 on Python 3.11 today; RESULTS.md)."""
+    script = os.path.join(ROOT, "benchmarks", "asleep_instructions.py")
+    out = subprocess.run([sys.executable, script, "--bytecodes", "--iterations", "4", "12"], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "KINETO_LOG_LEVEL": "5"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    total = float(re.search(r"always on adds asleep: ([\d,.]+)", out.stdout).group(1).replace(",", ""))
+    assert 100 < total < 2000, out.stdout
+    for fn in ("_optim_pre", "_optim_post", "before_step", "iteration_ended", "backward_began"):
+        assert re.search(rf"^\s+[\d.]+\s+\S+\.py:\d+ {fn}$", out.stdout, re.M), (fn, out.stdout)
