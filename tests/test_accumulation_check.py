@@ -85,6 +85,9 @@ for xb, yb in loader[:3]:
 """
     report = bd.diagnose(cell, ns, engine=engine)
     assert report.findings == [] and report.trace.accumulation.per_step == [0, 3], report.trace.accumulation
+    # nor for the loop watch: one backward() an iteration, the loss its own (not the recomputed segment's)
+    its = report.trace.iterations
+    assert its.backwards == [1, 1, 1] and None not in its.loss, (its.backwards, its.loss)
 
 
 def test_the_windows_say_where_each_call_was_made(engine):

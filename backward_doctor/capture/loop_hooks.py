@@ -54,8 +54,9 @@ class LoopHooks:
                 tensors = args[0] if args else kwargs.get("tensors")
                 if isinstance(tensors, _SEQUENCES) and len(tensors) == 1:  # (the loss, once for both watches)
                     tensors = tensors[0]
-                saw(tensors)
                 counted = began(tensors)
+                if counted:  # (not a reentrant checkpoint's inner backward(), nor another thread's: not the loss)
+                    saw(tensors)
                 try:
                     return real(*args, **kwargs)
                 finally:
