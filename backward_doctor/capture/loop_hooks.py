@@ -40,8 +40,9 @@ class LoopHooks:
                          on_nonfinite=self._went_nonfinite)
 
     def _watch_backward(self) -> None:
-        """``torch.autograd.backward`` (what ``Tensor.backward`` calls) tells the watches the loss first (the
-        accumulation watch counts the calls per optimizer step there, whatever phase the ops get)."""
+        """``torch.autograd.backward`` (what ``Tensor.backward`` calls) tells the watches the loss first: the
+        accumulation watch counts the calls per optimizer step there, whatever phase the ops get, and a call it
+        counts (the cell thread's, not one nested in another) is the loss the loop watch reads."""
         watch = self._watch
         accum = self._accum = AccumulationWatch(self.trace.accumulation, frames=self._frames, params=self.parameters,
                                                 iteration=lambda: self.trace.iterations.steps, quiet=self._quiet_ops,
