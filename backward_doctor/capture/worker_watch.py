@@ -7,7 +7,10 @@ While the run lasts, ``_MultiProcessingDataLoaderIter`` (the iterator of a DataL
   (the user's own runs inside it, unchanged; the loader and the iterator keep the user's), and
   remembers the iterator weakly;
 - ``_next_index``/``_try_put_index`` note which indices went to which worker as which task (the
-  worker processes its tasks in order, so the oldest one it has not delivered is the one it is on).
+  worker processes its tasks in order, so the oldest one it has not delivered is the one it is on);
+- ``_shutdown_workers`` notes the workers' exit codes once it has ended them (a worker killed by a signal
+  can make torch raise from its SIGCHLD handler anywhere in the loop's body: the iterator is then gone with
+  the cell's frame before the run ends, and with it the processes that knew how the worker died).
 
 Nothing else runs, and nothing at all for a loop without worker processes. When the run is stuck (the
 watchdog's timeout, a Ctrl-C, the loader's own ``timeout=``), :meth:`WorkerWatch.photograph` asks every
@@ -37,7 +40,7 @@ from ..trace.records import FrameInfo, LoaderRecord, WorkerRecord
 from .code_names import CodeNames
 from .worker_side import DUMP_SIGNAL, WorkerInit, dump_path, error_path
 
-_WRAPPED = ("__init__", "_next_index", "_try_put_index")
+_WRAPPED = ("__init__", "_next_index", "_try_put_index", "_shutdown_workers")
 _MISSING = object()
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
@@ -70,9 +73,17 @@ class _Watched:
         self.photos: dict[int, list[tuple[str, int, str]]] = {}  # worker -> its stack, innermost first
         self.doing: dict[int, Any] = {}  # worker -> the indices of the oldest task it had not delivered
         self.waiting: int | None = None   # the worker the main process waited for when photographed
+        self.exitcodes: list[int | None] = []  # by worker, as the iterator's shutdown left them
 
     def started(self, it: Any) -> None:
         self.pids = [w.pid for w in it._workers]
+
+    def ended(self, it: Any) -> None:
+        """The iterator shut its workers down: how each ended (numbers only; the processes are not kept)."""
+        try:
+            self.exitcodes = [w.exitcode for w in it._workers]
+        except Exception:  # noqa: BLE001 - a worker torch could not poll: its code stays unknown
+            pass
 
 
 def _default_context() -> str:
@@ -105,7 +116,7 @@ class WorkerWatch:
         undo.push("DataLoader workers", self.remove)
         self._cls = cls
         self._saved = {name: cls.__dict__.get(name, _MISSING) for name in _WRAPPED}
-        init, next_index, put = (getattr(cls, name) for name in _WRAPPED)
+        init, next_index, put, shutdown = (getattr(cls, name) for name in _WRAPPED)
         watch = self
 
         def __init__(it: Any, loader: Any) -> None:
@@ -139,7 +150,15 @@ class WorkerWatch:
                 for old in [k for k in seen.sent if k < it._rcvd_idx - 1]:
                     del seen.sent[old]
 
-        for name, fn in zip(_WRAPPED, (__init__, _next_index, _try_put_index)):
+        def _shutdown_workers(it: Any) -> None:
+            try:
+                shutdown(it)
+            finally:  # (also from the iterator's __del__: nothing here may raise)
+                seen = watch._by_iter.get(it)
+                if seen is not None:
+                    seen.ended(it)
+
+        for name, fn in zip(_WRAPPED, (__init__, _next_index, _try_put_index, _shutdown_workers)):
             setattr(cls, name, fn)
 
     def remove(self) -> None:
@@ -245,7 +264,8 @@ class WorkerWatch:
         workers: dict[int, WorkerRecord] = {}
         for wid, pid in enumerate(seen.pids):
             rec = WorkerRecord(worker=wid, pid=pid)
-            code = procs[wid].exitcode if wid < len(procs) else None
+            code = procs[wid].exitcode if wid < len(procs) else \
+                seen.exitcodes[wid] if wid < len(seen.exitcodes) else None
             if wid in seen.photos:
                 stack = seen.photos[wid]
                 rec.frames = self._frames(seen.names, [(f, ln, fn) for f, ln, fn in reversed(stack)])

@@ -201,7 +201,7 @@ def _exited(trace: Trace, rec: LoaderRecord, w: WorkerRecord) -> Finding:
         how = "crashed" + (f" {_at(frame)}{_code(frame)}" if frame else "") + \
             (f" ({_SIGNALS.get(-code, '')})" if code and code < 0 else "")
     msg = (f"DataLoader worker {w.worker} (pid {w.pid}) {how} while {_loading(rec, w)}. The main process only "
-           "saw it gone (`exited unexpectedly`); the worker's own output (above the error) says more. "
+           "saw it gone (torch's error names no line of yours); the worker's own output (above the error) says more. "
            "`DataLoader(..., num_workers=0)` runs the same code in the main process, where an error has a "
            "normal traceback.")
     return at("dataloader_worker", _where(trace, frame), msg, title=f"DataLoader worker {w.worker} died",
