@@ -42,9 +42,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
-def _child(mode: str, n: int, step: str | None = None) -> None:
-    """One measured process: a short warm-up run, then the loop of ``n`` iterations (``step``: a warm-up run of
-    that workload's cell, then ``n`` runs of it)."""
+def _measured(asleep: bool) -> tuple[Any, Any]:
+    """A measured process's set-up: one torch thread, the native recorder built, one IPython shell (and with
+    ``asleep``, the cost budget told never to record: only the iterations always on sleeps through count). The
+    shell and ``whole_path``, whose workloads it runs."""
     sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent)]
     import torch
 
@@ -55,13 +56,20 @@ def _child(mode: str, n: int, step: str | None = None) -> None:
     from backward_doctor.capture.native_capture import native_available
 
     native_available(build=True)
-    shell = ao._Shell()
+    if asleep:
+        sampling.CostBudget.records = lambda self, *a, **k: False
+    return ao._Shell(), wp
+
+
+def _child(mode: str, n: int, step: str | None = None) -> None:
+    """One measured process: a short warm-up run, then the loop of ``n`` iterations (``step``: a warm-up run of
+    that workload's cell, then ``n`` runs of it)."""
+    shell, wp = _measured(asleep=step is None)  # (a loop: asleep throughout, see the docstring)
     if step is not None:
         ns, cell = wp.WORKLOADS[step]()
         for _ in range(1 + n):
             shell.run(ns, cell, watched=mode == "on")
         return
-    sampling.CostBudget.records = lambda self, *a, **k: False  # (asleep throughout: see the docstring)
     ns = wp.small_mlp()
     for cell in (wp._loop(50), wp._loop(n)):
         shell.run(ns, cell, watched=mode == "on")
@@ -72,18 +80,8 @@ def _bytecodes(short: int, long: int) -> dict[tuple[str, str, int], float]:
     through IPython's ``run_cell``; the cost budget told never to record, as in ``_child``)."""
     import collections
 
-    sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent)]
-    import torch
-
-    torch.set_num_threads(1)
-    import always_on as ao
-    import whole_path as wp
-    from backward_doctor.capture import sampling
-    from backward_doctor.capture.native_capture import native_available
-
-    native_available(build=True)
-    sampling.CostBudget.records = lambda self, *a, **k: False
-    shell, ns = ao._Shell(), wp.small_mlp()
+    shell, wp = _measured(asleep=True)
+    ns = wp.small_mlp()
     counts: collections.Counter = collections.Counter()
 
     def local(frame: Any, event: str, arg: Any) -> Any:

@@ -262,15 +262,14 @@ class AccumulationWatch:
 
     def step_ended(self) -> None:
         """The outermost optimizer step returned: its window closes."""
-        if self._counting and self._n == 1 and not self._zeros and self._check is None and not self._calls:
+        if self._counting and self._n == 1 and not self._zeros and self._check is None:
             # A long loop's common window, once the detailed ones are kept: one backward(), no zero_grad() after
-            # it, no check running, no call kept: only counted (what the general path below would do for it, in a
-            # fraction of the bytecodes: this runs at every step; _new_window's lists are empty already).
+            # it, no check running: only counted (what the general path below would do for it, in a fraction of
+            # the bytecodes: this runs at every step).
             self._depth = self._depth - 1 if self._depth > 0 else 0
             self._opt = None
             self.record.per_step[1] += 1
-            self._n = 0
-            self._zeroed = False
+            self._new_window()
             return
         self._depth = max(0, self._depth - 1)
         opt, self._opt = getattr(self, "_opt", None), None

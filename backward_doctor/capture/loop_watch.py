@@ -135,11 +135,10 @@ class LoopWatch:
 
     def before_step(self, opt: torch.optim.Optimizer) -> None:
         """The outermost ``optimizer.step()`` is about to run: the gradients it will use, its lr."""
-        # (this runs at every step of a loop, asleep or not: each attribute read once, the common case first)
-        groups = opt.param_groups
+        groups = opt.param_groups  # (read once: this runs at every step of a loop)
         group = groups[0] if groups else {}
         lr = group.get("lr")
-        self._lr = lr if type(lr) is float else float(lr) if isinstance(lr, (int, float)) else None
+        self._lr = float(lr) if isinstance(lr, (int, float)) else None
         if self.its.base_lr is None:  # (a scheduler keeps the configured rate as "initial_lr")
             base = group.get("initial_lr", lr)
             self.its.base_lr = float(base) if isinstance(base, (int, float)) else None
@@ -177,7 +176,7 @@ class LoopWatch:
             its.grad_norm.append(self._norm)
             its.lr.append(self._lr)
             live = self._live()
-            its.live_bytes.append(live if type(live) is int else -1 if live is None else int(live))
+            its.live_bytes.append(-1 if live is None else int(live))
             its.backwards.append(self._backwards)
             if len(its.loss) > _MAX_POINTS:
                 for series in (its.loss, its.grad_norm, its.lr, its.live_bytes, its.backwards):
