@@ -67,18 +67,23 @@ class _Shell:
         self.sh = InteractiveShell.instance()
         self.sh.run_cell("%load_ext backward_doctor", store_history=False)
         self.base = dict(self.sh.user_ns)
-        self.on = AlwaysOn(self.sh, Options())
-        self.on._original = self.sh.run_cell  # (not installed: its run_cell is called directly)
+        self.on = AlwaysOn(self.sh, Options())  # (installed around each of its runs: the shell's run_cell wrapped)
 
     def run(self, ns: dict, cell: str, watched: bool) -> float:
         user = self.sh.user_ns
         user.clear()
         user.update(self.base)
         user.update(ns)
-        with contextlib.redirect_stdout(io.StringIO()):  # (the libraries' own prints, alike in both modes)
-            t0 = time.process_time()
-            result = (self.on.run_cell if watched else self.sh.run_cell)(cell, store_history=False)
-            t = time.process_time() - t0
+        if watched:
+            self.on.install()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # (the libraries' own prints, alike in both modes)
+                t0 = time.process_time()
+                result = self.sh.run_cell(cell, store_history=False)
+                t = time.process_time() - t0
+        finally:
+            if watched:
+                self.on.uninstall()
         if not result.success:
             raise RuntimeError(f"the cell failed: {result.error_in_exec or result.error_before_exec}")
         ns.update({k: v for k, v in user.items() if k not in self.base or self.base[k] is not v})

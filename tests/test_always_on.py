@@ -142,6 +142,31 @@ def test_a_cell_without_autograd_is_not_watched_and_nothing_stays_installed(shel
     assert result.success and result.result == 3 and bd.last_report() is last
 
 
+def test_a_cell_of_data_run_again_skips_the_guess_but_not_the_trigger(shell):
+    """A cell with a call whose names are all data (``n_ = len(x)``) is guessed once: run again, its text and its
+    names' types decide (the installed wrapper's short path); the backward() trigger is armed all the same, and
+    a name rebound to something else sends it back to the guess."""
+    _on(shell)
+    _run(shell, SETUP + "jobs = {'go': lambda t: t.sum().backward()}\nflag = False\n")
+    cell = "n_ = len(x)\nif flag:\n    jobs['go'](x.requires_grad_())\n"
+    last = bd.last_report()
+    with mock.patch("backward_doctor.frontends.always_on.might_train", wraps=might_train) as guess:
+        for _ in range(3):
+            result, cap = _run(shell, cell)
+            assert result.success and shell.user_ns["n_"] == 16 and cap.stdout == ""
+        assert guess.call_count == 1 and bd.last_report() is last
+        _run(shell, "flag = True")
+        result, cap = _run(shell, cell)  # (a dict's function: the guess cannot see it, the trigger does)
+        assert result.success and guess.call_count == 1
+        report = bd.last_report()
+        assert report is not last and any("began at the cell's first backward() (line 3)" in n
+                                           for n in report.trace.notes)
+        _run(shell, "flag = False\nclass Box(list):\n    pass\nx = Box(range(5))")
+        guessed = guess.call_count
+        result, cap = _run(shell, cell)
+        assert result.success and shell.user_ns["n_"] == 5 and guess.call_count == guessed + 1
+
+
 def test_nan_at_iteration_30_is_reported_without_running_the_cell_again(shell):
     _on(shell)
     _run(shell, SETUP)

@@ -202,6 +202,9 @@ _HANDOVER = {
 
 
 _running: list[Capture] = []  # the capture of the run in progress (a nested diagnosis adds one)
+#: the same list, read as a truth value (a run in progress?) where even a call is too dear: before every cell
+#: while always on is on
+running_captures = _running
 
 
 def current_capture() -> Capture | None:
