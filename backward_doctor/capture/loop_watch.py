@@ -87,7 +87,8 @@ def python_sumsq(grads: Sequence[torch.Tensor]) -> float | None:
 class LoopWatch:
     """The per-iteration series of one run, written into ``its`` (an :class:`Iterations`).
 
-    ``live``: live bytes now; ``sumsq``: sum of squares of a list of gradients (None: not readable);
+    ``live``: live bytes now (plus ``live_base``: a C function's count from a start, called as it is);
+    ``sumsq``: sum of squares of a list of gradients (None: not readable);
     ``scalar``: a one-element tensor's value read in place (None: not readable);
     ``on_nonfinite(iteration, what)``: called once, when the first NaN/Inf loss reaches ``backward()`` or,
     for NaN/Inf gradients from a finite loss, before the optimizer step that would write them into the
@@ -98,10 +99,10 @@ class LoopWatch:
                  sumsq: Callable[[Sequence[torch.Tensor]], float | None] | None = None,
                  scalar: Callable[[Any], float | None] = read_scalar,
                  on_nonfinite: Callable[[int, str], None] | None = None,
-                 groups_sumsq: Callable[[list], float | None] | None = None) -> None:
+                 groups_sumsq: Callable[[list], float | None] | None = None, live_base: int = 0) -> None:
         self.its = its
         self._scalar = scalar
-        self._live = live
+        self._live, self._live_base = live, live_base
         self._sumsq = sumsq
         self._groups_sumsq = groups_sumsq  # the same from an optimizer's param_groups (the native recorder's)
         self.on_nonfinite = on_nonfinite
@@ -176,7 +177,7 @@ class LoopWatch:
             its.grad_norm.append(self._norm)
             its.lr.append(self._lr)
             live = self._live()
-            its.live_bytes.append(-1 if live is None else int(live))
+            its.live_bytes.append(-1 if live is None else int(live) + self._live_base)
             its.backwards.append(self._backwards)
             if len(its.loss) > _MAX_POINTS:
                 for series in (its.loss, its.grad_norm, its.lr, its.live_bytes, its.backwards):

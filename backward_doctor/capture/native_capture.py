@@ -252,7 +252,7 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
         CPU allocator handed out since: it counts while the recorder sleeps); gradients read in C++."""
         self.trace.iterations.live_kind = "allocator"
         mem, ext = self.trace.memory, self._ext
-        return LoopWatch(self.trace.iterations, live=lambda: mem.baseline_bytes + ext.allocated(),
+        return LoopWatch(self.trace.iterations, live=ext.allocated, live_base=mem.baseline_bytes,
                          sumsq=ext.grad_sumsq, scalar=ext.scalar_value,
                          on_nonfinite=self._went_nonfinite, groups_sumsq=getattr(ext, "groups_grad_sumsq", None))
 
