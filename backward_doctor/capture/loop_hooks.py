@@ -46,7 +46,7 @@ class LoopHooks:
         watch = self._watch
         accum = self._accum = AccumulationWatch(self.trace.accumulation, frames=self._frames, params=self.parameters,
                                                 iteration=lambda: self.trace.iterations.steps, quiet=self._quiet_ops,
-                                                scalar=watch._scalar)
+                                                scalar=watch.scalar)
 
         saw, began, ended = watch.saw_backward, accum.backward_began, accum.backward_ended  # (bound once)
 

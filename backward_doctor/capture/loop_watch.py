@@ -84,6 +84,25 @@ def python_sumsq(grads: Sequence[torch.Tensor]) -> float | None:
         return float(sum(float(n) ** 2 for n in norms))
 
 
+def groups_sumsq(groups: Any, sumsq: Callable[[Sequence[torch.Tensor]], float | None],
+                 from_list: Callable[[list], float | None] | None = None) -> float | None:
+    """The sum of squares of the gradients of an optimizer's ``param_groups`` by ``sumsq`` (``from_list``: the
+    same read from a list of groups directly, the native recorder's); None when one cannot be read.
+
+    >>> p = torch.ones(3, requires_grad=True); p.grad = torch.full((3,), 2.0)
+    >>> groups_sumsq([{"params": [p]}], python_sumsq)
+    12.0
+    """
+    try:
+        if from_list is not None and type(groups) is list:
+            return from_list(groups)
+        return sumsq([g for g in (grad_of(p) for group in groups for p in group["params"]) if g is not None])
+    except Exception as exc:  # a gradient we cannot read is not worth failing the step for
+        if not doctors_own(exc):  # (a signal handler's exception: the user's, it goes on)
+            raise
+        return None
+
+
 class LoopWatch:
     """The per-iteration series of one run, written into ``its`` (an :class:`Iterations`).
 
@@ -101,7 +120,7 @@ class LoopWatch:
                  on_nonfinite: Callable[[int, str], None] | None = None,
                  groups_sumsq: Callable[[list], float | None] | None = None, live_base: int = 0) -> None:
         self.its = its
-        self._scalar = scalar
+        self.scalar = scalar  # (the accumulation watch reads the losses it keeps so too)
         self._live, self._live_base = live, live_base
         self._sumsq = sumsq
         self._groups_sumsq = groups_sumsq  # the same from an optimizer's param_groups (the native recorder's)
@@ -121,7 +140,7 @@ class LoopWatch:
         self.backward_calls += 1
         if not isinstance(loss, _Tensor):
             return
-        value = self._scalar(loss)
+        value = self.scalar(loss)
         if value is None:
             return
         if _isfinite(value):
@@ -144,16 +163,7 @@ class LoopWatch:
             base = group.get("initial_lr", lr)
             self.its.base_lr = float(base) if isinstance(base, (int, float)) else None
         if self._sumsq is not None:
-            try:
-                if self._groups_sumsq is not None and type(groups) is list:
-                    ss = self._groups_sumsq(groups)
-                else:
-                    ss = self._sumsq([g for g in (grad_of(p) for group in groups for p in group["params"])
-                                      if g is not None])
-            except Exception as exc:  # a gradient we cannot read is not worth failing the step for
-                if not doctors_own(exc):  # (a signal handler's exception: the user's, it goes on)
-                    raise
-                ss = None
+            ss = groups_sumsq(groups, self._sumsq, self._groups_sumsq)
             if ss is not None:
                 if _isfinite(ss):
                     self._norm = _sqrt(ss)
@@ -188,4 +198,4 @@ class LoopWatch:
         self._backwards = 0
 
 
-__all__ = ["LoopWatch", "read_scalar", "python_sumsq"]
+__all__ = ["LoopWatch", "read_scalar", "python_sumsq", "groups_sumsq"]

@@ -23,6 +23,7 @@ and CUDA (not yet run on a GPU).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Iterator
 
@@ -33,7 +34,7 @@ from .native_records import NativeRecords, _tables
 from .loop_sampling import LoopSampling
 from .sampling import PowersOfTwo, Sampling
 from .record import _tensors
-from .loop_watch import LoopWatch
+from .loop_watch import LoopWatch, groups_sumsq
 from .context import Capture
 from .memory import MemoryLedger
 from .process import doctors_own, patch
@@ -247,11 +248,18 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
         finally:
             self._ext.resume()
 
-    def _make_watch(self) -> LoopWatch:
+    def _make_watch(self) -> Any:
         """Live bytes by the allocator's own count (what the ledger had at start plus the net bytes the
-        CPU allocator handed out since: it counts while the recorder sleeps); gradients read in C++."""
+        CPU allocator handed out since: it counts while the recorder sleeps); gradients read in C++. The watch
+        itself is C++ (``LoopSeries``: :class:`LoopWatch`'s reads and record, with no Python bytecode at each
+        iteration), the Python class where the module has none."""
         self.trace.iterations.live_kind = "allocator"
         mem, ext = self.trace.memory, self._ext
+        fallback = functools.partial(groups_sumsq, sumsq=ext.grad_sumsq)  # (param_groups that are no list)
+        series = getattr(ext, "LoopSeries", None)
+        if series is not None:
+            return series(self.trace.iterations, mem.baseline_bytes, self._went_nonfinite, fallback,
+                          ext.scalar_value)
         return LoopWatch(self.trace.iterations, live=ext.allocated, live_base=mem.baseline_bytes,
                          sumsq=ext.grad_sumsq, scalar=ext.scalar_value,
                          on_nonfinite=self._went_nonfinite, groups_sumsq=getattr(ext, "groups_grad_sumsq", None))

@@ -1,0 +1,131 @@
+"""The native tier's loop watch (``LoopSeries``, C++) against the Python class it implements
+(``capture/loop_watch.py``): the same calls, the same record, call for call, across what a loop's iterations
+can bring (finite and NaN losses, NaN gradients, learning rates of every kind, a scheduler's ``initial_lr``,
+groups that are no list, a loss that is no one-element tensor, more iterations than a series keeps).
+
+Skipped, with the reason, where the recorder cannot be built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+
+from backward_doctor import native
+from backward_doctor.capture.loop_watch import LoopWatch, groups_sumsq
+from backward_doctor.capture.native_capture import native_available
+from backward_doctor.trace.parts import Iterations
+
+pytestmark = pytest.mark.skipif(not native_available(build=True),
+                                reason=f"native recorder unavailable: {native.status()['reason']}")
+
+
+class _Opt:
+    """What the watch reads of an optimizer: its ``param_groups``."""
+
+    def __init__(self, groups):
+        self.param_groups = groups
+
+
+def _pair(base: int = 1000):
+    """(Python watch, native watch), each with its own Iterations and list of on_nonfinite calls; configured as
+    the native capture configures them."""
+    ext = native.load(build=True)
+    out = []
+    for make_native in (False, True):
+        its, calls = Iterations(), []
+        on = lambda i, what, calls=calls: calls.append((i, what))  # noqa: E731
+        if make_native:
+            w = ext.LoopSeries(its, base, on, functools.partial(groups_sumsq, sumsq=ext.grad_sumsq), ext.scalar_value)
+        else:
+            w = LoopWatch(its, live=ext.allocated, live_base=base, sumsq=ext.grad_sumsq, scalar=ext.scalar_value,
+                          on_nonfinite=on, groups_sumsq=ext.groups_grad_sumsq)
+        out.append((w, its, calls))
+    return out
+
+
+def _param(value: float, grad: float | None) -> torch.Tensor:
+    p = torch.full((3,), value, requires_grad=True)
+    if grad is not None:
+        p.grad = torch.full((3,), grad)
+    return p
+
+
+def _script():
+    """Iterations as (losses passed to backward(), an optimizer, or None for a closure-less step)."""
+    p, q = _param(1.0, 0.5), _param(2.0, 0.25)
+    nan_grad = _param(1.0, math.nan)
+    steps = []
+    for i in range(40):
+        lr = [0.1, 1, True, torch.tensor(0.3), None, 2.5e-4][i % 6]
+        group = {"params": [p, q]}
+        if lr is not None:
+            group["lr"] = lr
+        if i % 7 == 0:
+            group["initial_lr"] = 0.5
+        groups = [group] if i % 5 else ((group,) if i % 10 else [])
+        losses = [torch.tensor(float(i))] if i % 4 else [torch.tensor(1.0), torch.tensor([1.0, 2.0]), "x"]
+        if i == 9:
+            losses = [torch.tensor(math.nan), torch.tensor(math.inf)]
+        if i == 12:
+            groups = [{"params": [nan_grad], "lr": 0.1}]
+        steps.append((losses, _Opt(groups)))
+    return steps
+
+
+def _run(watch, its, steps, repeat: int = 1):
+    for _ in range(repeat):
+        for losses, opt in steps:
+            for loss in losses:
+                watch.saw_backward(loss)
+            watch.before_step(opt)
+            watch.iteration_ended()
+            its.steps += 1
+
+
+def test_the_native_watch_writes_what_the_python_watch_writes():
+    (pw, pits, pcalls), (nw, nits, ncalls) = _pair()
+    steps = _script()
+    _run(pw, pits, steps)
+    _run(nw, nits, steps)
+    assert dataclasses.asdict(nits) == dataclasses.asdict(pits)
+    assert ncalls == pcalls == [(9, "loss")]
+    assert nw.backward_calls == pw.backward_calls == sum(len(ls) for ls, _ in steps)
+    assert pits.base_lr == 1.0 and pits.lr[:6] == [None, 1.0, 1.0, None, None, 2.5e-4]  # (iteration 0: no group)
+    assert pits.loss[9] is None and pits.loss[1] == 1.0
+
+
+def test_a_long_loop_thins_its_series_the_same_way():
+    (pw, pits, _), (nw, nits, _) = _pair()
+    steps = [([torch.tensor(float(i % 13))], _Opt([{"params": [_param(1.0, 0.1 * (i % 3))], "lr": 0.01}]))
+             for i in range(50)]
+    _run(pw, pits, steps, repeat=180)  # 9,000 iterations: past 4,096 points twice
+    _run(nw, nits, steps, repeat=180)
+    assert pits.stride == 4 and len(pits.loss) <= 4096
+    assert dataclasses.asdict(nits) == dataclasses.asdict(pits)
+
+
+def test_nan_gradients_from_a_finite_loss_are_named_before_the_step():
+    (pw, pits, pcalls), (nw, nits, ncalls) = _pair()
+    steps = [([torch.tensor(1.0)], _Opt([{"params": [_param(1.0, 0.5)], "lr": 0.1}])),
+             ([torch.tensor(2.0)], _Opt([{"params": [_param(1.0, math.inf)], "lr": 0.1}])),
+             ([torch.tensor(math.nan)], _Opt([{"params": [_param(1.0, math.nan)], "lr": 0.1}]))]
+    _run(pw, pits, steps)
+    _run(nw, nits, steps)
+    assert ncalls == pcalls == [(1, "gradients")]
+    assert (nits.first_nonfinite, nits.first_nonfinite_in) == (1, "gradients")
+    assert dataclasses.asdict(nits) == dataclasses.asdict(pits)
+
+
+def test_an_exception_of_the_users_in_a_group_goes_on_as_it_would():
+    class Groups(tuple):  # (no list: read by the Python fallback, whose errors are the user's)
+        def __iter__(self):
+            raise KeyError("the user's")
+
+    (pw, _, _), (nw, _, _) = _pair()
+    for w in (pw, nw):
+        with pytest.raises(KeyError, match="the user's"):
+            w.before_step(_Opt(Groups(({"params": []},))))
