@@ -8,15 +8,17 @@ Skipped, with the reason, where the recorder cannot be built.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import gc
 import math
+import warnings
 
 import pytest
 import torch
 
+import backward_doctor as bd
 from backward_doctor import native
-from backward_doctor.capture.loop_watch import LoopWatch, groups_sumsq
-from backward_doctor.capture.native_capture import native_available
+from backward_doctor.capture.loop_watch import LoopWatch
+from backward_doctor.capture.native_capture import NativeCapture, NativeLoopWatch, native_available
 from backward_doctor.trace.parts import Iterations
 
 pytestmark = pytest.mark.skipif(not native_available(build=True),
@@ -39,7 +41,7 @@ def _pair(base: int = 1000):
         its, calls = Iterations(), []
         on = lambda i, what, calls=calls: calls.append((i, what))  # noqa: E731
         if make_native:
-            w = ext.LoopSeries(its, base, on, functools.partial(groups_sumsq, sumsq=ext.grad_sumsq), ext.scalar_value)
+            w = NativeLoopWatch(ext, its, base, on)
         else:
             w = LoopWatch(its, live=ext.allocated, live_base=base, sumsq=ext.grad_sumsq, scalar=ext.scalar_value,
                           on_nonfinite=on, groups_sumsq=ext.groups_grad_sumsq)
@@ -129,3 +131,19 @@ def test_an_exception_of_the_users_in_a_group_goes_on_as_it_would():
     for w in (pw, nw):
         with pytest.raises(KeyError, match="the user's"):
             w.before_step(_Opt(Groups(({"params": []},))))
+
+
+def test_the_native_watch_keeps_no_capture_alive():
+    """The C++ object holds the capture's NaN callback weakly: no run's capture outlives it (a strong reference
+    through an object the garbage collector cannot see into kept every one, with what it held)."""
+    ns: dict = {}
+    exec("import torch\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+         "x = torch.randn(8, 4)\n", ns)
+    cell = "for i in range(20):\n    opt.zero_grad()\n    loss = model(x).pow(2).mean()\n    loss.backward()\n    opt.step()\n"
+    report = bd.diagnose(cell, ns, engine="native")
+    assert report.trace.iterations.steps == 20 and len(report.trace.iterations.loss) == 20
+    del report
+    gc.collect()
+    with warnings.catch_warnings():  # (isinstance on every object touches torch's deprecated aliases)
+        warnings.simplefilter("ignore")
+        assert not [o for o in gc.get_objects() if isinstance(o, NativeCapture)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -115,6 +116,24 @@ class _NativeLedger(MemoryLedger):
     def bytes_by_producer(self) -> dict[int | None, int]:
         final = self._final_by_producer
         return dict(final) if final is not None else super().bytes_by_producer()
+
+
+class NativeLoopWatch:
+    """:class:`LoopWatch`'s interface over the native recorder's ``LoopSeries``: ``saw_backward``, ``before_step``
+    and ``iteration_ended`` are C functions (called with no Python frame, at every iteration), ``backward_calls``
+    and ``scalar`` read from it. ``on_nonfinite`` is held weakly by the C++ object (which the garbage collector
+    cannot see into: a strong reference to the capture that owns this watch would keep both alive for good)."""
+
+    def __init__(self, ext: Any, its: Any, live_base: int, on_nonfinite: Any) -> None:
+        fallback = functools.partial(groups_sumsq, sumsq=ext.grad_sumsq)  # (param_groups that are no list)
+        ref = weakref.WeakMethod(on_nonfinite) if hasattr(on_nonfinite, "__self__") else (lambda: on_nonfinite)
+        self._series = ext.LoopSeries(its, live_base, ref, fallback, ext.scalar_value)
+        self.saw_backward, self.before_step, self.iteration_ended = self._series.bound()
+        self.its, self.scalar = its, ext.scalar_value
+
+    @property
+    def backward_calls(self) -> int:
+        return self._series.backward_calls
 
 
 class NativeCapture(NativeRecords, LoopSampling, Capture):
@@ -255,11 +274,8 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
         iteration), the Python class where the module has none."""
         self.trace.iterations.live_kind = "allocator"
         mem, ext = self.trace.memory, self._ext
-        fallback = functools.partial(groups_sumsq, sumsq=ext.grad_sumsq)  # (param_groups that are no list)
-        series = getattr(ext, "LoopSeries", None)
-        if series is not None:
-            return series(self.trace.iterations, mem.baseline_bytes, self._went_nonfinite, fallback,
-                          ext.scalar_value)
+        if hasattr(ext, "LoopSeries"):
+            return NativeLoopWatch(ext, self.trace.iterations, mem.baseline_bytes, self._went_nonfinite)
         return LoopWatch(self.trace.iterations, live=ext.allocated, live_base=mem.baseline_bytes,
                          sumsq=ext.grad_sumsq, scalar=ext.scalar_value,
                          on_nonfinite=self._went_nonfinite, groups_sumsq=getattr(ext, "groups_grad_sumsq", None))

@@ -1230,100 +1230,149 @@ py::object groups_grad_sumsq(const py::list& groups) {
 // capture/loop_watch.py's LoopWatch for this tier: the same reads, the same numbers written into the same
 // ``Iterations`` object (its lists appended to in place, as the Python class does), at every iteration of a loop,
 // asleep or recorded. Its three calls were ~200 Python bytecodes an iteration in Python, about a third of what
-// always on adds to an iteration it sleeps through. The Python class is the definition (and the Python tier's
-// watch); tests/test_native_loop_watch.py holds the two to the same record, call for call.
+// always on adds to an iteration it sleeps through; here they are plain C functions (``bound()``: no pybind11
+// dispatch, attribute names interned once). The Python class is the definition (and the Python tier's watch);
+// tests/test_native_loop_watch.py holds the two to the same record, call for call.
 constexpr Py_ssize_t kMaxPoints = 4096;  // loop_watch._MAX_POINTS
+
+struct Names {
+  PyObject *steps, *stride, *loss, *grad_norm, *lr, *live_bytes, *backwards, *param_groups, *base_lr,
+      *first_nonfinite, *first_nonfinite_in, *initial_lr, *get, *append;
+};
+const Names& names() {  // (made under the GIL, the first time a LoopSeries is; never freed: a few strings)
+  static const Names n = {
+      PyUnicode_InternFromString("steps"), PyUnicode_InternFromString("stride"),
+      PyUnicode_InternFromString("loss"), PyUnicode_InternFromString("grad_norm"),
+      PyUnicode_InternFromString("lr"), PyUnicode_InternFromString("live_bytes"),
+      PyUnicode_InternFromString("backwards"), PyUnicode_InternFromString("param_groups"),
+      PyUnicode_InternFromString("base_lr"), PyUnicode_InternFromString("first_nonfinite"),
+      PyUnicode_InternFromString("first_nonfinite_in"), PyUnicode_InternFromString("initial_lr"),
+      PyUnicode_InternFromString("get"), PyUnicode_InternFromString("append")};
+  return n;
+}
+
+py::object get_attr(PyObject* o, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(o, name);
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+void set_attr(PyObject* o, PyObject* name, PyObject* v) {
+  if (PyObject_SetAttr(o, name, v) < 0) throw py::error_already_set();
+}
 
 class LoopSeries {
  public:
   // its: the Iterations; live_base: bytes the ledger had at the start (live = that + allocated());
-  // on_nonfinite(iteration, what) or None; fallback_sumsq(groups): the Python reading for param_groups that
-  // are no list; scalar: the module's scalar_value, for the callers that read a loss the same way
-  LoopSeries(py::object its, int64_t live_base, py::object on_nonfinite, py::object fallback_sumsq,
+  // on_nonfinite_ref(): the callback on_nonfinite(iteration, what), or None once it is gone (a weak reference:
+  // this object is no container Python's garbage collector sees into, so a strong one to the capture that owns
+  // it would keep both alive for good); fallback_sumsq(groups): the Python reading for param_groups that are no
+  // list; scalar: the module's scalar_value, for the callers that read a loss the same way
+  LoopSeries(py::object its, int64_t live_base, py::object on_nonfinite_ref, py::object fallback_sumsq,
              py::object scalar)
-      : its(std::move(its)), on_nonfinite(std::move(on_nonfinite)), scalar(std::move(scalar)),
-        fallback_(std::move(fallback_sumsq)), live_base_(live_base) {}
+      : its(std::move(its)), scalar(std::move(scalar)), on_nonfinite_ref_(std::move(on_nonfinite_ref)),
+        fallback_(std::move(fallback_sumsq)), live_base_(live_base), n_(names()) {}
 
   // backward() was called on `loss` (a one-element CPU floating tensor is read as the loss)
-  void saw_backward(py::handle loss) {
+  void saw_backward(PyObject* loss) {
     ++backwards_;
     ++backward_calls;
-    if (!THPVariable_Check(loss.ptr())) return;
-    py::object value = scalar_value(THPVariable_Unpack(loss.ptr()));
+    if (!THPVariable_Check(loss)) return;
+    py::object value = scalar_value(THPVariable_Unpack(loss));
     if (value.is_none()) return;
     if (std::isfinite(PyFloat_AS_DOUBLE(value.ptr()))) {
       loss_ = std::move(value);
       return;
     }
     loss_ = py::none();
-    if (bad_.empty()) {
+    if (bad_ == nullptr) {
       bad_ = "loss";
-      first("loss");
+      first(bad_);
     }
   }
 
   // the outermost optimizer.step() is about to run: its learning rate, its gradients' norm
-  void before_step(py::handle opt) {
-    py::object groups = opt.attr("param_groups");
-    py::object group = PyObject_IsTrue(groups.ptr()) ? py::object(groups[py::int_(0)]) : py::object(py::dict());
-    py::object lr = get(group, "lr", py::none());
+  void before_step(PyObject* opt) {
+    py::object groups = get_attr(opt, n_.param_groups);
+    int nonempty = PyObject_IsTrue(groups.ptr());
+    if (nonempty < 0) throw py::error_already_set();
+    py::object group = nonempty ? py::object(groups[py::int_(0)]) : py::object(py::dict());
+    py::object lr = get(group, n_.lr, py::none());
     lr_ = as_float(lr);
-    if (its.attr("base_lr").is_none()) its.attr("base_lr") = as_float(get(group, "initial_lr", lr));
+    PyObject* its_ = its.ptr();
+    if (get_attr(its_, n_.base_lr).is_none()) set_attr(its_, n_.base_lr, as_float(get(group, n_.initial_lr, lr)).ptr());
     py::object ss = PyList_CheckExact(groups.ptr()) ? groups_grad_sumsq(py::reinterpret_borrow<py::list>(groups))
                                                    : fallback_(groups);
     if (!ss.is_none()) {
       double v = ss.cast<double>();
       if (std::isfinite(v))
         norm_ = py::float_(std::sqrt(v));
-      else if (bad_.empty())
+      else if (bad_ == nullptr)
         bad_ = "gradients";
     }
-    if (!bad_.empty()) first(bad_.c_str());
+    if (bad_ != nullptr) first(bad_);
   }
 
   // iteration its.steps ended (before it is counted): its numbers join the series, every `stride`-th
   void iteration_ended() {
-    const int64_t steps = its.attr("steps").cast<int64_t>(), stride = its.attr("stride").cast<int64_t>();
+    PyObject* its_ = its.ptr();
+    const int64_t steps = get_attr(its_, n_.steps).cast<int64_t>(), stride = get_attr(its_, n_.stride).cast<int64_t>();
     if (steps % stride == 0) {
-      py::list loss = its.attr("loss"), norm = its.attr("grad_norm"), lr = its.attr("lr"),
-               live = its.attr("live_bytes"), backwards = its.attr("backwards");
-      loss.append(loss_);
-      norm.append(norm_);
-      lr.append(lr_);
-      live.append(py::int_(live_base_ + allocated()));
-      backwards.append(py::int_(backwards_));
-      if (PyList_GET_SIZE(loss.ptr()) > kMaxPoints) {
+      py::object series[5] = {get_attr(its_, n_.loss), get_attr(its_, n_.grad_norm), get_attr(its_, n_.lr),
+                              get_attr(its_, n_.live_bytes), get_attr(its_, n_.backwards)};
+      append(series[0], loss_);
+      append(series[1], norm_);
+      append(series[2], lr_);
+      append(series[3], py::int_(live_base_ + allocated()));
+      append(series[4], py::int_(backwards_));
+      if (PyObject_Size(series[0].ptr()) > kMaxPoints) {
         py::slice odd(1, PY_SSIZE_T_MAX, 2);
-        for (py::list* series : {&loss, &norm, &lr, &live, &backwards})
-          if (PyObject_DelItem(series->ptr(), odd.ptr()) < 0) throw py::error_already_set();
-        its.attr("stride") = py::int_(stride * 2);
+        for (auto& one : series)
+          if (PyObject_DelItem(one.ptr(), odd.ptr()) < 0) throw py::error_already_set();
+        set_attr(its_, n_.stride, py::int_(stride * 2).ptr());
       }
     }
     loss_ = norm_ = lr_ = py::none();
-    bad_.clear();
+    bad_ = nullptr;
     backwards_ = 0;
   }
 
-  py::object its, on_nonfinite, scalar;
+  py::object its, scalar;
   int64_t backward_calls = 0;  // all of the run's
 
  private:
   // The first NaN/Inf of the run: its iteration and where it showed, once.
   void first(const char* what) {
-    if (!its.attr("first_nonfinite").is_none()) return;
-    py::object steps = its.attr("steps");
-    its.attr("first_nonfinite") = steps;
-    its.attr("first_nonfinite_in") = py::str(what);
-    if (!on_nonfinite.is_none()) on_nonfinite(its.attr("steps"), py::str(what));
+    PyObject* its_ = its.ptr();
+    if (!get_attr(its_, n_.first_nonfinite).is_none()) return;
+    py::object steps = get_attr(its_, n_.steps);
+    py::str word(what);
+    set_attr(its_, n_.first_nonfinite, steps.ptr());
+    set_attr(its_, n_.first_nonfinite_in, word.ptr());
+    py::object callback = on_nonfinite_ref_();
+    if (!callback.is_none()) callback(get_attr(its_, n_.steps), word);
+  }
+
+  static void append(const py::object& seq, const py::object& v) {
+    if (PyList_CheckExact(seq.ptr())) {
+      if (PyList_Append(seq.ptr(), v.ptr()) < 0) throw py::error_already_set();
+      return;
+    }
+    PyObject* r = PyObject_CallMethodOneArg(seq.ptr(), names().append, v.ptr());
+    if (r == nullptr) throw py::error_already_set();
+    Py_DECREF(r);
   }
 
   // mapping.get(key, default), a plain dict's read directly
-  static py::object get(const py::object& mapping, const char* key, const py::object& dflt) {
+  static py::object get(const py::object& mapping, PyObject* key, const py::object& dflt) {
     if (PyDict_CheckExact(mapping.ptr())) {
-      PyObject* v = PyDict_GetItemString(mapping.ptr(), key);  // (borrowed)
+      PyObject* v = PyDict_GetItemWithError(mapping.ptr(), key);  // (borrowed)
+      if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
       return v != nullptr ? py::reinterpret_borrow<py::object>(v) : dflt;
     }
-    return mapping.attr("get")(key, dflt);
+    PyObject* r = PyObject_CallMethodObjArgs(mapping.ptr(), names().get, key, dflt.ptr(), nullptr);
+    if (r == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(r);
   }
 
   // float(v) for an int or a float (a bool, numpy's float64 too), else None: as isinstance(v, (int, float))
@@ -1334,12 +1383,71 @@ class LoopSeries {
     return py::reinterpret_steal<py::object>(f);
   }
 
-  py::object fallback_;
+  py::object on_nonfinite_ref_, fallback_;
   int64_t live_base_;
+  const Names& n_;
   py::object loss_ = py::none(), norm_ = py::none(), lr_ = py::none();
-  std::string bad_;  // "loss" / "gradients": this iteration's NaN/Inf, seen before its step
-  int64_t backwards_ = 0;  // backward() calls since the last step
+  const char* bad_ = nullptr;  // "loss" / "gradients": this iteration's NaN/Inf, seen before its step
+  int64_t backwards_ = 0;      // backward() calls since the last step
 };
+
+// The three per-iteration calls as C functions whose `self` is a capsule holding the LoopSeries (and a reference
+// to its Python object, released with the capsule): Python calls them with no pybind11 dispatch. A C++ or Python
+// error becomes the Python exception it is (a KeyboardInterrupt from the callback goes on as it came).
+constexpr const char* kSeriesCapsule = "backward_doctor.LoopSeries";
+
+template <typename F>
+PyObject* series_call(PyObject* cap, F&& f) {
+  auto* s = static_cast<LoopSeries*>(PyCapsule_GetPointer(cap, kSeriesCapsule));
+  if (s == nullptr) return nullptr;
+  try {
+    f(*s);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* series_saw_backward(PyObject* cap, PyObject* loss) {
+  return series_call(cap, [loss](LoopSeries& s) { s.saw_backward(loss); });
+}
+PyObject* series_before_step(PyObject* cap, PyObject* opt) {
+  return series_call(cap, [opt](LoopSeries& s) { s.before_step(opt); });
+}
+PyObject* series_iteration_ended(PyObject* cap, PyObject*) {
+  return series_call(cap, [](LoopSeries& s) { s.iteration_ended(); });
+}
+PyMethodDef kSeriesMethods[] = {
+    {"saw_backward", series_saw_backward, METH_O, "backward() was called on this loss"},
+    {"before_step", series_before_step, METH_O, "the outermost optimizer.step() is about to run"},
+    {"iteration_ended", series_iteration_ended, METH_NOARGS, "the iteration ended (before it is counted)"},
+};
+
+void release_series_capsule(PyObject* cap) { Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(cap))); }
+
+// (saw_backward, before_step, iteration_ended) of `self` (the LoopSeries' Python object)
+py::tuple series_bound(py::object self) {
+  auto* s = self.cast<LoopSeries*>();
+  PyObject* cap = PyCapsule_New(s, kSeriesCapsule, release_series_capsule);
+  if (cap == nullptr) throw py::error_already_set();
+  py::object owner = py::reinterpret_steal<py::object>(cap);
+  Py_INCREF(self.ptr());  // (the capsule keeps the LoopSeries alive while a function of it is)
+  if (PyCapsule_SetContext(cap, self.ptr()) < 0) {
+    Py_DECREF(self.ptr());
+    throw py::error_already_set();
+  }
+  py::tuple out(3);
+  for (int i = 0; i < 3; ++i) {
+    PyObject* fn = PyCFunction_New(&kSeriesMethods[i], cap);
+    if (fn == nullptr) throw py::error_already_set();
+    PyTuple_SET_ITEM(out.ptr(), i, fn);
+  }
+  return out;
+}
 
 // ---------------------------------------------------------------- autograd graphs after the step
 // capture/step_state.py walks the graphs the namespace's tensors still carry after a run: for a node an earlier
@@ -1638,11 +1746,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("oldest_seq", &GraphWalk::oldest_seq);
   py::class_<LoopSeries>(m, "LoopSeries")
       .def(py::init<py::object, int64_t, py::object, py::object, py::object>())
-      .def("saw_backward", &LoopSeries::saw_backward)
-      .def("before_step", &LoopSeries::before_step)
-      .def("iteration_ended", &LoopSeries::iteration_ended)
+      .def("bound", &series_bound)
       .def_readonly("its", &LoopSeries::its)
       .def_readonly("scalar", &LoopSeries::scalar)
-      .def_readonly("backward_calls", &LoopSeries::backward_calls)
-      .def_readwrite("on_nonfinite", &LoopSeries::on_nonfinite);
+      .def_readonly("backward_calls", &LoopSeries::backward_calls);
 }
