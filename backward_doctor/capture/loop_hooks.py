@@ -30,6 +30,8 @@ _SEQUENCES = (tuple, list)
 class LoopHooks:
     """Iteration bookkeeping for :class:`Capture` (see the module docstring)."""
 
+    _seq_nr = staticmethod(_sequence_nr)  # autograd's next sequence number (the native recorder has its own)
+
     def _make_watch(self) -> LoopWatch:
         """The per-iteration watch (``loop_watch.py``): live bytes by the ledger, which this tier keeps op by op on
         every device (the allocator's count on a machine with a GPU read 0 for a CPU loop). On CUDA the loss and
@@ -124,7 +126,7 @@ class LoopHooks:
         self._precision.step_ended()
         self._accum.step_ended()
         steps = its.steps = its.steps + 1
-        self._iter_seq.append(_sequence_nr())
+        self._iter_seq.append(self._seq_nr())
         rollback = self.rollback
         if rollback is not None:
             rollback.iteration_began(steps)

@@ -128,12 +128,12 @@ class NativeLoopWatch:
         fallback = functools.partial(groups_sumsq, sumsq=ext.grad_sumsq)  # (param_groups that are no list)
         ref = weakref.WeakMethod(on_nonfinite) if hasattr(on_nonfinite, "__self__") else (lambda: on_nonfinite)
         self._series = ext.LoopSeries(its, live_base, ref, fallback, ext.scalar_value)
-        self.saw_backward, self.before_step, self.iteration_ended = self._series.bound()
+        self.saw_backward, self.before_step, self.iteration_ended, self._calls = self._series.bound()
         self.its, self.scalar = its, ext.scalar_value
 
     @property
     def backward_calls(self) -> int:
-        return self._series.backward_calls
+        return self._calls()
 
 
 class NativeCapture(NativeRecords, LoopSampling, Capture):
@@ -155,6 +155,7 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
         if self._ext is None:
             raise RuntimeError(f"the native recorder is not available: {native.status()['reason']}")
         _tables(self._ext)
+        self._seq_nr = self._ext.sequence_nr  # (torch's, without its pybind11 call: at every iteration)
         self.trace.engine = "native"
         self._ledger = _NativeLedger()
         self._ledger.on_free = self._on_free

@@ -1421,15 +1421,20 @@ PyObject* series_before_step(PyObject* cap, PyObject* opt) {
 PyObject* series_iteration_ended(PyObject* cap, PyObject*) {
   return series_call(cap, [](LoopSeries& s) { s.iteration_ended(); });
 }
+PyObject* series_calls(PyObject* cap, PyObject*) {
+  auto* s = static_cast<LoopSeries*>(PyCapsule_GetPointer(cap, kSeriesCapsule));
+  return s != nullptr ? PyLong_FromLongLong(s->backward_calls) : nullptr;
+}
 PyMethodDef kSeriesMethods[] = {
     {"saw_backward", series_saw_backward, METH_O, "backward() was called on this loss"},
     {"before_step", series_before_step, METH_O, "the outermost optimizer.step() is about to run"},
     {"iteration_ended", series_iteration_ended, METH_NOARGS, "the iteration ended (before it is counted)"},
+    {"backward_calls", series_calls, METH_NOARGS, "backward() calls seen in the run"},
 };
 
 void release_series_capsule(PyObject* cap) { Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(cap))); }
 
-// (saw_backward, before_step, iteration_ended) of `self` (the LoopSeries' Python object)
+// (saw_backward, before_step, iteration_ended, backward_calls) of `self` (the LoopSeries' Python object)
 py::tuple series_bound(py::object self) {
   auto* s = self.cast<LoopSeries*>();
   PyObject* cap = PyCapsule_New(s, kSeriesCapsule, release_series_capsule);
@@ -1440,8 +1445,8 @@ py::tuple series_bound(py::object self) {
     Py_DECREF(self.ptr());
     throw py::error_already_set();
   }
-  py::tuple out(3);
-  for (int i = 0; i < 3; ++i) {
+  py::tuple out(4);
+  for (int i = 0; i < 4; ++i) {
     PyObject* fn = PyCFunction_New(&kSeriesMethods[i], cap);
     if (fn == nullptr) throw py::error_already_set();
     PyTuple_SET_ITEM(out.ptr(), i, fn);
@@ -1713,13 +1718,34 @@ py::dict stop() {
   return out;
 }
 
+// Module functions a loop calls at every iteration, as plain C functions (pybind11's dispatch costs ~1-2k
+// instructions a call): the RNG mark of an iteration's start, autograd's next sequence number.
+PyObject* mark_rng_c(PyObject*, PyObject*) {
+  try {
+    mark_rng();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+PyObject* sequence_nr_c(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(at::sequence_number::peek()); }
+PyMethodDef kPlainFunctions[] = {
+    {"mark_rng", mark_rng_c, METH_NOARGS, "keep torch's CPU RNG state as it is now (restore_rng puts it back)"},
+    {"sequence_nr", sequence_nr_c, METH_NOARGS, "autograd's next sequence number on this thread"},
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("start", &start);
   m.def("stop", &stop);
   m.def("running", &running);
   m.def("allocated", &allocated);
   m.def("cpu_allocator_wrapped", &cpu_allocator_wrapped);
-  m.def("mark_rng", &mark_rng);
+  for (auto& def : kPlainFunctions) {
+    PyObject* fn = PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr());
+    if (fn == nullptr) throw py::error_already_set();
+    m.add_object(def.ml_name, py::reinterpret_steal<py::object>(fn));
+  }
   m.def("marked_rng", &marked_rng);
   m.def("restore_rng", &restore_rng);
   m.def("scalar_value", &scalar_value);
