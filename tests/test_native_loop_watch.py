@@ -1,7 +1,9 @@
-"""The native tier's loop watch (``LoopSeries``, C++) against the Python class it implements
-(``capture/loop_watch.py``): the same calls, the same record, call for call, across what a loop's iterations
-can bring (finite and NaN losses, NaN gradients, learning rates of every kind, a scheduler's ``initial_lr``,
-groups that are no list, a loss that is no one-element tensor, more iterations than a series keeps).
+"""The native tier's per-iteration watches against the Python they implement: the loop watch (``LoopSeries``,
+C++) against ``capture/loop_watch.py``'s class, the same calls, the same record, call for call, across what a
+loop's iterations can bring (finite and NaN losses, NaN gradients, learning rates of every kind, a scheduler's
+``initial_lr``, groups that are no list, a loss that is no one-element tensor, more iterations than a series
+keeps); the accumulation watch's counting-only windows counted in C (``AccumCounter``) against its Python paths,
+on loops that hand windows back to Python (a closure evaluated again, reentrant checkpointing, odd windows).
 
 Skipped, with the reason, where the recorder cannot be built.
 """
@@ -17,6 +19,7 @@ import torch
 
 import backward_doctor as bd
 from backward_doctor import native
+from backward_doctor.capture import accum_watch
 from backward_doctor.capture.loop_watch import LoopWatch
 from backward_doctor.capture.native_capture import NativeCapture, NativeLoopWatch, native_available
 from backward_doctor.trace.parts import Iterations
@@ -147,3 +150,64 @@ def test_the_native_watch_keeps_no_capture_alive():
     with warnings.catch_warnings():  # (isinstance on every object touches torch's deprecated aliases)
         warnings.simplefilter("ignore")
         assert not [o for o in gc.get_objects() if isinstance(o, NativeCapture)]
+
+
+_ACCUM_CELLS = {
+    "a closure evaluated again in its step (L-BFGS)": ("lbfgs", """\
+for i in range(30):
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+    opt.step(closure)
+"""),
+    "reentrant checkpointing, accumulation of two late on": ("sgd", """\
+from torch.utils.checkpoint import checkpoint
+for i in range(40):
+    opt.zero_grad()
+    checkpoint(model, x, use_reentrant=True).pow(2).mean().backward()
+    if i > 24 and i % 3 == 0:
+        F.mse_loss(model(x), y).backward()
+    if i == 31:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+    opt.step()
+"""),
+}
+
+
+@pytest.mark.parametrize("name", list(_ACCUM_CELLS))
+def test_counting_windows_in_c_keep_what_python_keeps(name, monkeypatch):
+    """The same loop's accumulation record three ways: its counting-only windows counted in C, counted by the
+    Python fast path (the counter never engaged), and by the general path (``_counting`` never set)."""
+    kind, cell = _ACCUM_CELLS[name]
+    engaged = []
+    real = accum_watch.AccumulationWatch._count_natively
+
+    def count_natively(self):
+        real(self)
+        engaged.append(self._core is not None)
+
+    def record() -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = (torch.optim.LBFGS(model.parameters(), max_iter=3) if kind == "lbfgs"
+               else torch.optim.SGD(model.parameters(), lr=0.05))
+        ns = {"torch": torch, "F": torch.nn.functional, "model": model, "opt": opt,
+              "x": torch.randn(8, 4, requires_grad=True), "y": torch.randn(8, 1)}
+        return dataclasses.asdict(bd.diagnose(cell, ns, engine="native").trace.accumulation)
+
+    with monkeypatch.context() as m:
+        m.setattr(accum_watch.AccumulationWatch, "_count_natively", count_natively)
+        in_c = record()
+    assert any(engaged), "the counter never counted"
+    with monkeypatch.context() as m:
+        m.setattr(accum_watch.AccumulationWatch, "_count_natively", lambda self: None)
+        in_python = record()
+    with monkeypatch.context() as m:
+        m.setattr(accum_watch.AccumulationWatch, "_counting", property(lambda self: False, lambda self, v: None),
+                  raising=False)
+        general = record()
+    assert in_c == in_python == general
+    assert sum(in_c["per_step"]) >= 30 and in_c["per_step"][1] > accum_watch._DETAILED

@@ -88,12 +88,13 @@ def named_like(wrapper: Callable[..., Any], real: Callable[..., Any]) -> Callabl
 class AccumulationWatch:
     """Writes ``record`` (see the module docstring). ``frames``: the capture's ``UserFrames``;
     ``iteration()``: optimizer steps so far; ``params()``: the parameters the capture knows;
-    ``quiet``: a context in which the doctor's own ops are neither recorded nor counted."""
+    ``quiet``: a context in which the doctor's own ops are neither recorded nor counted; ``counter``: the native
+    recorder's ``AccumCounter`` type, which counts the counting-only windows in C (see :meth:`_count_natively`)."""
 
     def __init__(self, record: Accumulation, *, frames: Any, iteration: Callable[[], int],
                  params: Callable[[], list[torch.Tensor]],
                  quiet: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 scalar: Callable[[Any], float | None] = lambda t: None) -> None:
+                 scalar: Callable[[Any], float | None] = lambda t: None, counter: Any = None) -> None:
         self.record = record
         self._frames, self._iteration, self._params = frames, iteration, params
         self._quiet, self._scalar = quiet, scalar
@@ -111,6 +112,8 @@ class AccumulationWatch:
         # Every detailed window kept, no library's sync flag to read: a window of one backward() and no
         # zero_grad() after it is only counted (step_ended's first branch). Once true, true for the run.
         self._counting = False
+        self._counter_type = counter  # the native recorder's AccumCounter (counting-only windows in C), or None
+        self._core: Any = None        # the counter counting now (see _count_natively)
         self._new_window()
         self.patches = Patches()
         self.patches.add(torch.optim.Optimizer, "zero_grad", lambda real: self._wrap_zero(real, "optimizer"))
@@ -129,6 +132,7 @@ class AccumulationWatch:
 
     def zeroed_first(self) -> bool:
         """Whether this window's gradients were zeroed (or None) before its first ``backward()``."""
+        self._leave_counting()
         return self._zeroed
 
     def _detailed(self) -> bool:
@@ -297,9 +301,44 @@ class AccumulationWatch:
             self._check = None
         self._new_window()
         self._counting = self._accelerate is None and len(rec.windows) >= _DETAILED and len(per_step) > 1
+        if self._counting and self._check is None and self._depth == 0:
+            self._count_natively()
+
+    # ---------------------------------------------------------------- counting-only windows, in C
+    _NATIVE = ("backward_began", "zeroing", "step_began", "step_ended")  # (the order of AccumCounter.bound())
+
+    def _count_natively(self) -> None:
+        """From the next window on, only counting (past the detailed windows, no library's flag, no check): the
+        four methods a window calls become the native counter's C functions, instance attributes over the
+        class's methods, until something only the Python path records happens (the counter then calls
+        :meth:`_leave_counting`). What they write is what the fast path of :meth:`step_ended` writes
+        (``tests/test_native_loop_watch.py`` holds the three ways to the same record)."""
+        if self._counter_type is None or self._core is not None:
+            return
+        core = self._core = self._counter_type(weakref.ref(self), self._thread)
+        for name, fn in zip(self._NATIVE, core.bound()):
+            setattr(self, name, fn)
+
+    def _leave_counting(self) -> None:
+        """The window as the counter has it, back in this object's fields (and its counts in the record); the
+        class's methods again."""
+        core, self._core = self._core, None
+        if core is None:
+            return
+        for name in self._NATIVE:
+            self.__dict__.pop(name, None)
+        self._n, self._zeroed, self._depth, self._n_step, self._opt, counted = core.state()
+        self._step_where = None  # (what step_began sets past the detailed windows, with no zero_grad() in them)
+        per_step = self.record.per_step
+        for bucket, k in enumerate(counted):
+            if k:
+                while len(per_step) <= bucket:
+                    per_step.append(0)
+                per_step[bucket] += k
 
     def skipped_step(self) -> None:
         """A GradScaler skipped the optimizer step (inf/NaN gradients): the window ends without a step."""
+        self._leave_counting()
         self._check = None
         self._new_window()
 
@@ -321,6 +360,7 @@ class AccumulationWatch:
 
     def finish(self, namespace: dict[str, Any]) -> None:
         """After the run: backward() calls no step used, and the accumulation libraries were set up for."""
+        self._leave_counting()
         self.record.trailing = self._n
         self._check = None
         self.record.settings = list(_settings(namespace))

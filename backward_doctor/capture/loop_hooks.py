@@ -48,16 +48,16 @@ class LoopHooks:
         watch = self._watch
         accum = self._accum = AccumulationWatch(self.trace.accumulation, frames=self._frames, params=self.parameters,
                                                 iteration=lambda: self.trace.iterations.steps, quiet=self._quiet_ops,
-                                                scalar=watch.scalar)
+                                                scalar=watch.scalar, counter=self._accum_counter())
 
-        saw, began, ended = watch.saw_backward, accum.backward_began, accum.backward_ended  # (bound once)
+        saw, ended = watch.saw_backward, accum.backward_ended  # (bound once; backward_began may be the counter's)
 
         def wrap(real: Any) -> Any:
             def backward(*args: Any, **kwargs: Any) -> Any:
                 tensors = args[0] if args else kwargs.get("tensors")
                 if isinstance(tensors, _SEQUENCES) and len(tensors) == 1:  # (the loss, once for both watches)
                     tensors = tensors[0]
-                counted = began(tensors)
+                counted = accum.backward_began(tensors)
                 if counted:  # (not a reentrant checkpoint's inner backward(), nor another thread's: not the loss)
                     saw(tensors)
                 try:
@@ -75,6 +75,10 @@ class LoopHooks:
                                          iteration=lambda: self.trace.iterations.steps)
         self._undo.push("zero_grad, GradScaler and clipping wrappers", lambda: self._unpatch_training(final=True))
         self._patch_training()
+
+    def _accum_counter(self) -> Any:
+        """The type that counts the accumulation watch's counting-only windows in C (the native recorder's), or None."""
+        return None
 
     def _patch_training(self) -> None:
         """``zero_grad``, ``GradScaler`` and gradient clipping wrapped for the watches (not while torch.compile

@@ -281,6 +281,9 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
                          sumsq=ext.grad_sumsq, scalar=ext.scalar_value,
                          on_nonfinite=self._went_nonfinite, groups_sumsq=getattr(ext, "groups_grad_sumsq", None))
 
+    def _accum_counter(self) -> Any:
+        return getattr(self._ext, "AccumCounter", None)
+
     def _set_optimizer_depth(self, depth: int) -> None:
         super()._set_optimizer_depth(depth)
         self._ext.set_optimizer_depth(depth)

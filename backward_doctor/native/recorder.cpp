@@ -25,6 +25,7 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 #include <Python.h>
@@ -1454,6 +1455,128 @@ py::tuple series_bound(py::object self) {
   return out;
 }
 
+// ---------------------------------------------------------------- gradient accumulation, counted
+// capture/accum_watch.py's counting-only window in C. Past its detailed windows (no library's flag to read, no
+// check running) the accumulation watch only counts backward() calls per optimizer step; here that count and the
+// few fields a window keeps, while the watch's backward_began, zeroing, step_began and step_ended are these
+// functions (instance attributes the watch sets in _count_natively and removes in _leave_counting). Anything else
+// (a zero_grad() after a window's backward()) hands the window, as it stands, back to the watch's Python, which
+// continues it. The watch is held weakly (its attributes hold these functions: no cycle the collector cannot see).
+constexpr int64_t kBuckets = 33;  // accum_watch._BUCKETS
+constexpr const char* kCounterCapsule = "backward_doctor.AccumCounter";
+
+struct AccumCounter {
+  AccumCounter(py::object watch_ref, unsigned long thread) : ref(std::move(watch_ref)), thread(thread) {}
+  py::object ref;
+  unsigned long thread;
+  int64_t n = 0, depth = 0, n_step = 0;
+  bool zeroed = false;
+  py::object opt = py::none();
+  std::vector<int64_t> per_step = std::vector<int64_t>(kBuckets, 0);
+
+  bool on_thread() const { return PyThread_get_thread_ident() == thread; }
+
+  // (n, zeroed, depth, n_step, opt, per_step counted here) for the watch taking the window back
+  py::tuple state() const { return py::make_tuple(n, zeroed, depth, n_step, opt, per_step); }
+};
+
+AccumCounter* counter_of(PyObject* cap) {
+  return static_cast<AccumCounter*>(PyCapsule_GetPointer(cap, kCounterCapsule));
+}
+
+// backward() begins: counted unless another thread's or nested in another backward() (reentrant checkpointing)
+PyObject* counter_backward_began(PyObject* cap, PyObject*) {
+  AccumCounter* c = counter_of(cap);
+  if (c == nullptr) return nullptr;
+  if (!c->on_thread() || torch::autograd::get_current_graph_task_id() != -1) Py_RETURN_FALSE;
+  ++c->n;
+  Py_RETURN_TRUE;
+}
+
+// zero_grad() begins: before the window's first backward(), or a closure evaluated again in its step; else the
+// window goes back to the watch, and the watch's own zeroing() runs
+PyObject* counter_zeroing(PyObject* cap, PyObject* const* args, Py_ssize_t nargs) {
+  AccumCounter* c = counter_of(cap);
+  if (c == nullptr) return nullptr;
+  if (!c->on_thread()) Py_RETURN_NONE;
+  if (c->n == 0) {
+    c->zeroed = true;
+    Py_RETURN_NONE;
+  }
+  if (c->depth > 0 && c->n > c->n_step) {
+    c->n = c->n_step;
+    Py_RETURN_NONE;
+  }
+  py::object watch = c->ref();  // (c is freed when the watch drops its functions: read nothing of it below)
+  if (watch.is_none()) Py_RETURN_NONE;
+  try {
+    watch.attr("_leave_counting")();
+    py::tuple call(nargs);
+    for (Py_ssize_t i = 0; i < nargs; ++i) call[i] = py::reinterpret_borrow<py::object>(args[i]);
+    return watch.attr("zeroing")(*call).release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  }
+}
+
+// the outermost optimizer.step() begins (opt, args, kwargs)
+PyObject* counter_step_began(PyObject* cap, PyObject* const* args, Py_ssize_t nargs) {
+  AccumCounter* c = counter_of(cap);
+  if (c == nullptr) return nullptr;
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "step_began(opt, args, kwargs)");
+    return nullptr;
+  }
+  ++c->depth;
+  c->opt = py::reinterpret_borrow<py::object>(args[0]);
+  c->n_step = c->n;
+  Py_RETURN_NONE;
+}
+
+// the outermost step returned: its window is counted and closes
+PyObject* counter_step_ended(PyObject* cap, PyObject*) {
+  AccumCounter* c = counter_of(cap);
+  if (c == nullptr) return nullptr;
+  c->depth = c->depth > 0 ? c->depth - 1 : 0;
+  c->opt = py::none();
+  ++c->per_step[c->n < kBuckets ? c->n : kBuckets - 1];
+  c->n = 0;
+  c->zeroed = false;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kCounterMethods[] = {
+    {"backward_began", counter_backward_began, METH_O, "backward() begins: whether it is counted"},
+    {"zeroing", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(counter_zeroing)), METH_FASTCALL,
+     "zero_grad() begins"},
+    {"step_began", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(counter_step_began)),
+     METH_FASTCALL, "the outermost optimizer step begins"},
+    {"step_ended", counter_step_ended, METH_NOARGS, "the outermost optimizer step returned"},
+};
+
+void release_counter_capsule(PyObject* cap) { Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(cap))); }
+
+// (backward_began, zeroing, step_began, step_ended) of `self` (the AccumCounter's Python object)
+py::tuple counter_bound(py::object self) {
+  auto* c = self.cast<AccumCounter*>();
+  PyObject* cap = PyCapsule_New(c, kCounterCapsule, release_counter_capsule);
+  if (cap == nullptr) throw py::error_already_set();
+  py::object owner = py::reinterpret_steal<py::object>(cap);
+  Py_INCREF(self.ptr());  // (the capsule keeps the counter alive while a function of it is)
+  if (PyCapsule_SetContext(cap, self.ptr()) < 0) {
+    Py_DECREF(self.ptr());
+    throw py::error_already_set();
+  }
+  py::tuple out(4);
+  for (int i = 0; i < 4; ++i) {
+    PyObject* fn = PyCFunction_New(&kCounterMethods[i], cap);
+    if (fn == nullptr) throw py::error_already_set();
+    PyTuple_SET_ITEM(out.ptr(), i, fn);
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------- autograd graphs after the step
 // capture/step_state.py walks the graphs the namespace's tensors still carry after a run: for a node an earlier
 // run of the cell made (its sequence number in that run's range: a graph kept across runs is a leak), and for
@@ -1776,4 +1899,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("its", &LoopSeries::its)
       .def_readonly("scalar", &LoopSeries::scalar)
       .def_readonly("backward_calls", &LoopSeries::backward_calls);
+  py::class_<AccumCounter>(m, "AccumCounter")
+      .def(py::init<py::object, unsigned long>())
+      .def("bound", &counter_bound)
+      .def("state", &AccumCounter::state);
 }
