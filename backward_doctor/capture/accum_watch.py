@@ -36,6 +36,7 @@ import torch
 
 from ..trace.accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWindow, ZeroGradCall
 from .accum_check import EquivalenceCheck, divisor, number
+from .patches import Patches, named_like
 from .process import doctors_own
 from ..util.units import available_ram, format_bytes
 
@@ -46,43 +47,6 @@ _BUCKETS = 33       # per_step[32] counts steps fed by 32 or more backward() cal
 _CHECK_CAP = 1 << 30
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident  # (read at every backward() and zero_grad() of a loop)
-
-
-class Patches:
-    """Attributes replaced for the run: installed, removed (while torch.compile compiles) and put back.
-
-    >>> class A:
-    ...     def f(self): return 1
-    >>> p = Patches(); p.add(A, "f", lambda real: lambda self: real(self) + 1); p.install()
-    >>> A().f(), p.remove(), A().f()
-    (2, None, 1)
-    """
-
-    def __init__(self) -> None:
-        self._items: list[tuple[Any, str, Any, Any]] = []
-        self.installed = False
-
-    def add(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        real = getattr(owner, name)
-        self._items.append((owner, name, real, make(real)))
-
-    def install(self) -> None:
-        for owner, name, _, replacement in self._items:
-            setattr(owner, name, replacement)
-        self.installed = True
-
-    def remove(self) -> None:
-        for owner, name, real, _ in reversed(self._items):
-            setattr(owner, name, real)
-        self.installed = False
-
-
-def named_like(wrapper: Callable[..., Any], real: Callable[..., Any]) -> Callable[..., Any]:
-    """``wrapper`` named and documented as ``real`` (what ``help()`` and tracebacks show)."""
-    wrapper.__wrapped__ = real  # type: ignore[attr-defined]
-    wrapper.__doc__, wrapper.__name__ = real.__doc__, real.__name__
-    wrapper.__qualname__ = getattr(real, "__qualname__", real.__name__)
-    return wrapper
 
 
 class AccumulationWatch:

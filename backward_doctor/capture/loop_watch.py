@@ -90,7 +90,7 @@ def groups_sumsq(groups: Any, sumsq: Callable[[Sequence[torch.Tensor]], float | 
     same read from a list of groups directly, the native recorder's); None when one cannot be read.
 
     >>> p = torch.ones(3, requires_grad=True); p.grad = torch.full((3,), 2.0)
-    >>> groups_sumsq([{"params": [p]}], python_sumsq)
+    >>> round(groups_sumsq([{"params": [p]}], python_sumsq), 4)
     12.0
     """
     try:

@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from .accum_watch import Patches, named_like, number
+from .accum_watch import number
+from .patches import Patches, named_like
 from .memory import storage_key
 from ..trace.precision import ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep
 
