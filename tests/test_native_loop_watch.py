@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import sys
 import warnings
 
 import pytest
@@ -182,6 +183,8 @@ def test_counting_windows_in_c_keep_what_python_keeps(name, monkeypatch):
     """The same loop's accumulation record three ways: its counting-only windows counted in C, counted by the
     Python fast path (the counter never engaged), and by the general path (``_counting`` never set)."""
     kind, cell = _ACCUM_CELLS[name]
+    # (Accelerate imported by an earlier test keeps every window detailed: its flag is read while it is loaded)
+    monkeypatch.delitem(sys.modules, "accelerate.state", raising=False)
     engaged = []
     real = accum_watch.AccumulationWatch._count_natively
 
