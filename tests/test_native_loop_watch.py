@@ -178,13 +178,20 @@ for i in range(40):
 }
 
 
-@pytest.mark.parametrize("name", list(_ACCUM_CELLS))
-def test_counting_windows_in_c_keep_what_python_keeps(name, monkeypatch):
+@pytest.mark.parametrize("name, accelerate_loaded", [(name, False) for name in _ACCUM_CELLS]
+                         + [(list(_ACCUM_CELLS)[1], True)])
+def test_counting_windows_in_c_keep_what_python_keeps(name, accelerate_loaded, monkeypatch):
     """The same loop's accumulation record three ways: its counting-only windows counted in C, counted by the
-    Python fast path (the counter never engaged), and by the general path (``_counting`` never set)."""
+    Python fast path (the counter never engaged), and by the general path (``_counting`` never set). With
+    Accelerate loaded and no Accelerator accumulating (a process that imported transformers), counted all the
+    same."""
     kind, cell = _ACCUM_CELLS[name]
-    # (Accelerate imported by an earlier test keeps every window detailed: its flag is read while it is loaded)
-    monkeypatch.delitem(sys.modules, "accelerate.state", raising=False)
+    if accelerate_loaded:  # (no Accelerator made: its process-wide state empty, as in a fresh process)
+        import accelerate.state
+
+        monkeypatch.setattr(accelerate.state.GradientState, "_shared_state", {})
+    else:
+        monkeypatch.delitem(sys.modules, "accelerate.state", raising=False)
     engaged = []
     real = accum_watch.AccumulationWatch._count_natively
 

@@ -74,7 +74,7 @@ class AccumulationWatch:
         self._syncs: set[bool] = set()  # Accelerate's sync flag as backward() saw it (both: accumulate() ran)
         self._accelerate = sys.modules.get("accelerate.state")  # (imported before the run, or not in use)
         # Every detailed window kept, no library's sync flag to read: a window of one backward() and no
-        # zero_grad() after it is only counted (step_ended's first branch). Once true, true for the run.
+        # zero_grad() after it is only counted (step_ended's first branch).
         self._counting = False
         self._counter_type = counter  # the native recorder's AccumCounter (counting-only windows in C), or None
         self._core: Any = None        # the counter counting now (see _count_natively)
@@ -264,7 +264,10 @@ class AccumulationWatch:
                 self._checked = False
             self._check = None
         self._new_window()
-        self._counting = self._accelerate is None and len(rec.windows) >= _DETAILED and len(per_step) > 1
+        # (Accelerate loaded, as in any process that imported transformers, but its sync flag never both ways in
+        # this run's detailed windows: no accumulate() ran, its process-wide state is an earlier run's or none;
+        # finish() drops it. So only counting, as without it.)
+        self._counting = len(rec.windows) >= _DETAILED and len(per_step) > 1 and len(self._syncs) < 2
         if self._counting and self._check is None and self._depth == 0:
             self._count_natively()
 
