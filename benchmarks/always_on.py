@@ -67,23 +67,29 @@ class _Shell:
         self.sh = InteractiveShell.instance()
         self.sh.run_cell("%load_ext backward_doctor", store_history=False)
         self.base = dict(self.sh.user_ns)
-        self.on = AlwaysOn(self.sh, Options())  # (installed around each of its runs: the shell's run_cell wrapped)
+        # Installed once, as `%backward_doctor on` installs it (the shell's run_cell wrapped: an attribute of the
+        # shell instance, which stays; installing and removing it around each run changed the shell's attributes
+        # before every run, and IPython's own code ran slower after each change). A plain run calls the shell's
+        # own run_cell, with torch.autograd.backward put back for it.
+        self.on = AlwaysOn(self.sh, Options())
+        self.on.install()
 
     def run(self, ns: dict, cell: str, watched: bool) -> float:
         user = self.sh.user_ns
         user.clear()
         user.update(self.base)
         user.update(ns)
-        if watched:
-            self.on.install()
+        run = self.sh.run_cell if watched else self.on._original
+        if not watched:
+            self.on._trigger.uninstall()
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # (the libraries' own prints, alike in both modes)
                 t0 = time.process_time()
-                result = self.sh.run_cell(cell, store_history=False)
+                result = run(cell, store_history=False)
                 t = time.process_time() - t0
         finally:
-            if watched:
-                self.on.uninstall()
+            if not watched:
+                self.on._trigger.install()
         if not result.success:
             raise RuntimeError(f"the cell failed: {result.error_in_exec or result.error_before_exec}")
         ns.update({k: v for k, v in user.items() if k not in self.base or self.base[k] is not v})
