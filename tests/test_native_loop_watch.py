@@ -23,6 +23,7 @@ from backward_doctor import native
 from backward_doctor.capture import accum_watch
 from backward_doctor.capture.loop_watch import LoopWatch
 from backward_doctor.capture.native_capture import NativeCapture, NativeLoopWatch, native_available
+from backward_doctor.trace.accumulation import Accumulation
 from backward_doctor.trace.parts import Iterations
 
 pytestmark = pytest.mark.skipif(not native_available(build=True),
@@ -221,3 +222,33 @@ def test_counting_windows_in_c_keep_what_python_keeps(name, accelerate_loaded, m
         general = record()
     assert in_c == in_python == general
     assert sum(in_c["per_step"]) >= 30 and in_c["per_step"][1] > accum_watch._DETAILED
+
+
+def test_the_counter_counts_again_after_python_took_a_window_back():
+    """A GradScaler's skipped step or ``zeroed_first()`` hands the window to Python; the next plain window is
+    counted in C again (not left to the Python fast path for the rest of the run), and the record is the one the
+    Python watch keeps for the same calls."""
+    ext = native.load(build=True)
+    p = torch.zeros(2, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    records = []
+    for counter in (ext.AccumCounter, None):
+        acc = Accumulation()
+        w = accum_watch.AccumulationWatch(acc, frames=None, iteration=lambda: 0, params=lambda: [p], counter=counter)
+        w._accelerate = None
+        cores = []
+        for i in range(40):
+            w.zeroing(opt, "optimizer")
+            for _ in range(1 + (i % 9 == 0)):
+                w.backward_began(torch.tensor(1.0))
+                w.backward_ended(True)
+            w.step_began(opt, (), {})
+            if i in (20, 30):
+                w.skipped_step() if i == 20 else w.zeroed_first()
+            w.step_ended()
+            cores.append(w._core is not None)
+        w.finish({})
+        records.append((dataclasses.asdict(acc), cores))
+    (in_c, cores), (in_python, _) = records
+    assert in_c == in_python
+    assert cores[19] and cores[25] and cores[35], cores  # (engaged again after each hand-back)

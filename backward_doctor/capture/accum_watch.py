@@ -238,6 +238,8 @@ class AccumulationWatch:
             self._opt = None
             self.record.per_step[1] += 1
             self._new_window()
+            if self._counter_type is not None:  # (back from Python: a skipped step, zeroed_first())
+                self._count_natively()
             return
         self._depth = max(0, self._depth - 1)
         opt, self._opt = getattr(self, "_opt", None), None
@@ -268,7 +270,7 @@ class AccumulationWatch:
         # this run's detailed windows: no accumulate() ran, its process-wide state is an earlier run's or none;
         # finish() drops it. So only counting, as without it.)
         self._counting = len(rec.windows) >= _DETAILED and len(per_step) > 1 and len(self._syncs) < 2
-        if self._counting and self._check is None and self._depth == 0:
+        if self._counting and self._check is None:
             self._count_natively()
 
     # ---------------------------------------------------------------- counting-only windows, in C
@@ -280,7 +282,7 @@ class AccumulationWatch:
         class's methods, until something only the Python path records happens (the counter then calls
         :meth:`_leave_counting`). What they write is what the fast path of :meth:`step_ended` writes
         (``tests/test_native_loop_watch.py`` holds the three ways to the same record)."""
-        if self._counter_type is None or self._core is not None:
+        if self._counter_type is None or self._core is not None or self._depth:
             return
         core = self._core = self._counter_type(weakref.ref(self), self._thread)
         for name, fn in zip(self._NATIVE, core.bound()):
