@@ -120,14 +120,14 @@ class _NativeLedger(MemoryLedger):
 
 class NativeLoopWatch:
     """:class:`LoopWatch`'s interface over the native recorder's ``LoopSeries``: ``saw_backward``, ``before_step``
-    and ``iteration_ended`` are C functions (called with no Python frame, at every iteration), ``backward_calls``
-    and ``scalar`` read from it. ``on_nonfinite`` is held weakly by the C++ object (which the garbage collector
+    and ``iteration_ended`` are C functions (called with no Python frame, at every iteration), and so is the count
+    behind ``backward_calls``; ``scalar`` is the module's in-place read, the one the C++ watch makes. ``on_nonfinite`` is held weakly by the C++ object (which the garbage collector
     cannot see into: a strong reference to the capture that owns this watch would keep both alive for good)."""
 
     def __init__(self, ext: Any, its: Any, live_base: int, on_nonfinite: Any) -> None:
         fallback = functools.partial(groups_sumsq, sumsq=ext.grad_sumsq)  # (param_groups that are no list)
         ref = weakref.WeakMethod(on_nonfinite) if hasattr(on_nonfinite, "__self__") else (lambda: on_nonfinite)
-        self._series = ext.LoopSeries(its, live_base, ref, fallback, ext.scalar_value)
+        self._series = ext.LoopSeries(its, live_base, ref, fallback)
         self.saw_backward, self.before_step, self.iteration_ended, self._calls = self._series.bound()
         self.its, self.scalar = its, ext.scalar_value
 

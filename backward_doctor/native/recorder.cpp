@@ -1268,11 +1268,10 @@ class LoopSeries {
   // on_nonfinite_ref(): the callback on_nonfinite(iteration, what), or None once it is gone (a weak reference:
   // this object is no container Python's garbage collector sees into, so a strong one to the capture that owns
   // it would keep both alive for good); fallback_sumsq(groups): the Python reading for param_groups that are no
-  // list; scalar: the module's scalar_value, for the callers that read a loss the same way
-  LoopSeries(py::object its, int64_t live_base, py::object on_nonfinite_ref, py::object fallback_sumsq,
-             py::object scalar)
-      : its(std::move(its)), scalar(std::move(scalar)), on_nonfinite_ref_(std::move(on_nonfinite_ref)),
-        fallback_(std::move(fallback_sumsq)), live_base_(live_base), n_(names()) {}
+  // list
+  LoopSeries(py::object its, int64_t live_base, py::object on_nonfinite_ref, py::object fallback_sumsq)
+      : its(std::move(its)), on_nonfinite_ref_(std::move(on_nonfinite_ref)), fallback_(std::move(fallback_sumsq)),
+        live_base_(live_base), n_(names()) {}
 
   // backward() was called on `loss` (a one-element CPU floating tensor is read as the loss)
   void saw_backward(PyObject* loss) {
@@ -1338,7 +1337,7 @@ class LoopSeries {
     backwards_ = 0;
   }
 
-  py::object its, scalar;
+  py::object its;
   int64_t backward_calls = 0;  // all of the run's
 
  private:
@@ -1351,7 +1350,7 @@ class LoopSeries {
     set_attr(its_, n_.first_nonfinite, steps.ptr());
     set_attr(its_, n_.first_nonfinite_in, word.ptr());
     py::object callback = on_nonfinite_ref_();
-    if (!callback.is_none()) callback(get_attr(its_, n_.steps), word);
+    if (!callback.is_none()) callback(steps, word);
   }
 
   static void append(const py::object& seq, const py::object& v) {
@@ -1433,26 +1432,32 @@ PyMethodDef kSeriesMethods[] = {
     {"backward_calls", series_calls, METH_NOARGS, "backward() calls seen in the run"},
 };
 
-void release_series_capsule(PyObject* cap) { Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(cap))); }
+// The functions of `defs` bound to `self` (a pybind11 object holding `obj`): their `self` is a capsule named `name`
+// holding `obj` and a reference to `self`, released with the capsule, so `self` lives while one of them does.
+void release_capsule_owner(PyObject* cap) { Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(cap))); }
 
-// (saw_backward, before_step, iteration_ended, backward_calls) of `self` (the LoopSeries' Python object)
-py::tuple series_bound(py::object self) {
-  auto* s = self.cast<LoopSeries*>();
-  PyObject* cap = PyCapsule_New(s, kSeriesCapsule, release_series_capsule);
+template <typename T, size_t N>
+py::tuple bind_functions(py::object self, const char* name, PyMethodDef (&defs)[N]) {
+  PyObject* cap = PyCapsule_New(self.cast<T*>(), name, release_capsule_owner);
   if (cap == nullptr) throw py::error_already_set();
   py::object owner = py::reinterpret_steal<py::object>(cap);
-  Py_INCREF(self.ptr());  // (the capsule keeps the LoopSeries alive while a function of it is)
+  Py_INCREF(self.ptr());
   if (PyCapsule_SetContext(cap, self.ptr()) < 0) {
     Py_DECREF(self.ptr());
     throw py::error_already_set();
   }
-  py::tuple out(4);
-  for (int i = 0; i < 4; ++i) {
-    PyObject* fn = PyCFunction_New(&kSeriesMethods[i], cap);
+  py::tuple out(N);
+  for (size_t i = 0; i < N; ++i) {
+    PyObject* fn = PyCFunction_New(&defs[i], cap);
     if (fn == nullptr) throw py::error_already_set();
     PyTuple_SET_ITEM(out.ptr(), i, fn);
   }
   return out;
+}
+
+// (saw_backward, before_step, iteration_ended, backward_calls) of `self` (the LoopSeries' Python object)
+py::tuple series_bound(py::object self) {
+  return bind_functions<LoopSeries>(std::move(self), kSeriesCapsule, kSeriesMethods);
 }
 
 // ---------------------------------------------------------------- gradient accumulation, counted
@@ -1555,26 +1560,9 @@ PyMethodDef kCounterMethods[] = {
     {"step_ended", counter_step_ended, METH_NOARGS, "the outermost optimizer step returned"},
 };
 
-void release_counter_capsule(PyObject* cap) { Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(cap))); }
-
 // (backward_began, zeroing, step_began, step_ended) of `self` (the AccumCounter's Python object)
 py::tuple counter_bound(py::object self) {
-  auto* c = self.cast<AccumCounter*>();
-  PyObject* cap = PyCapsule_New(c, kCounterCapsule, release_counter_capsule);
-  if (cap == nullptr) throw py::error_already_set();
-  py::object owner = py::reinterpret_steal<py::object>(cap);
-  Py_INCREF(self.ptr());  // (the capsule keeps the counter alive while a function of it is)
-  if (PyCapsule_SetContext(cap, self.ptr()) < 0) {
-    Py_DECREF(self.ptr());
-    throw py::error_already_set();
-  }
-  py::tuple out(4);
-  for (int i = 0; i < 4; ++i) {
-    PyObject* fn = PyCFunction_New(&kCounterMethods[i], cap);
-    if (fn == nullptr) throw py::error_already_set();
-    PyTuple_SET_ITEM(out.ptr(), i, fn);
-  }
-  return out;
+  return bind_functions<AccumCounter>(std::move(self), kCounterCapsule, kCounterMethods);
 }
 
 // ---------------------------------------------------------------- autograd graphs after the step
@@ -1841,8 +1829,8 @@ py::dict stop() {
   return out;
 }
 
-// Module functions a loop calls at every iteration, as plain C functions (pybind11's dispatch costs ~1-2k
-// instructions a call): the RNG mark of an iteration's start, autograd's next sequence number.
+// Module functions a loop calls at every iteration, as plain C functions (pybind11's dispatch costs a few hundred
+// instructions a call: ~0.9k an iteration for these and backward_calls, callgrind): the RNG mark of an iteration's start, autograd's next sequence number.
 PyObject* mark_rng_c(PyObject*, PyObject*) {
   try {
     mark_rng();
@@ -1894,11 +1882,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("earlier_run", &GraphWalk::earlier_run)
       .def("oldest_seq", &GraphWalk::oldest_seq);
   py::class_<LoopSeries>(m, "LoopSeries")
-      .def(py::init<py::object, int64_t, py::object, py::object, py::object>())
-      .def("bound", &series_bound)
-      .def_readonly("its", &LoopSeries::its)
-      .def_readonly("scalar", &LoopSeries::scalar)
-      .def_readonly("backward_calls", &LoopSeries::backward_calls);
+      .def(py::init<py::object, int64_t, py::object, py::object>())
+      .def("bound", &series_bound);
   py::class_<AccumCounter>(m, "AccumCounter")
       .def(py::init<py::object, unsigned long>())
       .def("bound", &counter_bound)
