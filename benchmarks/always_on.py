@@ -11,7 +11,8 @@ Times are process CPU time, one torch thread, medians; ratios against the plain 
 200x: their differences are microseconds).
 
 Cells: a cell with no autograd (the MLP evaluated under ``no_grad`` on 40 batches, a trivial ``x = 1``, which
-has no call and is passed straight on, and ``n = len(x)``, which has one and so pays for the guess), single training steps (the whole-path workloads), the 2,000-iteration loop, and
+has no call and is passed straight on, and ``n = len(x)``, which has one: guessed once, then decided by its
+names' types), single training steps (the whole-path workloads), the 2,000-iteration loop, and
 ``trainer.train()`` of a tiny ``transformers`` BERT (``tests/library_loops.py``, 20 steps). Memory held
 between cells: the bytes of tensor storage alive after a watched cell beyond what the plain run leaves,
 and the size of the one thing the doctor keeps (``last_report()``, its JSON).
@@ -31,7 +32,7 @@ import torch
 
 NO_AUTOGRAD = "with torch.no_grad():\n    for _ in range(40):\n        y = model(x)\nscore = float(y.mean())\n"
 TRIVIAL = "x_ = 1\n"  # (no call: always on passes it straight on)
-TRIVIAL_CALL = "n_ = len(x)\n"  # (a call: the guess runs, and the backward() trigger is armed)
+TRIVIAL_CALL = "n_ = len(x)\n"  # (a call: the guess runs once; run again, its names' types decide)
 HF_TRAIN = "result = trainer.train()\n"
 #: budgets (benchmarks/RESULTS.md): loops and single steps, and a cell with no autograd
 BUDGET_STEP = (1.15, 0.010)
@@ -90,6 +91,7 @@ class _Shell:
         finally:
             if not watched:
                 self.on._trigger.install()
+                self.on._trigger.arm(self.on._open)  # (armed between cells, as `on` leaves it)
         if not result.success:
             raise RuntimeError(f"the cell failed: {result.error_in_exec or result.error_before_exec}")
         ns.update({k: v for k, v in user.items() if k not in self.base or self.base[k] is not v})

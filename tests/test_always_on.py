@@ -70,6 +70,12 @@ def _on(shell, options=""):
     return cap.stdout
 
 
+def backward_doctor_callbacks(shell):
+    """The doctor's own callbacks among IPython's events."""
+    return [f for fs in shell.events.callbacks.values() for f in fs
+            if "backward_doctor" in getattr(f, "__module__", "") or "AlwaysOn" in repr(f)]
+
+
 def _weights(model):
     return [p.detach().clone() for p in model.parameters()]
 
@@ -165,6 +171,36 @@ def test_a_cell_of_data_run_again_skips_the_guess_but_not_the_trigger(shell):
         guessed = guess.call_count
         result, cap = _run(shell, cell)
         assert result.success and shell.user_ns["n_"] == 5 and guess.call_count == guessed + 1
+
+
+def test_the_trigger_opens_a_watch_only_for_the_running_cell_of_this_thread(shell):
+    """Between ``on`` and ``off`` the backward() trigger stays armed and finds the cell itself: a backward()
+    outside any cell (a widget's callback), in a silent run or in another thread opens nothing, and each leaves
+    it armed for the next cell; a cell's own run of another cell is watched for itself; no event callback is
+    left registered after a cell that opened a watch."""
+    _on(shell)
+    _run(shell, SETUP + "jobs = {'go': lambda t: t.sum().backward()}\n")
+    callbacks = list(shell.events.callbacks["post_run_cell"])
+    last = bd.last_report()
+    model, x = shell.user_ns["model"], shell.user_ns["x"]
+    model(x).sum().backward()                                            # no cell running
+    result = shell.run_cell("jobs['go'](model(x))", silent=True)        # a silent run
+    assert result.success and bd.last_report() is last
+    result, cap = _run(shell, "import threading\nt_ = threading.Thread(target=jobs['go'], args=(model(x),))\n"
+                              "t_.start(); t_.join()")                  # another thread's backward()
+    assert result.success and cap.outputs == [] and bd.last_report() is last
+    assert shell.events.callbacks["post_run_cell"] == callbacks
+    result, cap = _run(shell, "jobs['go'](model(x))\nraise KeyError('after')")
+    assert isinstance(result.error_in_exec, KeyError) and bd.last_report() is not last
+    assert cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM") and "KeyError" in cap.stdout
+    assert shell.events.callbacks["post_run_cell"] == callbacks and "showtraceback" not in vars(shell)
+    last = bd.last_report()
+    inner = "jobs['go'](model(x))\nraise IndexError('inner')"
+    result, cap = _run(shell, f"r_ = get_ipython().run_cell({inner!r})\nok_ = 1")
+    assert result.success and isinstance(shell.user_ns["r_"].error_in_exec, IndexError)
+    report = bd.last_report()
+    assert report is not last and report.trace.exception is not None and report.trace.exception.type == "IndexError"
+    assert shell.events.callbacks["post_run_cell"] == callbacks and "showtraceback" not in vars(shell)
 
 
 def test_nan_at_iteration_30_is_reported_without_running_the_cell_again(shell):
@@ -287,7 +323,7 @@ def test_off_leaves_nothing_behind_and_nothing_of_the_cells_is_kept(shell):
     left = fi.leftovers(before, {"model": shell.user_ns["model"]})
     assert left == [], left
     assert torch.autograd.backward is real_backward and shell.run_cell == run_cell and "run_cell" not in vars(shell)
-    assert "showtraceback" not in vars(shell)
+    assert "showtraceback" not in vars(shell) and backward_doctor_callbacks(shell) == []
     # the weights kept to replay iteration 30 were released: no copy of them is alive
     assert _tensors_shaped_as(shell.user_ns["model"][0].weight) <= alive
 

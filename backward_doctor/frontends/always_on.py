@@ -2,19 +2,20 @@
 first time one fails.
 
 While on, the shell's ``run_cell`` is wrapped (an attribute of the shell instance) and
-``torch.autograd.backward`` replaced by a trigger that passes calls on unless armed; ``off`` puts both back.
+``torch.autograd.backward`` replaced by a trigger (``cell_watch.BackwardTrigger``), armed except while a
+watched cell runs; ``off`` puts both back.
 
 - a cell that will train, by a guess from its text and the code of the notebook functions it calls
   (``capture/trains.py``, microseconds), runs under :func:`~backward_doctor.run.step.run_step` exactly as
   ``%%backward_doctor`` runs it (a loop sampled, every iteration's loss, gradient norm and memory watched,
   the iteration where NaN/Inf first showed replayed from the state kept at its start), the timeout
   counted from the latest optimizer step;
-- any other cell runs as it is, the trigger armed for its duration (``cell_watch.BackwardTrigger``).
-  Nothing is installed, nothing is recorded: a cell that calls no ``backward()`` pays for the guess and
-  two attribute writes; run again, a cell whose guess depended only on its names being data (``n = len(x)``)
-  pays for a dictionary lookup and its names' types instead of the guess. A ``backward()`` the guess did not
-  expect opens a
-  :class:`~backward_doctor.run.watch.Watch` there, for the rest of the cell.
+- any other cell runs as it is. Nothing is installed, nothing is recorded: a cell that calls no
+  ``backward()`` pays for the guess; run again, a cell whose guess depended only on its names being data
+  (``n = len(x)``) pays for a dictionary lookup and its names' types instead. A ``backward()`` the guess did
+  not expect finds the cell itself (IPython's ``ExecutionResult`` of the cell running, which knows its text)
+  and opens a :class:`~backward_doctor.run.watch.Watch` there, for the rest of the cell, ended by IPython's
+  ``post_run_cell`` event for that cell (so no cell pays for arming the trigger around it).
 
 When a watched cell fails (an exception after the step began, NaN/Inf in the loss or weights, a hang
 past ``--timeout``, a Ctrl-C, an OOM) the report (the panel in Jupyter) is displayed, then IPython's
@@ -90,59 +91,60 @@ class AlwaysOn:
         self._depth = 0
         self._original: Callable[..., Any] | None = None
         self._trigger = BackwardTrigger()
-        self._cell = ""  # (the cell running with the trigger armed, and what its watch opened with)
-        self._opened: dict[str, Any] = {}
+        self._running: Any = None  # (the ExecutionResult of the cell whose backward() opened a watch)
+        self._opened: dict[str, Any] = {}  # (what that watch opened with)
         self._main = threading.main_thread().ident  # (the thread cells run in; a fixed number while it lives)
         self._data_cells: dict[str, tuple[str, ...]] = {}  # a cell's text -> its names (see install)
-        self._open = self._open_at  # (bound once: what the trigger is armed with before every such cell)
+        self._open = self._open_at  # (bound once: what the trigger is armed with)
 
     # ---------------------------------------------------------------- on / off
     def install(self) -> None:
         original = self.shell.run_cell
         self._original = original
-        shell, method, triggered, data_cells, main = (self.shell, self.run_cell, self._triggered, self._data_cells,
-                                                       self._main)
+        shell, method, data_cells = self.shell, self.run_cell, self._data_cells
 
         @functools.wraps(original)
         def run_cell(raw_cell: str, *args: Any, **kwargs: Any) -> Any:
             # A cell with a call that ran before, whose guess depended only on its names being data (`n =
-            # len(x)`): the same guess, and the method's tests, in as little as can be (~2% of such a cell's
-            # time is the budget; in IPython's wake every object made and every call costs 0.3-1% of it,
-            # measured: no regex match, no bound method, and trains.is_data written out, not called).
+            # len(x)`): the same guess in as little as can be (~2% of such a cell's time is the budget; in
+            # IPython's wake every object made and every call costs 0.3-1% of it, measured: no regex match, no
+            # bound method, trains.is_data written out, not called). It runs as it is, as the guess would
+            # have it, whether nested, silent or in another thread: the trigger asks those at a backward().
             names = data_cells.get(raw_cell) if type(raw_cell) is str else None
             if names is not None:
-                if (not self._depth and not running_captures and _get_ident() == main
-                        and not (args[1] if len(args) > 1 else kwargs.get("silent"))):
-                    ns = shell.user_ns
-                    for name in names:
-                        if type(ns.get(name)) not in INERT:
-                            break
-                    else:
-                        return triggered(raw_cell, args, kwargs)
+                ns = shell.user_ns
+                for name in names:
+                    if type(ns.get(name)) not in INERT:
+                        break
+                else:
+                    return original(raw_cell, *args, **kwargs)
             elif type(raw_cell) is str and not _search(raw_cell):  # (the commonest cell: no call, passed on)
                 return original(raw_cell, *args, **kwargs)
             return method(raw_cell, *args, **kwargs)
 
         run_cell.__backward_doctor__ = self  # type: ignore[attr-defined]
         self._trigger.install()
+        self._trigger.arm(self._open)
         self.shell.run_cell = run_cell
 
     def uninstall(self) -> None:
         current = vars(self.shell).get("run_cell")
         if getattr(current, "__backward_doctor__", None) is self:
             del self.shell.run_cell  # the class's own method again
-        self._trigger.uninstall()
+        self._trigger.uninstall()  # (a watch a cell opened is still ended, and its report shown, at its end)
 
     # ---------------------------------------------------------------- each cell
     def run_cell(self, raw_cell: str, *args: Any, **kwargs: Any) -> Any:
         if (self._depth or type(raw_cell) is not str or not _search(raw_cell)
                 or (args[1] if len(args) > 1 else kwargs.get("silent")) or _get_ident() != self._main
-                or running_captures or raw_cell.lstrip().startswith(_DOCTOR_MAGIC)):
+                or running_captures):
             # No call, no magic, no shell command (`x = 1`, `loss`): nothing that could train runs, so not even
-            # the guess and the trigger (a cell like this costs ~100 us in IPython: the guess would be 5%). A
-            # nested run (the cell magic's own), a silent request, another thread's, a diagnosis already
-            # running, or `%%backward_doctor` (it wins): the cell as it is.
+            # the guess (a cell like this costs ~100 us in IPython: the guess would be 5%). A nested run (the
+            # cell magic's own), a silent request, another thread's, a diagnosis already running: the cell as
+            # it is (the trigger passes their backward() on).
             return self._original(raw_cell, *args, **kwargs)
+        if raw_cell.lstrip().startswith(_DOCTOR_MAGIC):  # (it wins: the trigger stays out of its way)
+            return self._unarmed(lambda: self._original(raw_cell, *args, **kwargs))
         ns = self.shell.user_ns
         if not might_train(raw_cell, ns):
             names = names_of(raw_cell)
@@ -152,12 +154,22 @@ class AlwaysOn:
                 if len(self._data_cells) >= _DATA_CELLS:
                     self._data_cells.clear()
                 self._data_cells[raw_cell] = names
-            return self._triggered(raw_cell, args, kwargs)
+            return self._original(raw_cell, *args, **kwargs)
         self._depth += 1
         try:
-            return self._watched(raw_cell, args, kwargs)
+            return self._unarmed(lambda: self._watched(raw_cell, args, kwargs))
         finally:
             self._depth -= 1
+
+    def _unarmed(self, run: Callable[[], Any]) -> Any:
+        """``run()`` with the trigger disarmed (a watched cell's own capture records its backward(): the
+        trigger's test stays out of every iteration), armed again after."""
+        self._trigger.disarm()
+        try:
+            return run()
+        finally:
+            if self._running is None:  # (not while a watch the trigger opened is still open)
+                self._trigger.arm(self._open)
 
     def _cell_file(self, raw_cell: str, number: int) -> tuple[str, str]:
         """(the cell as Python, the file name ``run_cell`` compiles it under)."""
@@ -210,40 +222,23 @@ class AlwaysOn:
         self._after(report, source, held, result)
         return result
 
-    def _triggered(self, raw_cell: str, args: tuple, kwargs: dict) -> Any:
-        """A cell the guess said would not train: run as it is, the ``backward()`` trigger armed (it opens a
-        watch at the first call, and holds back the traceback from then on). (The common case, a cell that
-        calls no ``backward()``, pays for two attribute writes and a test here: no closure is made.)"""
-        trigger = self._trigger
-        self._cell = raw_cell
-        self._depth += 1  # (a cell it runs itself, `get_ipython().run_cell(...)`, runs as it is)
-        trigger.arm(self._open)
-        try:
-            result = self._original(raw_cell, *args, **kwargs)
-        except BaseException:  # (IPython's own machinery raised: end what opened, then let it through)
-            self._depth -= 1
-            watch = trigger.disarm()
-            if watch is not None:
-                watch.end(None)
-                self._opened["held"].show()
-            raise
-        self._depth -= 1
-        watch = trigger.disarm()
-        if watch is None:
-            return result
-        opened = self._opened
-        report = watch.end(result.error_in_exec)
-        report.trace.notes.append(f"always on: the watch began at the cell's first backward() (line "
-                                  f"{opened.get('line')}); what ran before it was not recorded")
-        self._after(report, opened.get("source", raw_cell), opened["held"], result)
-        return result
-
-    def _open_at(self, frame: Any) -> Watch:
-        """The watch a cell that was not expected to train opens at its first ``backward()`` (``frame``)."""
-        shell, opts, raw_cell = self.shell, self.options, self._cell
+    def _open_at(self, frame: Any) -> Watch | None:
+        """The watch a cell that was not expected to train opens at its first ``backward()`` (``frame``, its
+        caller), or None: no cell is running (a widget's callback between cells), another thread's, a silent
+        run, or a diagnosis already records it."""
+        if _get_ident() != self._main or running_captures:  # (a training thread's backward: asked at each)
+            return None
+        shell, opts = self.shell, self.options
+        outer = getattr(shell.displayhook, "exec_result", None)  # (IPython's result of the cell running)
+        info = getattr(outer, "info", None)
+        raw_cell = getattr(info, "raw_cell", None)
+        if not isinstance(raw_cell, str) or getattr(info, "silent", False):
+            return None
+        if self._running is None:  # (its end: IPython's post_run_cell for this result, see _cell_ended)
+            self._running = outer
+            shell.events.register("post_run_cell", self._cell_ended)
         opened = self._opened = {}
-        outer = getattr(shell.displayhook, "exec_result", None)  # (the cell's number: its result knows it)
-        number = getattr(outer, "execution_count", None)
+        number = getattr(outer, "execution_count", None)  # (the cell's number: its result knows it)
         number = number if isinstance(number, int) else shell.execution_count
         source, filename = self._cell_file(raw_cell, number)
         while frame is not None and frame.f_code.co_filename != filename:
@@ -260,6 +255,28 @@ class AlwaysOn:
             held.restore()
             raise
         return watch
+
+    def _cell_ended(self, result: Any = None) -> None:
+        """IPython's ``post_run_cell``: when the cell whose ``backward()`` opened a watch ends (not a cell it ran
+        itself), the watch ends, its report shows (as a watched cell's), then the held traceback; the trigger
+        is armed again. ``result`` is None when IPython's own machinery raised (it goes on after this)."""
+        if result is not None and result is not self._running:
+            return
+        self.shell.events.unregister("post_run_cell", self._cell_ended)
+        self._running = None
+        watch = self._trigger.disarm()
+        self._trigger.arm(self._open)  # (nothing when `off` ran in between)
+        if watch is None:  # (the watch could not begin: the trigger said so)
+            return
+        opened = self._opened
+        if result is None:
+            watch.end(None)
+            opened["held"].show()
+            return
+        report = watch.end(result.error_in_exec)
+        report.trace.notes.append(f"always on: the watch began at the cell's first backward() (line "
+                                  f"{opened.get('line')}); what ran before it was not recorded")
+        self._after(report, opened.get("source", ""), opened["held"], result)
 
     def _after(self, report: Report, source: str, held: HeldTracebacks, result: Any) -> None:
         """The report when the cell failed, one quiet line when it found something silent; then the held

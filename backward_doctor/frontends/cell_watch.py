@@ -3,8 +3,8 @@
 - :class:`HeldTracebacks`: IPython's traceback kept while the cell runs and shown after the report, so the
   diagnosis sits above it (the doctor's own frames left out);
 - :class:`BackwardTrigger`: ``torch.autograd.backward`` replaced from ``on`` to ``off`` by a function that,
-  armed while a cell that was not expected to train runs, opens a :class:`~backward_doctor.run.watch.Watch`
-  at its first ``backward()``;
+  armed (between watched cells), opens a :class:`~backward_doctor.run.watch.Watch` at the first
+  ``backward()`` of a cell that was not expected to train;
 - :func:`failed` and :func:`quiet_line`: whether a report takes the screen, or one line, or nothing;
   :func:`write_report`: where it goes when a script or a library's loop failed.
 """
@@ -116,11 +116,18 @@ class Outer:
 
 
 class BackwardTrigger:
-    """``torch.autograd.backward`` replaced, from ``on`` to ``off``, by a function that opens a watch at its
-    first call while *armed* (a cell the guess said would not train is running: :meth:`arm`), then goes
-    through the capture's own wrapper, so that first loss is watched too. Disarmed it passes every call
-    straight on, so a cell that calls no ``backward()`` pays for two attribute writes, nothing else.
-    ``open_watch(frame)`` returns the watch it began (or None); ``frame`` is the caller of ``backward``."""
+    """``torch.autograd.backward`` replaced, from ``install`` to ``uninstall``, by a function that, while
+    *armed*, asks its opener at each call whether a watch opens there: ``open_watch(frame)`` (``frame``: the
+    caller of ``backward``) returns the watch it began, or None to let the call pass (no cell running, another
+    thread, one already watched). Once a watch opens the trigger disarms itself and the call goes through the
+    capture's own wrapper, so that first loss is watched too; disarmed, it passes every call straight on (a
+    watched loop's backward pays one test). Its owner arms it again when the cell that opened the watch ends.
+
+    >>> trigger = BackwardTrigger()
+    >>> trigger.arm(lambda frame: None)  # (not installed: arming does nothing)
+    >>> trigger.disarm() is None
+    True
+    """
 
     def __init__(self) -> None:
         self._opener: Callable[[types.FrameType], Watch | None] | None = None
@@ -133,14 +140,18 @@ class BackwardTrigger:
 
         @functools.wraps(real)
         def backward(*args: Any, **kwargs: Any) -> Any:
-            opener, self._opener = self._opener, None
+            opener = self._opener
             if opener is not None:
                 try:
-                    self.watch = opener(sys._getframe(1))
+                    watch = opener(sys._getframe(1))
                 except Exception:  # noqa: BLE001 - the user's backward() must run whatever happens here
                     log.warning("always on: the watch could not begin at backward()", exc_info=True)
-                if self.watch is not None and torch.autograd.backward is not backward:
-                    return torch.autograd.backward(*args, **kwargs)  # (through the capture's wrapper)
+                    self._opener = None  # (not asked again before the owner re-arms: one warning a cell)
+                    watch = None
+                if watch is not None:
+                    self._opener, self.watch = None, watch
+                    if torch.autograd.backward is not backward:
+                        return torch.autograd.backward(*args, **kwargs)  # (through the capture's wrapper)
             return real(*args, **kwargs)
 
         self._fn = torch.autograd.backward = backward
@@ -154,10 +165,12 @@ class BackwardTrigger:
         self._fn = None
 
     def arm(self, open_watch: Callable[[types.FrameType], Watch | None]) -> None:
-        self.watch, self._opener = None, open_watch
+        """Ask ``open_watch`` at the next ``backward()`` calls (nothing while not installed)."""
+        if self._fn is not None:
+            self.watch, self._opener = None, open_watch
 
     def disarm(self) -> Watch | None:
-        """Disarm; the watch the cell opened, if it did (still open: the caller ends it)."""
+        """Disarm; the watch it opened since it was armed, if one did (still open: the caller ends it)."""
         self._opener = None
         watch, self.watch = self.watch, None
         return watch
