@@ -71,6 +71,13 @@ for i in range(10**6):
     time.sleep(0.01)
 """
 
+#: a backward() the guess cannot see (a dict's function, defined in a cell before), then an error: the watch
+#: opens at the backward()
+JOBS = "jobs = {'go': lambda t: t.sum().backward()}\n"
+MISSED = "h = model(x)\njobs['go'](h)\nh.nope\n"
+#: the same in a cell with a top-level await, which ipykernel runs through run_cell_async (not run_cell)
+MISSED_ASYNC = "import asyncio\nawait asyncio.sleep(0)\nh = model(x)\njobs['go'](h)\nh.nope\n"
+
 
 def _execute(cells: list[str], tmp_path: Path) -> list:
     nb = nbformat.v4.new_notebook()
@@ -124,9 +131,10 @@ def test_always_on_in_a_real_kernel(tmp_path):
     cells = [FIRST + "%load_ext backward_doctor\n%backward_doctor on --timeout 5\n", SETUP, TRAIN, ONE_STEP,
              NAN_AT_300, "assert steps == 500, steps\nprint(bd_last := __import__('backward_doctor').last_report().findings[0].kind)",
              "%backward_doctor on --memory-limit 200KB\n", OOM,
-             "%backward_doctor on --timeout 2\n", HANG, CTRL_C,
+             "%backward_doctor on --timeout 2\n", HANG, CTRL_C, JOBS, MISSED, MISSED_ASYNC,
              "%backward_doctor off\nassert fi.leftovers(_before, {'model': model}) == [], fi.leftovers(_before, {'model': model})\n"
              "assert 'run_cell' not in vars(get_ipython()) and 'showtraceback' not in vars(get_ipython())\n"
+             "assert not [f for fs in get_ipython().events.callbacks.values() for f in fs if 'AlwaysOn' in repr(f)]\n"
              "print('clean')"]
     plain = _execute([FIRST, SETUP, TRAIN, ONE_STEP], tmp_path)
     watched = _execute(cells, tmp_path)
@@ -154,6 +162,12 @@ def test_always_on_in_a_real_kernel(tmp_path):
     assert "made no progress for 2 s" in hang
     ctrl_c = _report_then_traceback(watched[10], "KeyboardInterrupt")
     assert ctrl_c.startswith("backward_doctor: PROBLEM - The step hangs at Cell In[11]") and "interrupted by hand" in ctrl_c
+    # A backward() the guess missed opens the watch there, in a cell run by run_cell or by ipykernel's async path
+    assert watched[11].outputs == [], watched[11].outputs
+    for i, line in ((12, 2), (13, 4)):
+        missed = _report_then_traceback(watched[i], "AttributeError")
+        assert missed.startswith(f"backward_doctor: PROBLEM - AttributeError in the step at Cell In[{i + 1}]"), missed
+        assert f"the watch began at the cell's first backward() (line {line})" in missed, missed
     # off: no hook, dispatch mode, thread or handler left
-    assert not _errors(watched[11]), _errors(watched[11]) and _errors(watched[11])[0].evalue
-    assert _text(watched[11]).endswith("clean\n")
+    assert not _errors(watched[14]), _errors(watched[14]) and _errors(watched[14])[0].evalue
+    assert _text(watched[14]).endswith("clean\n")
