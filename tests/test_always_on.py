@@ -203,6 +203,32 @@ def test_the_trigger_opens_a_watch_only_for_the_running_cell_of_this_thread(shel
     assert shell.events.callbacks["post_run_cell"] == callbacks and "showtraceback" not in vars(shell)
 
 
+def test_a_watched_cell_runs_without_the_trigger_and_a_cell_wrapping_backward_keeps_it(shell):
+    """While a cell guessed to train runs, the trigger is out of ``torch.autograd.backward`` (the capture wraps
+    the real one: no call of the trigger's at each iteration); after a cell that wrapped ``backward`` itself the
+    trigger sits over that wrapper (not under it twice), still opens a watch, and ``off`` leaves the cell's."""
+    _on(shell)
+    _run(shell, SETUP + "jobs = {'go': lambda t: t.sum().backward()}\nseen = []\n")
+    trigger = torch.autograd.backward
+    real = trigger.__wrapped__
+    result, _ = _run(shell, TRAIN + "seen.append(torch.autograd.backward)\n")
+    assert result.success and shell.user_ns["seen"][0].__wrapped__ is real and torch.autograd.backward is trigger
+    try:
+        result, _ = _run(shell, TRAIN + "mine_ = torch.autograd.backward\n"
+                                        "torch.autograd.backward = lambda *a, **k: mine_(*a, **k)\n")
+        assert result.success and shell.user_ns["mine_"].__wrapped__ is real   # (it wrapped the capture's)
+        assert torch.autograd.backward.__wrapped__.__name__ == "<lambda>"      # the trigger, over the cell's
+        last = bd.last_report()
+        result, cap = _run(shell, "jobs['go'](model(x))\nraise KeyError('after')")
+        assert bd.last_report() is not last
+        assert cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM")
+        _run(shell, "%backward_doctor off")
+        assert torch.autograd.backward.__name__ == "<lambda>"
+    finally:
+        _run(shell, "%backward_doctor off")
+        torch.autograd.backward = real
+
+
 def test_nan_at_iteration_30_is_reported_without_running_the_cell_again(shell):
     _on(shell)
     _run(shell, SETUP)

@@ -162,14 +162,13 @@ class AlwaysOn:
             self._depth -= 1
 
     def _unarmed(self, run: Callable[[], Any]) -> Any:
-        """``run()`` with the trigger disarmed (a watched cell's own capture records its backward(): the
-        trigger's test stays out of every iteration), armed again after."""
-        self._trigger.disarm()
+        """``run()`` with the trigger paused (a watched cell's own capture records its backward(): the trigger
+        stays out of every iteration), armed again after."""
+        self._trigger.pause()
         try:
             return run()
         finally:
-            if self._running is None:  # (not while a watch the trigger opened is still open)
-                self._trigger.arm(self._open)
+            self._trigger.resume(self._open)
 
     def _cell_file(self, raw_cell: str, number: int) -> tuple[str, str]:
         """(the cell as Python, the file name ``run_cell`` compiles it under)."""

@@ -134,6 +134,7 @@ class BackwardTrigger:
         self.watch: Watch | None = None
         self._real: Any = None
         self._fn: Any = None
+        self._paused = False
 
     def install(self) -> None:
         real = self._real = torch.autograd.backward
@@ -162,7 +163,28 @@ class BackwardTrigger:
         self._opener = None
         if self._fn is not None and torch.autograd.backward is self._fn:
             torch.autograd.backward = self._real
-        self._fn = None
+        self._fn, self._paused = None, False
+
+    def pause(self) -> None:
+        """Disarmed and out of the way while a watched cell runs: ``torch.autograd.backward`` is the real one
+        again when this one is on top (the cell's capture wraps that: one Python call fewer at every
+        ``backward()`` of its loop). :meth:`resume` puts it back."""
+        self.disarm()
+        if self._fn is not None and torch.autograd.backward is self._fn:
+            torch.autograd.backward = self._real
+            self._paused = True
+
+    def resume(self, open_watch: Callable[[types.FrameType], Watch | None]) -> None:
+        """Back in place after :meth:`pause` (over what the cell left there, if it wrapped ``backward`` itself:
+        this one was not in that chain), and armed with ``open_watch``."""
+        if self._paused:
+            self._paused = False
+            if self._fn is not None:  # (not when `off` ran in the cell)
+                if torch.autograd.backward is self._real:
+                    torch.autograd.backward = self._fn
+                else:
+                    self.install()
+        self.arm(open_watch)
 
     def arm(self, open_watch: Callable[[types.FrameType], Watch | None]) -> None:
         """Ask ``open_watch`` at the next ``backward()`` calls (nothing while not installed)."""
