@@ -291,3 +291,37 @@ for x, y in loader:
 """
     report = bd.diagnose(cell, ns2, engine=engine)
     assert report.findings == [], _describe(report)
+
+
+def test_accelerate_state_left_by_an_earlier_cell_changes_no_record_of_a_long_loop(engine, monkeypatch):
+    """Past its 16 detailed windows the accumulation watch keeps up to 8 more that stepped off Accelerate's
+    sync: with the flag an earlier cell left behind (no ``accumulate()`` in this run), a plain loop of 40 steps
+    keeps the same record as in a fresh process, not 8 windows more."""
+    import dataclasses
+
+    from accelerate.state import GradientState
+
+    cell = """\
+for x, y in loader:
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+"""
+
+    def record(state: dict) -> dict:
+        monkeypatch.setattr(GradientState, "_shared_state", state)
+        torch.manual_seed(0)
+        ns = {"torch": torch, "model": torch.nn.Linear(16, 5), "loader": ll.xy_loader(n=320, batch=8)}
+        ns["optimizer"] = torch.optim.SGD(ns["model"].parameters(), lr=0.1)
+        return dataclasses.asdict(bd.diagnose(cell, ns, engine=engine).trace.accumulation)
+
+    left = record({"sync_gradients": False, "plugin_kwargs": {"num_steps": 2}})
+    fresh = record({})
+    assert len(fresh["windows"]) == 16 and sum(fresh["per_step"]) == 40
+    assert left == fresh
+    # and on the general path (every window's end in Python, as while the accumulation check measures one)
+    from backward_doctor.capture import accum_watch
+
+    monkeypatch.setattr(accum_watch.AccumulationWatch, "_counting", property(lambda self: False, lambda self, v: None),
+                        raising=False)
+    assert record({"sync_gradients": False, "plugin_kwargs": {"num_steps": 2}}) == record({}) == fresh

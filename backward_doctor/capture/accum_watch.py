@@ -251,7 +251,9 @@ class AccumulationWatch:
         per_step[bucket] += 1
         sync, num = _accelerate_state(self._accelerate) if self._accelerate is not None else (None, 0)
         zeros = [self._stepped(z, ref, opt) for z, ref in self._zeros] if self._zeros else []
-        odd = n >= 2 and any(z.stepped for z in zeros) or sync is False
+        # (a step off Accelerate's sync only while this run saw the flag both ways, i.e. an accumulate() ran:
+        # False alone is the process-wide state an earlier run left, and finish() drops it)
+        odd = n >= 2 and any(z.stepped for z in zeros) or (sync is False and len(self._syncs) == 2)
         if len(rec.windows) < _DETAILED or (odd and len(rec.windows) < _DETAILED + _ANOMALIES):  # (_detailed)
             w = self._step_where
             rec.windows.append(StepWindow(
