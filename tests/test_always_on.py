@@ -144,8 +144,13 @@ def test_a_cell_without_autograd_is_not_watched_and_nothing_stays_installed(shel
     assert result.success and cap.stdout == "torch.Size([16, 1])\n" and cap.outputs == []
     assert bd.last_report() is last                                   # no run was made
     assert torch.autograd.backward is real_backward and fi.baseline() == before
-    result, cap = _run(shell, "z_ = 3\nz_")                          # no call at all: passed straight on
-    assert result.success and result.result == 3 and bd.last_report() is last
+    from backward_doctor.frontends import always_on
+
+    with mock.patch.object(always_on, "_search", wraps=always_on._search) as search:
+        for _ in range(3):                                           # no call at all: passed straight on,
+            result, cap = _run(shell, "z_ = 3\nz_")                  # and its text searched once
+            assert result.success and result.result == 3 and bd.last_report() is last
+    assert search.call_count == 1
 
 
 def test_a_cell_of_data_run_again_skips_the_guess_but_not_the_trigger(shell):

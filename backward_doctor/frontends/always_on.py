@@ -11,9 +11,9 @@ watched cell runs; ``off`` puts both back.
   the iteration where NaN/Inf first showed replayed from the state kept at its start), the timeout
   counted from the latest optimizer step;
 - any other cell runs as it is. Nothing is installed, nothing is recorded: a cell that calls no
-  ``backward()`` pays for the guess; run again, a cell whose guess depended only on its names being data
-  (``n = len(x)``) pays for a dictionary lookup and its names' types instead. A ``backward()`` the guess did
-  not expect finds the cell itself (IPython's ``ExecutionResult`` of the cell running, which knows its text)
+  ``backward()`` pays for the guess; run again, a cell decided by its text (no call, ``x = 1``) or by its
+  text and its names being data (``n = len(x)``) pays for a dictionary lookup and those names' types. A
+  ``backward()`` the guess did not expect finds the cell itself (IPython's ``ExecutionResult`` of the cell running, which knows its text)
   and opens a :class:`~backward_doctor.run.watch.Watch` there, for the rest of the cell, ended by IPython's
   ``post_run_cell`` event for that cell (so no cell pays for arming the trigger around it).
 
@@ -94,22 +94,22 @@ class AlwaysOn:
         self._running: Any = None  # (the ExecutionResult of the cell whose backward() opened a watch)
         self._opened: dict[str, Any] = {}  # (what that watch opened with)
         self._main = threading.main_thread().ident  # (the thread cells run in; a fixed number while it lives)
-        self._data_cells: dict[str, tuple[str, ...]] = {}  # a cell's text -> its names (see install)
+        self._data_cells: dict[str, tuple[str, ...]] = {}  # a cell's text -> its names (see install, _remember)
         self._open = self._open_at  # (bound once: what the trigger is armed with)
 
     # ---------------------------------------------------------------- on / off
     def install(self) -> None:
         original = self.shell.run_cell
         self._original = original
-        shell, method, data_cells = self.shell, self.run_cell, self._data_cells
+        shell, method, data_cells, remember = self.shell, self.run_cell, self._data_cells, self._remember
 
         @functools.wraps(original)
         def run_cell(raw_cell: str, *args: Any, **kwargs: Any) -> Any:
-            # A cell with a call that ran before, whose guess depended only on its names being data (`n =
-            # len(x)`): the same guess in as little as can be (~2% of such a cell's time is the budget; in
-            # IPython's wake every object made and every call costs 0.3-1% of it, measured: no regex match, no
-            # bound method, trains.is_data written out, not called). It runs as it is, as the guess would
-            # have it, whether nested, silent or in another thread: the trigger asks those at a backward().
+            # A cell that ran before and was decided by its text alone (no call: `x = 1`), or by its text and
+            # its names being data (`n = len(x)`): the same decision in as little as can be (~2% of such a
+            # cell's time is the budget; in IPython's wake every object made and every call costs 0.3-1% of it,
+            # measured: no regex search, no bound method, trains.is_data written out, not called). It runs as
+            # it is, whether nested, silent or in another thread: the trigger asks those at a backward().
             names = data_cells.get(raw_cell) if type(raw_cell) is str else None
             if names is not None:
                 ns = shell.user_ns
@@ -119,6 +119,7 @@ class AlwaysOn:
                 else:
                     return original(raw_cell, *args, **kwargs)
             elif type(raw_cell) is str and not _search(raw_cell):  # (the commonest cell: no call, passed on)
+                remember(raw_cell, ())
                 return original(raw_cell, *args, **kwargs)
             return method(raw_cell, *args, **kwargs)
 
@@ -148,18 +149,24 @@ class AlwaysOn:
         ns = self.shell.user_ns
         if not might_train(raw_cell, ns):
             names = names_of(raw_cell)
-            if names is not None and len(raw_cell) <= _DATA_CELL_CHARS and is_data(names, ns):
+            if names is not None and is_data(names, ns):
                 # (decided by its text and its names' types alone, might_train's first test: the installed
                 # wrapper tests those next time, once per cell's text asked here)
-                if len(self._data_cells) >= _DATA_CELLS:
-                    self._data_cells.clear()
-                self._data_cells[raw_cell] = names
+                self._remember(raw_cell, names)
             return self._original(raw_cell, *args, **kwargs)
         self._depth += 1
         try:
             return self._unarmed(lambda: self._watched(raw_cell, args, kwargs))
         finally:
             self._depth -= 1
+
+    def _remember(self, raw_cell: str, names: tuple[str, ...]) -> None:
+        """Keep a cell decided by its text (and ``names`` being data) for the installed wrapper's next time (not
+        a long one: its guess is a small part of its time)."""
+        if len(raw_cell) <= _DATA_CELL_CHARS:
+            if len(self._data_cells) >= _DATA_CELLS:
+                self._data_cells.clear()
+            self._data_cells[raw_cell] = names
 
     def _unarmed(self, run: Callable[[], Any]) -> Any:
         """``run()`` with the trigger paused (a watched cell's own capture records its backward(): the trigger
