@@ -13,9 +13,9 @@ watched cell runs; ``off`` puts both back.
 - any other cell runs as it is. Nothing is installed, nothing is recorded: a cell that calls no
   ``backward()`` pays for the guess; run again, a cell decided by its text (no call, ``x = 1``) or by its
   text and its names being data (``n = len(x)``) pays for a dictionary lookup and those names' types. A
-  ``backward()`` the guess did not expect finds the cell itself (IPython's ``ExecutionResult`` of the cell running, which knows its text)
-  and opens a :class:`~backward_doctor.run.watch.Watch` there, for the rest of the cell, ended by IPython's
-  ``post_run_cell`` event for that cell (so no cell pays for arming the trigger around it).
+  ``backward()`` the guess did not expect finds the cell itself (IPython's ``ExecutionResult`` of the cell
+  running, which knows its text) and opens a :class:`~backward_doctor.run.watch.Watch` there, for the rest of
+  the cell, ended by IPython's ``post_run_cell`` event for that cell (no cell pays for arming the trigger).
 
 When a watched cell fails (an exception after the step began, NaN/Inf in the loss or weights, a hang
 past ``--timeout``, a Ctrl-C, an OOM) the report (the panel in Jupyter) is displayed, then IPython's

@@ -120,8 +120,9 @@ class BackwardTrigger:
     *armed*, asks its opener at each call whether a watch opens there: ``open_watch(frame)`` (``frame``: the
     caller of ``backward``) returns the watch it began, or None to let the call pass (no cell running, another
     thread, one already watched). Once a watch opens the trigger disarms itself and the call goes through the
-    capture's own wrapper, so that first loss is watched too; disarmed, it passes every call straight on (a
-    watched loop's backward pays one test). Its owner arms it again when the cell that opened the watch ends.
+    capture's own wrapper, so that first loss is watched too; disarmed, it passes every call straight on. Its
+    owner arms it again when the cell that opened the watch ends, and pauses it (out of the function) while a
+    watched cell runs.
 
     >>> trigger = BackwardTrigger()
     >>> trigger.arm(lambda frame: None)  # (not installed: arming does nothing)
