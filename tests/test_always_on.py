@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import re
-import warnings
 import weakref
 from unittest import mock
 
@@ -319,31 +318,13 @@ def test_out_of_memory_under_a_memory_limit(shell):
 
 
 def test_ctrl_c_in_a_watched_cell(shell):
-    """Ctrl-C pressed (SIGINT, as a kernel's interrupt sends it) every 0.5 s until the cell stops, as a user
-    presses it again: once, in a CI run of the whole suite, the only one sent was lost and the loop ran its
-    100,000 iterations (not reproduced in 40 runs of this test, 15 beside two CPU hogs). A Ctrl-C that
-    needed pressing twice is reported as a warning, with what the cell wrote on stderr."""
     _on(shell)
     _run(shell, SETUP)
     cell = ("import os, signal, threading, time\n"
-            "stop_, pokes_ = threading.Event(), []\n"
-            "def poke_():\n"
-            "    while not stop_.wait(0.5):\n"
-            "        pokes_.append(time.monotonic())\n"
-            "        os.kill(os.getpid(), signal.SIGINT)\n"
-            "t_ = threading.Thread(target=poke_, daemon=True)\n"
-            "t_.start()\n"
-            "try:\n"
-            "    for i in range(100000):\n"
-            "        model(x).sum().backward()\n        opt.step()\n        time.sleep(0.01)\n"
-            "finally:\n"
-            "    stop_.set()\n"
-            "    t_.join()\n")
+            "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "for i in range(100000):\n    model(x).sum().backward()\n    opt.step()\n    time.sleep(0.01)\n")
     result, cap = _run(shell, cell)
-    assert isinstance(result.error_in_exec, KeyboardInterrupt), cap.stderr[-2000:]
-    if len(shell.user_ns["pokes_"]) > 1:
-        warnings.warn(f"a Ctrl-C was pressed {len(shell.user_ns['pokes_'])} times before it stopped the cell; "
-                      f"the cell's stderr: {cap.stderr[-1500:]!r}")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
     report = bd.last_report()
     assert report.findings[0].kind == "hang" and "interrupted by hand" in report.findings[0].message
     assert cap.outputs[-1].data["text/plain"].startswith("backward_doctor: PROBLEM")

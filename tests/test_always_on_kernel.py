@@ -62,24 +62,13 @@ for i in range(3):
     opt.step()
 time.sleep(120)
 """
-#: SIGINT (what the kernel's interrupt sends) every second until the cell stops, as a user presses Ctrl-C again
-#: (``test_always_on.py::test_ctrl_c_in_a_watched_cell``: once, a single one was lost in a CI run)
 CTRL_C = """\
 import os, signal, threading, time
-stop_ = threading.Event()
-def poke_():
-    while not stop_.wait(1.0):
-        os.kill(os.getpid(), signal.SIGINT)
-t_ = threading.Thread(target=poke_, daemon=True)
-t_.start()
-try:
-    for i in range(10**6):
-        model(x).sum().backward()
-        opt.step()
-        time.sleep(0.01)
-finally:
-    stop_.set()
-    t_.join()
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # what the kernel's interrupt sends
+for i in range(10**6):
+    model(x).sum().backward()
+    opt.step()
+    time.sleep(0.01)
 """
 
 #: a backward() the guess cannot see (a dict's function, defined in a cell before), then an error: the watch
