@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import re
+import signal
 import weakref
 from unittest import mock
 
@@ -323,7 +324,14 @@ def test_ctrl_c_in_a_watched_cell(shell):
     cell = ("import os, signal, threading, time\n"
             "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
             "for i in range(100000):\n    model(x).sum().backward()\n    opt.step()\n    time.sleep(0.01)\n")
-    result, cap = _run(shell, cell)
+    # A process started in the background by a shell without job control ignores SIGINT from the start (POSIX):
+    # so did a CI run of the whole suite started so, and this loop ran its 100,000 iterations. Python's usual
+    # handler, as a terminal (and ipykernel, while a cell runs) has it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        result, cap = _run(shell, cell)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
     report = bd.last_report()
     assert report.findings[0].kind == "hang" and "interrupted by hand" in report.findings[0].message
