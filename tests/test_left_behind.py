@@ -137,13 +137,24 @@ def test_a_kernel_interrupt_stops_an_nproc_cell_at_once(tmp_path):
 
 
 # --------------------------------------------------------------------------- 11. SIGTERM / SIGHUP to the launcher
+def _launch(tmp_path, hangup: str = "SIG_DFL") -> subprocess.Popen:
+    """``python -m backward_doctor --nproc 2 hang.py`` with SIGTERM at its default and SIGHUP as ``hangup``
+    says, whatever this process inherited: a terminal's process has both at their default (``SIG_DFL``);
+    under ``nohup`` SIGHUP is ignored (``SIG_IGN``), and so it was in a CI run started that way. (Set in a
+    small Python that then execs the launcher: an exec keeps both.)"""
+    script = tmp_path / "hang.py"
+    script.write_text(HANG.format(folder=str(tmp_path)))
+    setup = ("import os, signal, sys\n"
+             f"signal.signal(signal.SIGTERM, signal.SIG_DFL); signal.signal(signal.SIGHUP, signal.{hangup})\n"
+             "os.execv(sys.executable, [sys.executable, '-m', 'backward_doctor', *sys.argv[1:]])\n")
+    return subprocess.Popen([sys.executable, "-c", setup, "--nproc", "2", str(script), "--timeout", "300"],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_or_sighup_to_the_launcher_stops_the_ranks_and_removes_their_folder(tmp_path, sig):
-    script = tmp_path / "hang.py"
-    script.write_text(HANG.format(folder=str(tmp_path)))
-    proc = subprocess.Popen([sys.executable, "-m", "backward_doctor", "--nproc", "2", str(script), "--timeout", "300"],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _launch(tmp_path)
     try:
         assert _wait_for(lambda: len(_pids(tmp_path)) == 2 or proc.poll() is not None), "the ranks never started"
         ranks = _pids(tmp_path)
@@ -152,6 +163,28 @@ def test_sigterm_or_sighup_to_the_launcher_stops_the_ranks_and_removes_their_fol
         proc.send_signal(sig)
         proc.wait(timeout=120)
         assert proc.returncode == -sig  # it ended as the signal ends it, once it had cleaned up
+        assert _wait_for(lambda: not any(_alive(p) for p in ranks), limit=30)
+        assert not any(os.path.exists(f) for f in folders)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.distributed
+def test_a_launcher_under_nohup_keeps_running_through_a_hangup(tmp_path):
+    """SIGHUP ignored when the launcher starts (``nohup``): a hangup leaves the run going, as the user asked;
+    a SIGTERM then stops the ranks and removes their folder as usual."""
+    proc = _launch(tmp_path, hangup="SIG_IGN")
+    try:
+        assert _wait_for(lambda: len(_pids(tmp_path)) == 2 or proc.poll() is not None), "the ranks never started"
+        ranks = _pids(tmp_path)
+        folders = {open(f"/proc/{p}/cmdline").read().split("\0")[4] for p in ranks}
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(3)
+        assert proc.poll() is None and all(_alive(p) for p in ranks) and all(os.path.isdir(f) for f in folders)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        assert proc.returncode == -signal.SIGTERM
         assert _wait_for(lambda: not any(_alive(p) for p in ranks), limit=30)
         assert not any(os.path.exists(f) for f in folders)
     finally:

@@ -246,7 +246,9 @@ class _Terminated(BaseException):
 
 def _on_termination(ended_by: list[int]) -> dict[int, Any]:
     """While ranks run: SIGTERM and SIGHUP first stop them and remove their folder (``supervise``), then
-    end the process as before. Only the main thread can set handlers; elsewhere nothing changes."""
+    end the process as before. Only the main thread can set handlers; elsewhere nothing changes. A signal
+    ignored when the run began stays ignored (``nohup`` ignores SIGHUP: the user asked the run to outlive
+    the terminal)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
@@ -258,7 +260,7 @@ def _on_termination(ended_by: list[int]) -> dict[int, Any]:
     previous = {}
     for name in ("SIGTERM", "SIGHUP"):
         sig = getattr(signal, name, None)
-        if sig is not None:
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
             try:
                 previous[sig] = signal.signal(sig, handler)
             except (ValueError, OSError):
