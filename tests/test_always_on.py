@@ -209,6 +209,25 @@ def test_the_trigger_opens_a_watch_only_for_the_running_cell_of_this_thread(shel
     assert shell.events.callbacks["post_run_cell"] == callbacks and "showtraceback" not in vars(shell)
 
 
+def test_a_watch_opened_under_a_result_ipython_left_behind_ends_with_the_next_cell(shell):
+    """IPython's machinery raising inside a cell leaves its result as the one running; a ``backward()`` in a
+    widget's callback after that opens a watch for that cell, which has ended already: the next cell's end
+    ends it (no traceback held back for good), while a cell a watched cell runs itself does not."""
+    _on(shell)
+    _run(shell, SETUP)
+    callbacks = list(shell.events.callbacks["post_run_cell"])
+    left, _ = _run(shell, "1")
+    shell.displayhook.exec_result = left                          # (as IPython leaves it when it raised)
+    model, x = shell.user_ns["model"], shell.user_ns["x"]
+    model(x).sum().backward()                                     # a widget's callback, between cells
+    assert "showtraceback" in vars(shell)                         # a watch opened, tracebacks held
+    result, cap = _run(shell, "y_ = 2")
+    assert result.success and "showtraceback" not in vars(shell)
+    assert shell.events.callbacks["post_run_cell"] == callbacks
+    result, cap = _run(shell, "raise KeyError('shown')")
+    assert "KeyError" in cap.stdout
+
+
 def test_a_watched_cell_runs_without_the_trigger_and_a_cell_wrapping_backward_keeps_it(shell):
     """While a cell guessed to train runs, the trigger is out of ``torch.autograd.backward`` (the capture wraps
     the real one: no call of the trigger's at each iteration); after a cell that wrapped ``backward`` itself the

@@ -1,9 +1,8 @@
 """``%backward_doctor on``: every later cell that trains is watched, and the diagnosis is already there the
 first time one fails.
 
-While on, the shell's ``run_cell`` is wrapped (an attribute of the shell instance) and
-``torch.autograd.backward`` replaced by a trigger (``cell_watch.BackwardTrigger``), armed except while a
-watched cell runs; ``off`` puts both back.
+While on, the shell's ``run_cell`` is wrapped (an instance attribute) and ``torch.autograd.backward`` replaced
+by a trigger (``cell_watch.BackwardTrigger``), armed except while a watched cell runs; ``off`` puts both back.
 
 - a cell that will train, by a guess from its text and the code of the notebook functions it calls
   (``capture/trains.py``, microseconds), runs under :func:`~backward_doctor.run.step.run_step` exactly as
@@ -29,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -99,8 +99,7 @@ class AlwaysOn:
 
     # ---------------------------------------------------------------- on / off
     def install(self) -> None:
-        original = self.shell.run_cell
-        self._original = original
+        original = self._original = self.shell.run_cell
         shell, method, data_cells, remember = self.shell, self.run_cell, self._data_cells, self._remember
 
         @functools.wraps(original)
@@ -129,8 +128,7 @@ class AlwaysOn:
         self.shell.run_cell = run_cell
 
     def uninstall(self) -> None:
-        current = vars(self.shell).get("run_cell")
-        if getattr(current, "__backward_doctor__", None) is self:
+        if getattr(vars(self.shell).get("run_cell"), "__backward_doctor__", None) is self:
             del self.shell.run_cell  # the class's own method again
         self._trigger.uninstall()  # (a watch a cell opened is still ended, and its report shown, at its end)
 
@@ -161,16 +159,14 @@ class AlwaysOn:
             self._depth -= 1
 
     def _remember(self, raw_cell: str, names: tuple[str, ...]) -> None:
-        """Keep a cell decided by its text (and ``names`` being data) for the installed wrapper's next time (not
-        a long one: its guess is a small part of its time)."""
+        """Keep a cell decided by its text (and ``names`` being data) for the installed wrapper (not a long one)."""
         if len(raw_cell) <= _DATA_CELL_CHARS:
             if len(self._data_cells) >= _DATA_CELLS:
                 self._data_cells.clear()
             self._data_cells[raw_cell] = names
 
     def _unarmed(self, run: Callable[[], Any]) -> Any:
-        """``run()`` with the trigger paused (a watched cell's own capture records its backward(): the trigger
-        stays out of every iteration), armed again after."""
+        """``run()`` with the trigger paused (out of every iteration: the cell's capture records them), then armed."""
         self._trigger.pause()
         try:
             return run()
@@ -229,9 +225,8 @@ class AlwaysOn:
         return result
 
     def _open_at(self, frame: Any) -> Watch | None:
-        """The watch a cell that was not expected to train opens at its first ``backward()`` (``frame``, its
-        caller), or None: no cell is running (a widget's callback between cells), another thread's, a silent
-        run, or a diagnosis already records it."""
+        """The watch a cell not expected to train opens at its first ``backward()`` (``frame``, its caller), or
+        None: no cell running (a widget's callback), another thread's, a silent run, a diagnosis records it."""
         if _get_ident() != self._main or running_captures:  # (a training thread's backward: asked at each)
             return None
         shell, opts = self.shell, self.options
@@ -249,7 +244,7 @@ class AlwaysOn:
         source, filename = self._cell_file(raw_cell, number)
         while frame is not None and frame.f_code.co_filename != filename:
             frame = frame.f_back
-        opened.update(source=source, line=frame.f_lineno if frame is not None else None)
+        opened.update(source=source, file=filename, line=frame.f_lineno if frame is not None else None)
         del frame
         watch = Watch(shell.user_ns, source=source, cell_file=filename, timeout=opts.timeout,
                       memory_limit=opts.memory_limit, engine=opts.engine, every_iteration=opts.every_iteration,
@@ -265,9 +260,14 @@ class AlwaysOn:
     def _cell_ended(self, result: Any = None) -> None:
         """IPython's ``post_run_cell``: when the cell whose ``backward()`` opened a watch ends (not a cell it ran
         itself), the watch ends, its report shows (as a watched cell's), then the held traceback; the trigger
-        is armed again. ``result`` is None when IPython's own machinery raised (it goes on after this)."""
+        is armed again. ``result`` is None when IPython's own machinery raised (it goes on after this); when it
+        raised in the watched cell and left its result in place, the next cell's end (not its run) ends it."""
         if result is not None and result is not self._running:
-            return
+            frame, file = sys._getframe(1), self._opened.get("file")
+            while frame is not None and frame.f_code.co_filename != file:
+                frame = frame.f_back
+            if frame is not None:  # (a cell the watched one runs itself)
+                return
         self.shell.events.unregister("post_run_cell", self._cell_ended)
         self._running = None
         watch = self._trigger.disarm()
