@@ -127,15 +127,27 @@ def test_nan_gradients_from_a_finite_loss_are_named_before_the_step():
     assert dataclasses.asdict(nits) == dataclasses.asdict(pits)
 
 
-def test_an_exception_of_the_users_in_a_group_goes_on_as_it_would():
-    class Groups(tuple):  # (no list: read by the Python fallback, whose errors are the user's)
+def test_an_exception_of_the_users_in_a_group_is_the_optimizers_to_raise(engine):
+    """param_groups whose iteration raises: the watches read no norm (an error of a user's object the doctor asked
+    is the doctor's, never raised into the step), and the optimizer raises it itself, exactly as without the
+    doctor."""
+    class Groups(tuple):  # (no list: read by the Python fallback)
         def __iter__(self):
             raise KeyError("the user's")
 
-    (pw, _, _), (nw, _, _) = _pair()
-    for w in (pw, nw):
-        with pytest.raises(KeyError, match="the user's"):
-            w.before_step(_Opt(Groups(({"params": []},))))
+    (pw, pits, _), (nw, nits, _) = _pair()
+    for w, its in ((pw, pits), (nw, nits)):
+        w.before_step(_Opt(Groups(({"params": []},))))
+        w.iteration_ended()
+        assert its.grad_norm == [None]
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.param_groups = Groups(({"params": [p], "lr": 0.1},))
+    plain = pytest.raises(KeyError, match="the user's")
+    with plain:
+        opt.step()
+    report = bd.diagnose("(p * 2).sum().backward()\nopt.step()\n", {"p": p, "opt": opt}, engine=engine)
+    assert (report.exception or "").startswith("KeyError"), report
 
 
 def test_the_native_watch_keeps_no_capture_alive():

@@ -36,6 +36,7 @@ import torch
 
 from ..trace.accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWindow, ZeroGradCall
 from .accum_check import EquivalenceCheck, divisor, number
+from .guard import nothing
 from .patches import Patches, named_like
 from .process import doctors_own
 from ..util.units import available_ram, format_bytes
@@ -58,8 +59,10 @@ class AccumulationWatch:
     def __init__(self, record: Accumulation, *, frames: Any, iteration: Callable[[], int],
                  params: Callable[[], list[torch.Tensor]],
                  quiet: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 scalar: Callable[[Any], float | None] = lambda t: None, counter: Any = None) -> None:
+                 scalar: Callable[[Any], float | None] = lambda t: None, counter: Any = None,
+                 guards: Any = None) -> None:
         self.record = record
+        self.guards = guards  # the run's (guard.py): its zero_grad wrapper's failure switches it off
         self._frames, self._iteration, self._params = frames, iteration, params
         self._quiet, self._scalar = quiet, scalar
         self._thread = threading.get_ident()
@@ -194,7 +197,11 @@ class AccumulationWatch:
         watch = self
 
         def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
-            watch.zeroing(self, target)
+            try:
+                watch.zeroing(self, target)
+            except Exception as exc:  # (the watch's own failure: it stops, the user's zero_grad() runs)
+                if watch.guards is None or not watch.guards.failed("accumulation", exc):
+                    raise
             return real(self, *args, **kwargs)
 
         return named_like(zero_grad, real)
@@ -306,6 +313,21 @@ class AccumulationWatch:
                 while len(per_step) <= bucket:
                     per_step.append(0)
                 per_step[bucket] += k
+
+    def off(self) -> None:
+        """Switched off for the rest of the run (its bookkeeping failed, ``guard.py``): the wrappers put back for
+        good; ``backward_began`` still says which ``backward()`` is the loss (the loop watch reads it), the rest
+        does nothing, and a window's start counts as zeroed (nothing is called stale on this watch's word)."""
+        core, self._core, self._counter_type, self._check = self._core, None, None, None
+        if core is not None:
+            for name in self._NATIVE:
+                self.__dict__.pop(name, None)
+        self.patches.disable()
+        thread = self._thread
+        self.backward_began = lambda t: _get_ident() == thread and _graph_task_id() == -1  # type: ignore
+        self.zeroed_first = lambda: True  # type: ignore[method-assign]
+        for name in ("backward_ended", "zeroing", "step_began", "step_ended", "skipped_step"):
+            setattr(self, name, nothing)
 
     def skipped_step(self) -> None:
         """A GradScaler skipped the optimizer step (inf/NaN gradients): the window ends without a step."""

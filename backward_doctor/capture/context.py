@@ -27,12 +27,13 @@ from torch.nn.modules import module as _nn_module
 
 from . import namespace as ns_mod
 from .compile_watch import CompileWatch
+from .guard import nothing
 from .worker_watch import WorkerWatch
 from .loop_hooks import LoopHooks
 from .optim_hooks import OptimizerHooks
-from .process import complete, interrupts_deferred
+from .process import complete, doctors_own, interrupts_deferred
 from .mode import _DoctorMode, take_off
-from .record import OpRecorder
+from .record import OpRecorder, passed_on
 from .memory import shape_of, storage_key
 from .. import native
 from ..trace.parts import Carrier
@@ -151,6 +152,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         """What exists before the step (namespace, parameters, optimizer state), and the global hooks.
         Each undo step goes on the stack before what it undoes is installed (every one of them is safe
         to run when nothing, or only part, was installed)."""
+        self._guard_watches()
         self._undo.push("parameter hooks", self._remove_parameter_hooks)
         self._scan_namespace()
         if self.history is not None:
@@ -186,13 +188,13 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         self._remove_all(self._handles)
 
     def _add_global_hooks(self) -> None:
-        if not self._global_handles:  # (installed once: compilations nest)
-            self._global_handles.append(_optim.register_optimizer_step_pre_hook(self._optim_pre))
-            self._global_handles.append(_optim.register_optimizer_step_post_hook(self._optim_post))
+        if not self._global_handles and not self.guards.stopped("optimizer"):  # (once: compilations nest)
+            self._global_handles.append(_optim.register_optimizer_step_pre_hook(self._step_pre_hook))
+            self._global_handles.append(_optim.register_optimizer_step_post_hook(self._step_post_hook))
         self._add_module_hooks()
 
     def _add_module_hooks(self) -> None:
-        if not self._module_handles:
+        if not self._module_handles and not self.guards.stopped("modules"):
             self._module_handles.append(_nn_module.register_module_forward_pre_hook(self._module_pre))
             self._module_handles.append(_nn_module.register_module_forward_hook(self._module_post,
                                                                                 always_call=True))
@@ -203,6 +205,22 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
     def _remove_global_hooks(self) -> None:
         self._remove_all(self._global_handles)
         self._remove_module_hooks()
+
+    def _guard_watches(self) -> None:
+        """What switches each watch off when its bookkeeping fails (``guard.py``); the loop's watches register
+        theirs as they are made (``loop_hooks.py``)."""
+        g = self.guards
+        g.on_stop("optimizer", lambda: self._remove_all(self._global_handles))
+        g.on_stop("modules", self._remove_module_hooks)
+        g.on_stop("gradients", self._remove_parameter_hooks)
+        g.on_stop("rollback", lambda: setattr(self, "rollback", None))
+        g.on_stop("sampling", lambda: setattr(self, "_begin_iteration", nothing))
+        g.on_stop("compile", self._compile_watch.remove)
+        g.on_stop("recorder", self._recorder_off)
+
+    def _recorder_off(self) -> None:
+        """The op recorder's bookkeeping failed: from now on the dispatch mode passes every op straight on."""
+        self.dispatch = passed_on  # (the mode looks ``dispatch`` up at each op: the instance's wins)
 
     def _compile_started(self) -> None:
         """torch.compile starts compiling (dynamo tracing a frame, or a backward compiled lazily): the
@@ -229,16 +247,13 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
 
     # ---------------------------------------------------------------- namespace
     def _scan_namespace(self) -> None:
+        """What the namespace holds before the step. An object that cannot be read (a user's container that
+        raises) is left out and said: the step must run all the same."""
         led = self._ledger
         for name, mod in ns_mod.modules(self.namespace):
-            self._register_module(mod)
+            self._scanned(name, self._register_module, mod)
         for name, opt in ns_mod.optimizers(self.namespace):
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    self._register_param(p)
-            for t in ns_mod.optimizer_state_tensors(opt):
-                led.track(t, "optimizer")
-            self.trace.optimizers.append(ns_mod.optimizer_summary(name, opt))  # for OOM predictions
+            self._scanned(name, self._scan_optimizer, name, opt)
         for name, t in ns_mod.tensors(self.namespace):
             key = storage_key(t)
             if key is not None:
@@ -247,6 +262,24 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
             if t.grad_fn is not None:
                 self.trace.carriers.append(Carrier(variable=name, shape=list(shape_of(t)),
                                                    grad_fn=type(t.grad_fn).__name__, key=key or 0))
+
+    def _scan_optimizer(self, name: str, opt: torch.optim.Optimizer) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                self._register_param(p)
+        for t in ns_mod.optimizer_state_tensors(opt):
+            self._ledger.track(t, "optimizer")
+        self.trace.optimizers.append(ns_mod.optimizer_summary(name, opt))  # for OOM predictions
+
+    def _scanned(self, name: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            if not doctors_own(exc):
+                raise
+            self.trace.notes.append(f"`{name}` could not be read before the step ({type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0][:120] if str(exc) else ''}): what it holds is "
+                                    "not counted as existing before the step")
 
     def _forget_zeroed_grads(self) -> None:
         """Gradients zeroed since their step (e.g. by zero_grad in another cell) are not stale."""
@@ -260,18 +293,26 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
 
     # ---------------------------------------------------------------- hooks
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if id(module) not in self._modules:
-            self._register_module(module)
-        self._module_stack.append(id(module))
-        self._stack_key = tuple(self._module_stack)
+        try:
+            if id(module) not in self._modules:
+                self._register_module(module)
+            self._module_stack.append(id(module))
+            self._stack_key = tuple(self._module_stack)
+        except Exception as exc:  # (the watch's own failure: it stops, the module runs, ``guard.py``)
+            if not self.guards.failed("modules", exc):
+                raise
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        stack = self._module_stack
-        if stack and stack[-1] == id(module):
-            stack.pop()
-        elif id(module) in stack:  # an exception skipped inner post-hooks
-            del stack[stack.index(id(module)):]
-        self._stack_key = tuple(stack)
+        try:
+            stack = self._module_stack
+            if stack and stack[-1] == id(module):
+                stack.pop()
+            elif id(module) in stack:  # an exception skipped inner post-hooks
+                del stack[stack.index(id(module)):]
+            self._stack_key = tuple(stack)
+        except Exception as exc:
+            if not self.guards.failed("modules", exc):
+                raise
 
     # ---------------------------------------------------------------- per op
     def _caller(self) -> Any:

@@ -21,6 +21,8 @@ from . import namespace as ns_mod
 from .accum_watch import AccumulationWatch
 from .loop_watch import LoopWatch, python_sumsq
 from .precision_watch import PrecisionWatch
+from ..trace.accumulation import Accumulation
+from ..trace.precision import Precision
 from .process import doctors_own, patch
 
 _sequence_nr = torch._C._autograd._get_sequence_nr
@@ -45,25 +47,37 @@ class LoopHooks:
         """``torch.autograd.backward`` (what ``Tensor.backward`` calls) tells the watches the loss first: the
         accumulation watch counts the calls per optimizer step there, whatever phase the ops get, and a call it
         counts (the cell thread's, not one nested in another) is the loss the loop watch reads."""
-        watch = self._watch
+        watch, guards = self._watch, self.guards
         accum = self._accum = AccumulationWatch(self.trace.accumulation, frames=self._frames, params=self.parameters,
                                                 iteration=lambda: self.trace.iterations.steps, quiet=self._quiet_ops,
-                                                scalar=watch.scalar, counter=self._accum_counter())
-
-        saw, ended = watch.saw_backward, accum.backward_ended  # (bound once; backward_began may be the counter's)
+                                                scalar=watch.scalar, counter=self._accum_counter(), guards=guards)
 
         def wrap(real: Any) -> Any:
             def backward(*args: Any, **kwargs: Any) -> Any:
-                tensors = args[0] if args else kwargs.get("tensors")
-                if isinstance(tensors, _SEQUENCES) and len(tensors) == 1:  # (the loss, once for both watches)
-                    tensors = tensors[0]
-                counted = accum.backward_began(tensors)
+                # (each watch's part under its guard, the user's backward() outside both: ``guard.py``)
+                counted = False
+                try:
+                    tensors = args[0] if args else kwargs.get("tensors")
+                    if isinstance(tensors, _SEQUENCES) and len(tensors) == 1:  # (the loss, once for both watches)
+                        tensors = tensors[0]
+                    counted = accum.backward_began(tensors)
+                except Exception as exc:
+                    if not guards.failed("accumulation", exc):
+                        raise
                 if counted:  # (not a reentrant checkpoint's inner backward(), nor another thread's: not the loss)
-                    saw(tensors)
+                    try:
+                        watch.saw_backward(tensors)
+                    except Exception as exc:
+                        if not guards.failed("loop", exc):
+                            raise
                 try:
                     return real(*args, **kwargs)
                 finally:
-                    ended(counted)
+                    try:
+                        accum.backward_ended(counted)
+                    except Exception as exc:
+                        if not guards.failed("accumulation", exc):
+                            raise
             return backward
 
         # (The undo goes on the stack before the patch: a Ctrl-C in between leaves nothing installed. The undo
@@ -72,9 +86,14 @@ class LoopHooks:
         self._undo.push("torch.autograd.backward", lambda: undo and undo.pop()())
         undo.append(patch(torch.autograd, "backward", wrap))
         self._precision = PrecisionWatch(self.trace.precision, frames=self._frames, on_skipped=accum.skipped_step,
-                                         iteration=lambda: self.trace.iterations.steps)
+                                         iteration=lambda: self.trace.iterations.steps, guards=guards)
         self._undo.push("zero_grad, GradScaler and clipping wrappers", lambda: self._unpatch_training(final=True))
         self._patch_training()
+        guards.on_stop("loop", watch.off)
+        guards.on_stop("accumulation", accum.off)
+        guards.on_stop("accumulation", lambda: setattr(self.trace, "accumulation", Accumulation()))
+        guards.on_stop("precision", self._precision.off)
+        guards.on_stop("precision", lambda: setattr(self.trace, "precision", Precision()))
 
     def _accum_counter(self) -> Any:
         """The type that counts the accumulation watch's counting-only windows in C (the native recorder's), or None."""
@@ -107,14 +126,26 @@ class LoopHooks:
         """The outermost ``optimizer.step()`` is about to run (recorded iteration or not): before its closure,
         if it has one, so that the closure's ``backward()`` counts in this step's window. (The loop watch reads
         the gradients later, in ``_before_update``: after the closure made them.)"""
-        self._accum.step_began(opt, args, kwargs)
-        self._precision.step_began(opt)
+        try:
+            self._accum.step_began(opt, args, kwargs)
+        except Exception as exc:
+            if not self.guards.failed("accumulation", exc):
+                raise
+        try:
+            self._precision.step_began(opt)
+        except Exception as exc:
+            if not self.guards.failed("precision", exc):
+                raise
 
     def _went_nonfinite(self, iteration: int, what: str) -> None:
         """NaN/Inf in this iteration's loss or gradients, seen before its optimizer step: a run-level
         ``rollback`` keeps the state an iteration the recorder did not record can be replayed from."""
         if self.rollback is not None and self._asleep:
-            self.rollback.went_nonfinite(iteration, what)
+            try:
+                self.rollback.went_nonfinite(iteration, what)
+            except Exception as exc:
+                if not self.guards.failed("rollback", exc):
+                    raise
             self._note_loop_values(iteration)  # (not noted asleep: where the loop was, a library's epoch and batch)
 
     def _iteration_ended(self) -> None:
@@ -126,15 +157,36 @@ class LoopHooks:
             its.starts.append(0)
         if not self._asleep:  # the iteration that ended was recorded: what its loop variables were
             self._note_loop_values(its.steps)
-        self._watch.iteration_ended()
-        self._precision.step_ended()
-        self._accum.step_ended()
+        # (each watch under its guard: one failing stops only itself, ``guard.py``)
+        try:
+            self._watch.iteration_ended()
+        except Exception as exc:
+            if not self.guards.failed("loop", exc):
+                raise
+        try:
+            self._precision.step_ended()
+        except Exception as exc:
+            if not self.guards.failed("precision", exc):
+                raise
+        try:
+            self._accum.step_ended()
+        except Exception as exc:
+            if not self.guards.failed("accumulation", exc):
+                raise
         steps = its.steps = its.steps + 1
         self._iter_seq.append(self._seq_nr())
         rollback = self.rollback
         if rollback is not None:
-            rollback.iteration_began(steps)
-        self._begin_iteration(steps)
+            try:
+                rollback.iteration_began(steps)
+            except Exception as exc:
+                if not self.guards.failed("rollback", exc):
+                    raise
+        try:
+            self._begin_iteration(steps)
+        except Exception as exc:
+            if not self.guards.failed("sampling", exc):
+                raise
 
     def _begin_iteration(self, iteration: int) -> None:
         """Iteration ``iteration`` starts at the next op, recorded (the native recorder samples them)."""

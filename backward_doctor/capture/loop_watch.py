@@ -28,6 +28,7 @@ import torch
 
 from .memory import grad_of
 from ..trace.parts import Iterations
+from .guard import nothing
 from .process import doctors_own
 
 _Tensor = torch.Tensor
@@ -196,6 +197,10 @@ class LoopWatch:
         self._loss = self._norm = self._lr = None
         self._bad = ""
         self._backwards = 0
+
+    def off(self) -> None:
+        """Switched off for the rest of the run (its bookkeeping failed, ``guard.py``): its calls do nothing."""
+        self.saw_backward = self.before_step = self.iteration_ended = nothing  # type: ignore[method-assign]
 
 
 __all__ = ["LoopWatch", "read_scalar", "python_sumsq", "groups_sumsq"]

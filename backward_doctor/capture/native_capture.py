@@ -37,6 +37,7 @@ from .sampling import PowersOfTwo, Sampling
 from .record import _tensors
 from .loop_watch import LoopWatch, groups_sumsq
 from .context import Capture
+from .guard import nothing
 from .memory import MemoryLedger
 from .process import doctors_own, patch
 from ..trace.records import CATEGORIES, FailedOp, Where
@@ -134,6 +135,10 @@ class NativeLoopWatch:
     @property
     def backward_calls(self) -> int:
         return self._calls()
+
+    def off(self) -> None:
+        """Switched off for the rest of the run (its bookkeeping failed, ``guard.py``): its calls do nothing."""
+        self.saw_backward = self.before_step = self.iteration_ended = nothing
 
 
 class NativeCapture(NativeRecords, LoopSampling, Capture):

@@ -45,6 +45,16 @@ def _bump_versions(args: tuple, positions: tuple[int, ...]) -> None:
             torch._C._increment_version([t for t in args[i] if isinstance(t, torch.Tensor)])
 
 
+def passed_on(func: Any, args: tuple, kwargs: dict) -> Any:
+    """An op run as it would run without the doctor, unrecorded (the recorder was switched off: ``guard.py``)."""
+    __tracebackhide__ = True
+    out = func(*args, **kwargs)
+    info = _FUNCS.get(func) or _func_info(func)
+    if info[4]:
+        _bump_versions(args, info[4])
+    return out
+
+
 def _tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
     """Tensor arguments, looking one level into lists/tuples (``cat``'s list) — faster than pytree."""
     out = []

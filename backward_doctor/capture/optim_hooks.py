@@ -26,6 +26,23 @@ from ..trace.parts import OptimizerStep, StaleStep
 class OptimizerHooks:
     """Optimizer-step bookkeeping for :class:`Capture` (see the module docstring)."""
 
+    # The hooks torch calls (``register_optimizer_step_pre_hook``/``post_hook``): the bookkeeping under the
+    # optimizer watch's guard (``guard.py``), so that its failure never fails the user's step.
+    def _step_pre_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+        try:
+            return self._optim_pre(opt, args, kwargs)
+        except Exception as exc:
+            if not self.guards.failed("optimizer", exc):
+                raise
+            return None  # (the step runs with its own arguments)
+
+    def _step_post_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        try:
+            self._optim_post(opt, args, kwargs)
+        except Exception as exc:
+            if not self.guards.failed("optimizer", exc):
+                raise
+
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         outermost = self._opt_depth == 0
         if outermost:
@@ -49,7 +66,11 @@ class OptimizerHooks:
         """The optimizer's own update is about to use the gradients (after its closure, if it got one):
         the loop watch reads them, and whether an earlier step had already used them."""
         if outermost:
-            self._watch.before_step(opt)
+            try:
+                self._watch.before_step(opt)
+            except Exception as exc:
+                if not self.guards.failed("loop", exc):
+                    raise
         if self.history is not None and step is not None:
             self._check_stale(opt, step)
 
@@ -76,16 +97,26 @@ class OptimizerHooks:
         def closure_under_doctor(*a: Any, **kw: Any) -> Any:
             __tracebackhide__ = True
             depth = capture._opt_depth
-            capture._set_optimizer_depth(0)  # (its ops run outside the optimizer's own update)
+            capture._guarded("optimizer", capture._set_optimizer_depth, 0)  # (its ops: not the update's own)
             try:
                 out = closure(*a, **kw)
             finally:
-                capture._set_optimizer_depth(depth)
+                capture._guarded("optimizer", capture._set_optimizer_depth, depth)
             if pending:
-                pending.pop()()
+                capture._guarded("optimizer", pending.pop())
             return out
 
         return closure_under_doctor
+
+    def _guarded(self, name: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, the doctor's bookkeeping of watch ``name``, under its guard (``guard.py``); None if it
+        failed (the watch is off)."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if not self.guards.failed(name, exc):
+                raise
+            return None
 
     def _set_optimizer_depth(self, depth: int) -> None:
         """Inside (depth > 0) or outside the optimizer's own update, from the next op on."""

@@ -23,12 +23,15 @@ class Patches:
     def __init__(self) -> None:
         self._items: list[tuple[Any, str, Any, Any]] = []
         self.installed = False
+        self.disabled = False  # (its watch was switched off: never installed again this run)
 
     def add(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         real = getattr(owner, name)
         self._items.append((owner, name, real, make(real)))
 
     def install(self) -> None:
+        if self.disabled:
+            return
         for owner, name, _, replacement in self._items:
             setattr(owner, name, replacement)
         self.installed = True
@@ -37,6 +40,12 @@ class Patches:
         for owner, name, real, _ in reversed(self._items):
             setattr(owner, name, real)
         self.installed = False
+
+    def disable(self) -> None:
+        """Removed for good (their watch failed): :meth:`install` does nothing from now on."""
+        self.disabled = True
+        if self.installed:
+            self.remove()
 
 
 def named_like(wrapper: Callable[..., Any], real: Callable[..., Any]) -> Callable[..., Any]:

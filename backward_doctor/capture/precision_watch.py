@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from .accum_watch import number
+from .guard import Guards, nothing
 from .patches import Patches, named_like
 from .memory import storage_key
 from ..trace.precision import ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep
@@ -60,10 +61,12 @@ def _view(t: torch.Tensor) -> tuple[Any, int] | None:
 
 class PrecisionWatch:
     """Writes ``record`` (see the module docstring). ``on_skipped()``: a GradScaler skipped the optimizer
-    step (the accumulation watch's window ends there)."""
+    step (the accumulation watch's window ends there). ``guards``: the run's (``guard.py``): the wrappers' own
+    bookkeeping failing switches the watch off (:meth:`off`) and the user's call goes on; without them it
+    raises (a unit test's watch)."""
 
     def __init__(self, record: Precision, *, frames: Any, iteration: Callable[[], int],
-                 on_skipped: Callable[[], None] = lambda: None) -> None:
+                 on_skipped: Callable[[], None] = lambda: None, guards: Guards | None = None) -> None:
         self.record = record
         self._frames, self._iteration, self._on_skipped = frames, iteration, on_skipped
         self._thread = threading.get_ident()
@@ -73,6 +76,7 @@ class PrecisionWatch:
         self._low: dict[int, tuple[Any, list[Any]]] = {}  # optimizer id -> (weakref, its low-precision params)
         self._pending: list[tuple[Any, list[int], list[int]]] = []
         self._step: LowPrecisionUpdate | None = None
+        self._guards = guards
         self.patches = Patches()
         from torch.amp.grad_scaler import GradScaler
         from torch.nn.utils import clip_grad
@@ -94,30 +98,49 @@ class PrecisionWatch:
                 "cell_line": getattr(w, "cell_line", None), "function": getattr(w, "function", None)}
 
     # ---------------------------------------------------------------- GradScaler
+    # (The GradScaler's private state is read only where no public call gives it, and defensively: a disabled
+    # scaler never creates ``_scale``; another torch may name it otherwise.)
+    def _failed(self, exc: Exception) -> None:
+        if self._guards is None or not self._guards.failed("precision", exc):
+            raise exc
+
     def _wrap_scale(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def scale(scaler: Any, outputs: Any) -> Any:
-            if self._mine():
-                self._scalers[id(scaler)] = (weakref.ref(scaler), True)
+            try:
+                if self._mine():
+                    self._scalers[id(scaler)] = (weakref.ref(scaler), True)
+            except Exception as exc:
+                self._failed(exc)
             return real(scaler, outputs)
         return named_like(scale, real)
 
     def _wrap_update(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             out = real(scaler, *args, **kwargs)
-            if self._mine():
-                self._scalers[id(scaler)] = (weakref.ref(scaler), False)
-                self.record.scaler.scale_last = number(scaler._scale) if scaler._scale is not None else None
+            try:
+                if self._mine():
+                    self._scalers[id(scaler)] = (weakref.ref(scaler), False)
+                    self.record.scaler.scale_last = _scale_of(scaler)
+            except Exception as exc:
+                self._failed(exc)
             return out
         return named_like(update, real)
 
     def _wrap_step(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._mine():
-                return real(scaler, *args, **kwargs)
-            before = self._iteration()
-            scale = number(scaler._scale) if getattr(scaler, "_scale", None) is not None else None
+            mine = False
+            try:
+                if self._mine():
+                    before, scale = self._iteration(), _scale_of(scaler)
+                    mine = True
+            except Exception as exc:
+                self._failed(exc)
             out = real(scaler, *args, **kwargs)
-            self.scaler_stepped(skipped=scaler.is_enabled() and self._iteration() == before, scale=scale)
+            if mine:
+                try:
+                    self.scaler_stepped(skipped=_enabled(scaler) and self._iteration() == before, scale=scale)
+                except Exception as exc:
+                    self._failed(exc)
             return out
         return named_like(step, real)
 
@@ -144,9 +167,12 @@ class PrecisionWatch:
     # ---------------------------------------------------------------- clipping
     def _wrap_clip(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def _clip_grads_with_norm_(*args: Any, **kwargs: Any) -> Any:
-            if self._mine() and len(self.record.clips) < _CLIPS_KEPT:
-                max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
-                self.clipping(float(max_norm) if isinstance(max_norm, (int, float)) else None)
+            try:
+                if self._mine() and len(self.record.clips) < _CLIPS_KEPT:
+                    max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+                    self.clipping(float(max_norm) if isinstance(max_norm, (int, float)) else None)
+            except Exception as exc:
+                self._failed(exc)
             return real(*args, **kwargs)
         return named_like(_clip_grads_with_norm_, real)
 
@@ -154,13 +180,14 @@ class PrecisionWatch:
         """Gradients are about to be clipped: did a GradScaler scale them, and unscale them since?"""
         for ref, pending in list(self._scalers.values()):
             scaler = ref()
-            if scaler is None or not pending or not scaler.is_enabled():
+            if scaler is None or not pending or not _enabled(scaler):
                 continue
-            stages = [st.get("stage") for st in scaler._per_optimizer_states.values()]
+            states = getattr(scaler, "_per_optimizer_states", None) or {}
+            stages = [st.get("stage") for st in states.values() if isinstance(st, dict)]
             unscaled = any(getattr(s, "name", "") == "UNSCALED" for s in stages)
             self.record.clips.append(ClipCall(
                 iteration=self._iteration(), scaled=not unscaled, stage="UNSCALED" if unscaled else "READY",
-                scale=number(scaler._scale) if scaler._scale is not None else None, max_norm=max_norm,
+                scale=_scale_of(scaler), max_norm=max_norm,
                 **self._place(self._where())))
             return
 
@@ -220,6 +247,25 @@ class PrecisionWatch:
             step.unchanged += same
         if step.sampled:
             self.record.updates.append(step)
+
+    def off(self) -> None:
+        """Switched off for the rest of the run (its bookkeeping failed, ``guard.py``): the wrappers put back for
+        good, the optimizer-step calls do nothing."""
+        self.patches.disable()
+        self.step_began = self.step_ended = nothing  # type: ignore[method-assign]
+        self._pending, self._step = [], None
+
+
+def _enabled(scaler: Any) -> bool:
+    """Whether a GradScaler scales (a disabled one is a pass-through: ``enabled=False``, or fp32/bf16 runs)."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else False
+
+
+def _scale_of(scaler: Any) -> float | None:
+    """A GradScaler's current scale, read from its CPU storage in place (None: disabled, not made yet, unreadable)."""
+    scale = getattr(scaler, "_scale", None) if _enabled(scaler) else None
+    return number(scale) if scale is not None else None
 
 
 __all__ = ["PrecisionWatch"]

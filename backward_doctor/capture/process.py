@@ -27,9 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import signal
-import sysconfig
 import threading
 from typing import Any, Callable, Iterator
 
@@ -216,50 +214,57 @@ def patch(owner: Any, name: str, make: Callable[[Any], Callable[..., Any]]) -> C
     return undo
 
 
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SITE = tuple({p for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p})
-_STDLIB = os.path.dirname(os.__file__)
-_TORCH: str | None = None
-
-
-def _is_own(file: str) -> bool:
-    """The doctor's own code, torch's, or the standard library's (not the user's, not another package's)."""
-    global _TORCH
-    if _TORCH is None:
-        import torch
-
-        _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-    if file.startswith((_PKG, _TORCH)):
-        return True
-    return not file.startswith(_SITE) and file.startswith((_STDLIB, "<frozen"))
-
-
 def doctors_own(exc: BaseException) -> bool:
-    """True when ``exc``, caught in the doctor's bookkeeping, is the bookkeeping's own failure (a tensor kind
-    it cannot describe, a statistic it cannot take: raised in its code, torch's or the standard library's),
-    so that it may be swallowed and said. False for anything else, which the caller must re-raise: an
-    exception from the user's code (a hook, a tensor subclass) or from a signal handler (a cell's own
-    SIGALRM time limit raises its TimeoutError wherever the main thread is, the doctor's per-op code
-    included), and every ``BaseException`` (Ctrl-C, ``SystemExit``). The frame that raised decides: a
-    handler's exception is raised in the handler's frame, the innermost one of its traceback.
+    """True when ``exc``, caught in the doctor's bookkeeping, is the bookkeeping's own failure, so that it may be
+    swallowed and said: anything its code raised, torch's, the standard library's, or a user's object it asked
+    something of (a tensor subclass it described, a ``__repr__`` of a loop variable, a container the user's
+    optimizer holds): the user's code would not have run it without the doctor, so it must not fail their step.
+    False for what the caller must re-raise: an exception raised by a signal handler (a cell's own SIGALRM time
+    limit raises its TimeoutError wherever the main thread is, the doctor's code included: a frame of its
+    traceback runs a Python handler installed now), and every ``BaseException`` (Ctrl-C, ``SystemExit``).
 
-    >>> import json
+    >>> import signal
     >>> def failing(raiser):
     ...     try:
     ...         raiser()
-    ...     except Exception as e:
+    ...     except BaseException as e:
     ...         return doctors_own(e)
-    >>> failing(lambda: json.loads("x")), failing(lambda: 1 / 0)  # (the standard library's; this file's)
-    (True, False)
+    >>> def alarm(signum, frame):
+    ...     raise TimeoutError("the cell's time limit")
+    >>> def ctrl_c():
+    ...     raise KeyboardInterrupt
+    >>> old = signal.signal(signal.SIGUSR1, alarm)
+    >>> failing(lambda: 1 / 0), failing(lambda: signal.raise_signal(signal.SIGUSR1)), failing(ctrl_c)
+    (True, False, False)
+    >>> _ = signal.signal(signal.SIGUSR1, old)
     """
     if not isinstance(exc, Exception):
         return False
     tb = exc.__traceback__
     if tb is None:
         return True
-    while tb.tb_next is not None:
+    handlers = _handler_codes()
+    while tb is not None:
+        if tb.tb_frame.f_code in handlers:
+            return False
         tb = tb.tb_next
-    return _is_own(tb.tb_frame.f_code.co_filename)
+    return True
+
+
+def _handler_codes() -> set[Any]:
+    """The code objects of the Python signal handlers installed now (read on the exception path only)."""
+    codes = set()
+    for sig in signal.valid_signals():
+        try:
+            h = signal.getsignal(sig)
+        except (ValueError, OSError):
+            continue
+        if callable(h):
+            fn = getattr(h, "__func__", h)
+            code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "__call__", None), "__code__", None)
+            if code is not None:
+                codes.add(code)
+    return codes
 
 
 _owner_lock = threading.Lock()

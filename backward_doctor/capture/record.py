@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import checks
-from .op_schema import _FUNCS, _bump_versions, _func_info, _tensors
+from .op_schema import _FUNCS, _bump_versions, _func_info, _tensors, passed_on
 from .memory import shape_of, storage_key
 from .process import doctors_own
 from .state import _NODE_BUDGET, PHASES, CaptureState
@@ -54,56 +54,66 @@ class OpRecorder(CaptureState):
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         __tracebackhide__ = True  # IPython leaves the doctor's frames out of the user's traceback
-        info = _FUNCS.get(func) or _func_info(func)
-        name = info[0]
-        index = self._count
-        self._count = index + 1
-        # Asking autograd for the running node gives it a Python wrapper that lives as long as the
-        # node, and freeing a very long chain of wrapped nodes overflows the C stack (a crash in
-        # the user's next gc). So the node is asked for a bounded number of backward ops; past
-        # that, only the phase is known (from the graph task id, which wraps nothing).
-        if self._node_budget > 0:
-            node = _current_node()
-            if node is not None:
-                self._node_budget -= 1
-        else:
-            node = None
-            if _graph_task_id() != -1:
-                return self._dispatch_unattributed(func, args, kwargs, info, index)
-        if node is not None:
-            phase = "backward"
-            fwd_index = self._seq_map.get(node._sequence_nr())
-            if self._last_phase != "backward":  # a new backward() call starts at its root node
-                self._where_cache.clear()
-                where = self._where(cached=True)
-                self.trace.backward_calls.append(where)
-                self.trace.backward_roots.append(node.name())
-                self._roots.append(fwd_index)
+        try:  # (the bookkeeping before the op, under the recorder's guard: ``guard.py``; the op itself outside it)
+            info = _FUNCS.get(func) or _func_info(func)
+            name = info[0]
+            index = self._count
+            self._count = index + 1
+            # Asking autograd for the running node gives it a Python wrapper that lives as long as the
+            # node, and freeing a very long chain of wrapped nodes overflows the C stack (a crash in
+            # the user's next gc). So the node is asked for a bounded number of backward ops; past
+            # that, only the phase is known (from the graph task id, which wraps nothing).
+            unattributed = False
+            if self._node_budget > 0:
+                node = _current_node()
+                if node is not None:
+                    self._node_budget -= 1
             else:
-                where = self._where(cached=True)
-        else:
-            phase = "optimizer" if self._opt_depth else "forward"
-            fwd_index = None
-            where = self._where(cached=phase == "optimizer")
-        self._last_phase = phase
-        grad_enabled = _grad_enabled()
-        ins = _tensors(args, kwargs)
-        led = self._ledger
-        if led._dead:  # storages that died since the last op: counted out before their keys are looked up
-            led.drain()
-        in_keys = tuple([storage_key(t) or 0 for t in ins])
-        live = led._live
-        for t, k in zip(ins, in_keys):
-            if k and k not in live:  # a tensor made before the step and not found in the namespace
-                led.track(t, "other")
-        seq = _sequence_nr()
+                node = None
+                unattributed = _graph_task_id() != -1
+            if node is not None:
+                phase = "backward"
+                fwd_index = self._seq_map.get(node._sequence_nr())
+                if self._last_phase != "backward":  # a new backward() call starts at its root node
+                    self._where_cache.clear()
+                    where = self._where(cached=True)
+                    self.trace.backward_calls.append(where)
+                    self.trace.backward_roots.append(node.name())
+                    self._roots.append(fwd_index)
+                else:
+                    where = self._where(cached=True)
+            elif not unattributed:
+                phase = "optimizer" if self._opt_depth else "forward"
+                fwd_index = None
+                where = self._where(cached=phase == "optimizer")
+            if not unattributed:
+                self._last_phase = phase
+                grad_enabled = _grad_enabled()
+                ins = _tensors(args, kwargs)
+                led = self._ledger
+                if led._dead:  # storages that died since the last op: counted out before their keys are looked up
+                    led.drain()
+                in_keys = tuple([storage_key(t) or 0 for t in ins])
+                live = led._live
+                for t, k in zip(ins, in_keys):
+                    if k and k not in live:  # a tensor made before the step and not found in the namespace
+                        led.track(t, "other")
+                seq = _sequence_nr()
+                check = info[3] and (self.check_indices or (self.check_indices is None
+                                                             and any(t.is_cuda for t in ins)))
+        except Exception as exc:
+            if not self.guards.failed("recorder", exc):
+                raise
+            return passed_on(func, args, kwargs)
+        if unattributed:
+            return self._dispatch_unattributed(func, args, kwargs, info, index)
         t_op = _now()
         try:
-            if info[3] and (self.check_indices or (self.check_indices is None and any(t.is_cuda for t in ins))):
+            if check:
                 self._check_indices(func, name, args, kwargs)
             out = func(*args, **kwargs)
         except BaseException as exc:
-            self._record_failure(index, name, phase, ins, where, exc, func, args, kwargs, fwd_index)
+            self._failure_safely(index, name, phase, ins, where, exc, func, args, kwargs, fwd_index)
             raise
         if info[4]:
             _bump_versions(args, info[4])
@@ -115,6 +125,16 @@ class OpRecorder(CaptureState):
             self._last_seq = seq
         self._after_safely(info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op)
         return out
+
+    def _failure_safely(self, *args: Any) -> None:
+        """:meth:`_record_failure` for the op that raised; the recorder's own failure there is said and swallowed
+        (the user's exception, being raised, must stay the one raised)."""
+        __tracebackhide__ = True
+        try:
+            self._record_failure(*args)
+        except Exception as own:
+            if not self.guards.failed("recorder", own):
+                raise
 
     def _after_safely(self, *args: Any) -> None:
         """Record the op's results; what cannot be recorded is skipped and said, never raised into the
@@ -135,19 +155,24 @@ class OpRecorder(CaptureState):
     def _dispatch_unattributed(self, func: Any, args: tuple, kwargs: dict, info: tuple, index: int) -> Any:
         """A backward op past the node budget: recorded, without its forward op."""
         __tracebackhide__ = True
-        if not self._budget_noted:
-            self._budget_noted = True
-            self.trace.notes.append(f"backward ops after the first {_NODE_BUDGET} are not linked to their "
-                                    "forward op (a very deep graph)")
-        where = self._where(cached=True)
-        self._last_phase = "backward"
-        ins = _tensors(args, kwargs)
-        in_keys = tuple([storage_key(t) or 0 for t in ins])
+        try:
+            if not self._budget_noted:
+                self._budget_noted = True
+                self.trace.notes.append(f"backward ops after the first {_NODE_BUDGET} are not linked to their "
+                                        "forward op (a very deep graph)")
+            where = self._where(cached=True)
+            self._last_phase = "backward"
+            ins = _tensors(args, kwargs)
+            in_keys = tuple([storage_key(t) or 0 for t in ins])
+        except Exception as exc:
+            if not self.guards.failed("recorder", exc):
+                raise
+            return passed_on(func, args, kwargs)
         t_op = _now()
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
-            self._record_failure(index, info[0], "backward", ins, where, exc, func, args, kwargs, None)
+            self._failure_safely(index, info[0], "backward", ins, where, exc, func, args, kwargs, None)
             raise
         if info[4]:
             _bump_versions(args, info[4])

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .frames import UserFrames
+from .guard import Guards
 from .memory import MemoryLedger, Timeline, grad_of
 from .process import UndoStack
 from ..trace.parts import NonFiniteScalar, OomInfo
@@ -64,6 +65,8 @@ class CaptureState:
         self.trace.memory.limit_bytes = memory_limit
         self._run_id = next(_run_ids)
         self.trace.run_id = self._run_id
+        #: each watch's switch (``guard.py``): its bookkeeping failing switches it off, with a note
+        self.guards = Guards(self.trace.notes)
         self._frames = UserFrames(cell_file)
         self._ledger = MemoryLedger()
         self._ledger.on_free = self._on_free
@@ -178,7 +181,8 @@ class CaptureState:
     def _hook_parameter(self, p: torch.Tensor) -> None:
         # A parameter that is no longer a leaf (an in-place update with grad on attached a graph to it)
         # gets no gradient and takes no hook: the rules report it (``nonleaf_param``).
-        if p.requires_grad and p.is_leaf and hasattr(p, "register_post_accumulate_grad_hook"):
+        if p.requires_grad and p.is_leaf and hasattr(p, "register_post_accumulate_grad_hook") \
+                and not self.guards.stopped("gradients"):
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def _hook_parameters(self) -> None:
@@ -189,10 +193,14 @@ class CaptureState:
                 self._hook_parameter(p)
 
     def _accumulated(self, param: torch.Tensor) -> None:
-        self._got_grad.add(id(param))
-        grad = grad_of(param)
-        if grad is not None:
-            self._ledger.reclassify(grad, "gradients")
+        try:
+            self._got_grad.add(id(param))
+            grad = grad_of(param)
+            if grad is not None:
+                self._ledger.reclassify(grad, "gradients")
+        except Exception as exc:  # (the watch's own failure: it stops, backward goes on, ``guard.py``)
+            if not self.guards.failed("gradients", exc):
+                raise
 
     def release(self) -> None:
         """Let go of the user's objects once the trace is finished. A capture is a cycle of its own (its
