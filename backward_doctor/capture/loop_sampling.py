@@ -120,6 +120,9 @@ class LoopSampling:
         if self._opt_depth == 0:
             self._iteration_ended()
 
+    def _ops_so_far(self) -> int:
+        return self._ext.op_count()
+
     def _after_step(self) -> None:
         pass  # (_optim_post ends the iteration once the recorder's own bookkeeping is done)
 

@@ -168,6 +168,7 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
         self._stacks: list[tuple[int, ...]] = [()]
         self._native_out: dict[str, Any] | None = None
         self._failed: tuple | None = None  # failing op: index, overload, arguments, name and phase if not kept
+        self._clearings, self._stale_pending = {}, []  # (the stale-gradient check, decided after: native_records)
         #: bytes the C++ recorder held at the end of the step (its buffers; not on the Python heap)
         self.buffer_bytes = 0
 
@@ -228,6 +229,7 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
     def finish(self):
         self._mark_unmarked()
         self._converted()
+        self._resolve_stale()
         self._sampling_note()
         return super().finish()
 

@@ -41,7 +41,30 @@ def _tables(ext: Any) -> None:
 
 
 class NativeRecords:
-    """Mixin: ``_convert(out)`` with ``out`` from the recorder's ``stop()``."""
+    """Mixin: ``_convert(out)`` with ``out`` from the recorder's ``stop()``. The stale-gradient check waits for the
+    buffers: a gradient zeroed in place (``zero_grad(set_to_none=False)``, ``p.grad.zero_()``) is an op the
+    recorder saw, which only the buffers tell (:meth:`_stale_step`, :meth:`_resolve_stale`)."""
+
+    _clearings: dict[int, list[int]]  # storage key -> indices of the ops that zeroed it in place
+    _stale_pending: list[tuple[Any, list[tuple[int, tuple]]]]
+
+    def _stale_step(self, step: Any, stale: list[tuple[Any, tuple]]) -> None:
+        """A step on gradients an earlier step consumed, unless an op zeroed them in between: decided once the
+        buffers are read (keys and marks kept, no tensor)."""
+        self._stale_pending.append((step, [(storage_key(grad_of(p)) or 0, mark) for p, mark in stale]))
+
+    def _resolve_stale(self) -> None:
+        pending, self._stale_pending = self._stale_pending, []
+        for step, stale in pending:
+            kept = [(None, mark) for key, mark in stale if not self._zeroed_between(key, mark, step.index)]
+            if kept:
+                super()._stale_step(step, kept)
+
+    def _zeroed_between(self, key: int, mark: tuple, index: int) -> bool:
+        """Whether an op zeroed storage ``key`` in place after the step that marked it (``mark``: run id, line, ops
+        so far then; an earlier run's mark: any time in this run) and before op ``index``."""
+        low = mark[2] if mark[0] == self._run_id and len(mark) > 2 else -1
+        return any(low <= i < index for i in self._clearings.get(key, ()))
 
     def _convert(self, out: dict[str, Any]) -> None:
         """The recorder's buffers -> the Python tier's records, timeline, peak and events.
@@ -226,8 +249,10 @@ class NativeRecords:
         for e in range(len(inplace) // 5):
             index, key, version, producer, toff = inplace[e * 5:(e + 1) * 5]
             name = self._op_name(index)
-            if name in _CLEARING and index >= last_post:
-                cleared.add(key)
+            if name in _CLEARING:
+                self._clearings.setdefault(key, []).append(index)
+                if index >= last_post:
+                    cleared.add(key)
             if len(events) >= 2000:
                 continue
             t = tens[toff * tw:(toff + 1) * tw]

@@ -172,7 +172,11 @@ class OptimizerHooks:
                 for p in g["params"]:
                     grad = grad_of(p)
                     if grad is not None:
-                        self.history.stepped_grads[grad] = (self._run_id, line)
+                        self.history.stepped_grads[grad] = (self._run_id, line, self._ops_so_far())
+
+    def _ops_so_far(self) -> int:
+        """Ops dispatched so far in this run (a gradient marked now was cleared if a later op zeroed it)."""
+        return self._count
 
     def _after_step(self) -> None:
         if self._opt_depth == 0:
