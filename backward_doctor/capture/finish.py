@@ -18,6 +18,7 @@ from .memory import grad_of, shape_of, storage_events, storage_key
 from .namespace import module_paths
 from .state import PHASES, REC_WIDTH
 from .namespace import tensors as ns_tensors
+from .process import doctors_own
 from .stats import screen_nonfinite
 from .stats import dtype_name
 from ..trace.queries import skipped_amp_steps
@@ -215,10 +216,20 @@ def _final_tensors(cap: "OpRecorder") -> list[tuple[torch.Tensor, str]]:
     the gradients it made, and the gradients of the cell's own leaf tensors. Only what the step touched:
     NaN an earlier cell left on another model is not this step's doing."""
     touched = _step_keys(cap.trace)
-    got_grad = cap._got_grad
+    got_grad, stepped = cap._got_grad, cap._stepped_params
     out = []
-    for p in cap.parameters():
-        if storage_key(p) in touched or id(p) in got_grad:
+    params = {id(p): p for p in cap.parameters()}
+    try:  # (the weights of steps the recorder slept through: an optimizer the namespace need not hold)
+        for ref in cap._stepped_opts.values():
+            opt = ref()
+            for p in (p for g in (opt.param_groups if opt is not None else ()) for p in g["params"]):
+                params.setdefault(id(p), p)
+                stepped.add(id(p))
+    except Exception as exc:  # (param_groups of the user's that cannot be read: checked as far as they were)
+        if not doctors_own(exc):
+            raise
+    for p in params.values():
+        if storage_key(p) in touched or id(p) in got_grad or id(p) in stepped:
             out.append((p, "parameters"))
         g = grad_of(p)
         if g is not None and (id(p) in got_grad or storage_key(g) in touched):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -162,6 +163,8 @@ class LoopSampling:
         them: a later step's check sees this run's own backward, not a stale gradient.)"""
         pending, self._unmarked = self._unmarked, {}
         for opt, calls in pending.values():
+            if id(opt) not in self._stepped_opts:  # (their weights are checked for NaN/Inf at the end: finish.py)
+                self._stepped_opts[id(opt)] = weakref.ref(opt)
             if calls == self._watch.backward_calls:
                 self._mark_stepped(opt)
 

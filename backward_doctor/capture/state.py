@@ -111,6 +111,7 @@ class CaptureState:
         self._mark_versions: dict[int, int] = {}  # id -> version at the start of gradients earlier runs stepped
         self._stale_checked: set[int] = set()  # optimizers an unrecorded step checked (optim_hooks.py)
         self._stepped_params: set[int] = set()  # ids of parameters an optimizer step of this run held
+        self._stepped_opts: dict[int, weakref.ref] = {}  # optimizers of steps the recorder slept through
         self._opt_depth = 0
         self._writer: dict[int, int] = {}      # storage key -> last op that wrote it
         self._nf_origin: dict[int, int] = {}   # storage key -> op index that first made its NaN/Inf

@@ -16,12 +16,10 @@ call that moves the loop). Libraries are recognised by their classes' modules, n
 from __future__ import annotations
 
 import ast
-import contextlib
 import linecache
 import re
 import weakref
 from dataclasses import dataclass
-import functools
 from typing import Any, Callable, Iterable
 
 from ..trace.parts import LrSetting
@@ -103,116 +101,6 @@ def find_library_loop(namespace: dict[str, Any], source: str) -> LibraryLoop | N
         return LibraryLoop(kind[0], ast.get_source_segment(source, node) or f"{node.func.value.id}.{node.func.attr}()",
                            node.lineno, ref, model)
     return None
-
-
-# ----------------------------------------------------------------------------- the library's own step
-class StepArguments:
-    """A ``transformers.Trainer``'s ``training_step`` (or a LightningModule's) wrapped (an attribute of the
-    instance, removed when the watch ends) to know the current call's arguments: the batch an iteration that goes
-    NaN/Inf is replayed with. They are referenced during the call only, or with ``keep_last`` until the next call
-    or :meth:`remove` (NaN/Inf gradients from a finite loss show at the optimizer step, after ``training_step``
-    returned; a LightningModule's loss reaches ``backward()`` after it returned; the library's loop holds that
-    batch until its next one anyway), and kept once, by the replay, until it has run. (The callback's,
-    ``integrations/hf.py``, and a cell's that calls ``trainer.train()`` or ``trainer.fit(model, ...)``:
-    :func:`library_step`.)"""
-
-    def __init__(self, trainer: Any, keep_last: bool = False) -> None:
-        self.trainer = trainer
-        self._had = "training_step" in vars(trainer)
-        self._saved = vars(trainer).get("training_step")
-        step = self._step = trainer.training_step
-        self._current: tuple[tuple, dict] | None = None
-
-        @functools.wraps(step)
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of the traceback
-            self._current = (args, kwargs)
-            try:
-                return step(*args, **kwargs)
-            finally:
-                if not keep_last:
-                    self._current = None
-
-        trainer.training_step = training_step
-
-    def body(self) -> Any:
-        """The current step again, its arguments bound in (None outside a step)."""
-        if self._current is None:
-            return None
-        args, kwargs = self._current
-        return functools.partial(self._step, *args, **kwargs)
-
-    def remove(self) -> None:
-        self._current = None
-        if self._had:
-            self.trainer.training_step = self._saved
-        else:
-            vars(self.trainer).pop("training_step", None)
-
-
-def step_and_backward(step: Callable[[], Any], context: Callable[[], Any] | None = None) -> None:
-    """A LightningModule's ``training_step`` (``step``, its batch bound in) and the backward of the loss it
-    returns, as Lightning's automatic optimization runs them (the replay of a batch that went NaN/Inf): the step
-    inside ``context()``, the trainer's precision context (autocast under ``precision="16-mixed"`` or
-    ``"bf16-mixed"``: a NaN/Inf only low precision makes would not show again without it), the backward after
-    it, as Lightning runs it."""
-    with context() if context is not None else contextlib.nullcontext():
-        out = step()
-    loss = out.get("loss") if isinstance(out, dict) else out
-    if loss is not None and getattr(loss, "requires_grad", False):
-        loss.backward()
-
-
-def precision_context(trainer: Any) -> Callable[[], Any] | None:
-    """The context a Lightning ``trainer`` runs each ``training_step`` in (its precision plugin's
-    ``train_step_context``: autocast for mixed precision), or None where this Lightning has none.
-
-    >>> precision_context(object()) is None
-    True
-    """
-    try:
-        plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
-        context = getattr(plugin, "train_step_context", None)
-    except Exception as exc:  # another version's layout: the step replays without it (and says so if finite)
-        if not doctors_own(exc):
-            raise
-        return None
-    return context if callable(context) else None
-
-
-def library_step(namespace: dict[str, Any], source: str) -> tuple[Callable[[], Any], Callable[[], None]] | None:
-    """``(find_body, remove)`` for the library loop ``source`` calls, the step it runs each iteration wrapped
-    (:class:`StepArguments`; ``remove`` takes the wrapper out: call it when the run ends, whatever happened): a
-    ``transformers`` trainer's ``training_step``, or the ``training_step`` of the LightningModule a Lightning
-    ``fit(model, ...)`` is given by name, with its backward (automatic optimization only: under manual
-    optimization the step also steps the optimizers); None for anything else. So that the iteration that goes
-    NaN/Inf in a cell's ``trainer.train()`` or ``trainer.fit()`` is replayed alone, through the library's own
-    step, rather than the whole cell (the library does not start again from the same state: a trainer at its
-    last step returns at once).
-
-    >>> library_step({}, "x = 1") is None
-    True
-    """
-    loop = find_library_loop(namespace, source)
-    if loop is None:
-        return None
-    if loop.library == "transformers":
-        trainer = loop.ref()
-        if trainer is None:
-            return None
-        steps = StepArguments(trainer, keep_last=True)
-        return steps.body, steps.remove
-    module = namespace.get(loop.model) if loop.model else None
-    if (module is None or not callable(getattr(module, "training_step", None))
-            or getattr(module, "automatic_optimization", None) is not True):
-        return None
-    held = StepArguments(module, keep_last=True)
-    trainer = loop.ref
-
-    def find_body() -> Callable[[], None] | None:
-        body = held.body()
-        return functools.partial(step_and_backward, body, precision_context(trainer())) if body is not None else None
-    return find_body, held.remove
 
 
 # ----------------------------------------------------------------------------- where the learning rate was set
@@ -360,5 +248,5 @@ def configure_optimizers_span(namespace: dict[str, Any]) -> tuple[str, str, int,
     return None
 
 
-__all__ = ["LibraryLoop", "StepArguments", "configure_optimizers_span", "find_library_loop", "find_lr_setting",
-           "library_step", "locate_lr", "precision_context", "step_and_backward", "user_sources"]
+__all__ = ["LibraryLoop", "configure_optimizers_span", "find_library_loop", "find_lr_setting", "locate_lr",
+           "user_sources"]

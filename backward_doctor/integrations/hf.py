@@ -29,7 +29,7 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from ..capture.trainers import StepArguments
+from ..capture.library_step import StepArguments
 from .watching import LoopDoctor
 
 

@@ -25,7 +25,7 @@ try:
 except ImportError:  # the unified package
     from lightning.pytorch import Callback  # type: ignore[no-redef]
 
-from ..capture.trainers import precision_context, step_and_backward
+from ..capture.library_step import precision_context, replayable, step_and_backward
 from .watching import LoopDoctor
 
 
@@ -64,8 +64,8 @@ class DoctorLightningCallback(Callback):
         if not getattr(module, "automatic_optimization", True):
             return None  # (its training_step steps the optimizers itself: not run twice)
 
-        return functools.partial(step_and_backward, functools.partial(module.training_step, batch, index),
-                                 precision_context(self._trainer))
+        return replayable(functools.partial(step_and_backward, functools.partial(module.training_step, batch, index),
+                                            precision_context(self._trainer)), self._trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._batch = self._trainer = None

@@ -171,8 +171,8 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
         whole = found is None and _whole_cell(first, rollback, namespace)
         if whole:  # (no loop in the cell, nothing stepped before it failed: the cell is the iteration)
             found = compile(rollback.source, first.cell_file, "exec"), []
-        why = rollback.why_not or ("" if found is not None else _why_no_body(rollback.source,
-                                                                            rollback._find_body is not None))
+        why = rollback.why_not or ("" if found is not None else _why_no_body(
+            rollback.source, rollback._find_body is not None, first.iterations.library))
         end = None
         if not why and rollback.state is not None:
             end, why = take_if_it_fits(namespace)  # (names: the replay assigns only its copy's)
@@ -212,9 +212,9 @@ def _how_it_ran(scalars_only: bool) -> str:
     return "which ran with the recorder off"
 
 
-def _why_no_body(source: str, library: bool = False) -> str:
+def _why_no_body(source: str, library: bool = False, loop: str = "") -> str:
     """Why no code was found to replay the iteration with (for the report's note); ``library``: a library's step
-    was looked for (``find_body``).
+    was looked for (``find_body``); ``loop``: the library whose loop the cell runs, when no step could be followed.
 
     >>> _why_no_body("trainer.train()", library=True)
     "the library's training step of that iteration could not be found (it had not run yet, or ran elsewhere)"
@@ -223,6 +223,13 @@ def _why_no_body(source: str, library: bool = False) -> str:
 
     if not source or library:
         return "the library's training step of that iteration could not be found (it had not run yet, or ran elsewhere)"
+    if loop == "lightning":
+        return ("the LightningModule's `training_step` could not be followed: `fit()` is given the module by a name "
+                "of the notebook in automatic optimization (`model = MyModule()`, then `trainer.fit(model, ...)`); "
+                "with an expression (`trainer.fit(MyModule(), ...)`), or under manual optimization, the step is not "
+                "run again")
+    if loop:
+        return f"the {loop} loop's training step could not be followed"
     if training_loop(source) is not None:
         return "the cell's training loop fetches its own batch (`next(...)`): a replay would take the next one"
     return ("the cell has no training loop of its own (the steps ran inside a function it calls), or running it "

@@ -21,7 +21,7 @@ from ..capture.excerpts import keep_excerpts
 from ..capture.history import history_for
 from ..capture.runner import cell_filename, make_capture, run_source, run_under_capture
 from ..capture.sampling import nothing_recorded
-from ..capture.trainers import library_step
+from ..capture.library_step import library_step
 from ..report import Report
 from ..report.places import Namer, name_places
 from ..trace import Trace
@@ -120,7 +120,7 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     # CUDA (scalars screened only): always on copies no state before every cell, and a library's loop is not
     # replayed whole (the library does not start again from the same state): the iteration whose loss goes
     # NaN/Inf keeps its own (``scalars_only``) and is replayed alone with every op screened (a library's loop:
-    # through its own step, ``capture/trainers.library_step``).
+    # through its own step, ``capture/library_step.library_step``).
     scalars_only = rollback and not detail and chosen == "python" and memory_limit is None
     # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone (a
     # library's loop: through its own step too).

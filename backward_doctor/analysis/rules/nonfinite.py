@@ -60,7 +60,7 @@ def _without_origin(trace: Trace) -> list[Finding]:
     """First tier only (no rollback, so no detailed replay; or a replay that stayed finite): say that NaN/Inf
     happened and where it showed."""
     if trace.needs_detail not in ("nonfinite", "nonfinite:not_reproduced"):
-        return []
+        return _never_ok(trace)
     hint = trace.nonfinite_hint
     reached = [k for k, v in trace.nonfinite_reached.items() if v] or ["loss"]
     where = Where(line=hint.line, file=hint.file, cell_line=hint.line) if hint is not None else Where()
@@ -77,23 +77,46 @@ def _without_origin(trace: Trace) -> list[Finding]:
                evidence={"reached": reached, "located": False})]
 
 
-def _unrecorded_first(trace: Trace) -> list[Finding]:
-    """The loop watch saw NaN/Inf first in an iteration the recorder did not record, and no replay located
-    its op (the notes say why): the iteration, and what went non-finite."""
+def _never_ok(trace: Trace) -> list[Finding]:
+    """NaN/Inf the run's checks saw (in a loss or the gradients at a step, or in the parameters and gradients the
+    run left) with no op named as its origin: still a problem, never an OK (the notes say why it was not located)."""
     its = trace.iterations
-    k = its.first_nonfinite
+    reached = [k for k, v in trace.nonfinite_reached.items() if v]
+    if its.first_nonfinite is None and not reached:
+        return []
+    where = _loop_line(trace)
+    seen = ([f"its {'loss' if its.first_nonfinite_in == 'loss' else 'gradients'} in iteration {its.first_nonfinite}"]
+            if its.first_nonfinite is not None else []) + [f"the {r} at the end" for r in reached]
+    msg = (f"NaN/Inf appeared in this run ({', '.join(seen)}), and no op recorded made it: it appeared where the "
+           "recorder was off (a sampled loop, always on), or it could not be replayed (see the notes). The training "
+           "state is no longer finite: run the cell again under `%%backward_doctor --every-iteration` "
+           "(`every_iteration=True`) to record every op and find the one that made it.")
+    return [at("nonfinite", where, msg, title="NaN/Inf in this run (origin not located)", iteration=its.first_nonfinite,
+               evidence={"reached": reached, "located": False, "first_in": its.first_nonfinite_in})]
+
+
+def _loop_line(trace: Trace) -> Where:
+    """The cell's line to show for a loop-wide finding: its first ``backward()``, else the library call."""
     calls = []
     try:
         from ...util.cell import Cell
         calls = Cell(trace.source).backward_calls()
     except Exception:  # a cell we cannot parse: no line to point at
         pass
-    line = calls[0].lineno if calls else None
+    line = calls[0].lineno if calls else trace.iterations.library_line
+    return Where(line=line, cell_line=line)
+
+
+def _unrecorded_first(trace: Trace) -> list[Finding]:
+    """The loop watch saw NaN/Inf first in an iteration the recorder did not record, and no replay located
+    its op (the notes say why): the iteration, and what went non-finite."""
+    its = trace.iterations
+    k = its.first_nonfinite
     what = "its loss" if its.first_nonfinite_in == "loss" else "its gradients (the loss was finite)"
     msg = (f"NaN/Inf first appeared in iteration {k} of the loop, in {what}. That iteration ran with the "
            "recorder off (a long loop is sampled) and could not be replayed in detail (see the notes). Run the "
            "cell again with `every_iteration=True` (`%%backward_doctor --every-iteration`) to find the op.")
-    return [at("nonfinite", Where(line=line, cell_line=line), msg, title=f"NaN/Inf first in iteration {k}",
+    return [at("nonfinite", _loop_line(trace), msg, title=f"NaN/Inf first in iteration {k}",
                iteration=k, evidence={"located": False, "first_in": its.first_nonfinite_in})]
 
 
@@ -172,8 +195,8 @@ def nonfinite(trace: Trace) -> list[Finding]:
 def _nonfinite(trace: Trace) -> list[Finding]:
     origins: list[NonFiniteEvent] = [e for e in trace.nonfinite if e.is_origin and e.reached]
     its = trace.iterations
-    if its.first_nonfinite is not None and its.replayed is None and its.recorded \
-            and its.first_nonfinite not in its.recorded:  # (a sampled loop's unrecorded iteration)
+    if its.first_nonfinite is not None and its.replayed is None \
+            and its.first_nonfinite not in its.recorded:  # (a sampled loop's unrecorded iteration; always on's)
         return _unrecorded_first(trace)
     if not origins:
         return _without_origin(trace)
