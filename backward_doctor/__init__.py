@@ -29,7 +29,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's API
     """Called by ``%load_ext backward_doctor``: registers ``%%backward_doctor`` and ``%backward_doctor on|off``."""
-    from .frontends.always_on import register
+    from .frontends.line_magic import register
     from .frontends.magic import load_ipython_extension as _load
 
     _load(ipython)

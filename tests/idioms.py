@@ -116,7 +116,7 @@ def _walk(key: str, v: Any, out: dict[str, Any], depth: int) -> None:
         return
     if isinstance(v, torch.Tensor):
         out[key] = bits(v)
-        if v.grad is not None:
+        if v.is_leaf and v.grad is not None:
             out[key + ".grad"] = bits(v.grad)
     elif v is None or isinstance(v, (bool, int, float, str)):
         out[key] = v

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .guard import Guards
 from .process import doctors_own, patch
 from ..trace.distributed import DDP_BACKWARD, DDP_FORWARD, Collective, UnusedParams
 
@@ -100,6 +101,10 @@ class CollectiveRecorder:
         self._local = threading.local()
         self._ddp_pending: dict[int, tuple[weakref.ref, Collective]] = {}
         self._backwards = 0
+        #: the log's own failure stops it (``guard.py``): the rank's calls go on, and these notes say so
+        self.notes: list[str] = []
+        self.guards = Guards(self.notes)
+        self.guards.on_stop("collectives", self._off)
 
     # ------------------------------------------------------------------ install / restore
     def __enter__(self) -> "CollectiveRecorder":
@@ -122,9 +127,13 @@ class CollectiveRecorder:
         # Put back as a stack would (process.patch): a wrapper the script puts on top of ours stays.
         self._saved.append(patch(owner, name, lambda original: new))
 
-    def __exit__(self, *exc: Any) -> bool:
+    def _off(self) -> None:
+        """Every wrapper put back (each forwards to the original from now on: ``process.patch``)."""
         while self._saved:
             self._saved.pop()()
+
+    def __exit__(self, *exc: Any) -> bool:
+        self._off()
         with self._log_lock:
             if self._log is not None:
                 self._log.close()
@@ -198,17 +207,29 @@ class CollectiveRecorder:
             return fn(*args, **kwargs)
         if op not in (DDP_FORWARD, DDP_BACKWARD) and not dist.is_initialized():
             return fn(*args, **kwargs)  # torch raises its own "not initialized" error
-        c, group = self._begin(op, args, kwargs)
+        try:
+            c, group = self._begin(op, args, kwargs)
+        except Exception as exc:  # (the log's own failure: it stops, the collective runs)
+            if not self.guards.failed("collectives", exc):
+                raise
+            return fn(*args, **kwargs)
         local.depth = 1
         try:
             result = fn(*args, **kwargs)
         except BaseException as e:
             local.depth = 0
-            self._end(c, group, e, keep_empty)
+            self._ended(c, group, e, keep_empty)
             raise
         local.depth = 0
-        self._end(c, group, None, keep_empty)
+        self._ended(c, group, None, keep_empty)
         return result
+
+    def _ended(self, c: Collective, group: Any, error: BaseException | None, keep_empty: bool) -> None:
+        try:
+            self._end(c, group, error, keep_empty)
+        except Exception as exc:
+            if not self.guards.failed("collectives", exc):
+                raise
 
     # ------------------------------------------------------------------ wrappers
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -226,10 +247,13 @@ class CollectiveRecorder:
             if not dist.is_initialized():
                 return forward(module, *args, **kwargs)
             result = rec._call(DDP_FORWARD, forward, (module, *args), kwargs, keep_empty=False)
-            # Remembered for the backward that follows: where the forward was called.
-            line, file, loop = rec._where()
-            rec._ddp_pending[id(module)] = (weakref.ref(module), Collective(index=-1, op="forward", line=line,
-                                                                             file=file, loop=loop))
+            try:  # remembered for the backward that follows: where the forward was called
+                line, file, loop = rec._where()
+                rec._ddp_pending[id(module)] = (weakref.ref(module), Collective(index=-1, op="forward", line=line,
+                                                                                 file=file, loop=loop))
+            except Exception as exc:
+                if not rec.guards.failed("collectives", exc):
+                    raise
             return result
         ddp_forward.__wrapped__ = forward  # type: ignore[attr-defined]
         return ddp_forward
@@ -240,11 +264,20 @@ class CollectiveRecorder:
         def autograd_backward(*args: Any, **kwargs: Any) -> Any:
             if not dist.is_initialized() or not rec._ddp_pending:
                 return backward(*args, **kwargs)
-            watched = rec._grads_before()
+            try:
+                watched = rec._grads_before()
+            except Exception as exc:
+                if not rec.guards.failed("collectives", exc):
+                    raise
+                return backward(*args, **kwargs)
             try:
                 return rec._backward(backward, args, kwargs)
             finally:
-                rec._check_unused(watched)
+                try:
+                    rec._check_unused(watched)
+                except Exception as exc:
+                    if not rec.guards.failed("collectives", exc):
+                        raise
         autograd_backward.__wrapped__ = backward  # type: ignore[attr-defined]
         autograd_backward.__doc__ = backward.__doc__
         return autograd_backward

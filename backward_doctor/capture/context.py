@@ -94,7 +94,8 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         super().__init__(namespace, cell_file=cell_file, source=source, memory_limit=memory_limit,
                          max_ops=max_ops, tail_ops=tail_ops, check_indices=check_indices, history=history,
                          detail=detail, cuda_history=cuda_history)
-        self._compile_watch = CompileWatch(self._compile_started, self._compile_ended)
+        self._compile_watch = CompileWatch(lambda: self._guarded("compile", self._compile_started),
+                                           lambda: self._guarded("compile", self._compile_ended))
         self._workers = WorkerWatch(self)
         self._mode: _DoctorMode | None = None
 
@@ -216,6 +217,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         g.on_stop("rollback", lambda: setattr(self, "rollback", None))
         g.on_stop("sampling", lambda: setattr(self, "_begin_iteration", nothing))
         g.on_stop("compile", self._compile_watch.remove)
+        g.on_stop("workers", self._workers.unwrap)
         g.on_stop("recorder", self._recorder_off)
 
     def _recorder_off(self) -> None:

@@ -99,7 +99,11 @@ class LoopSampling:
                 if wrapped is not None:
                     return wrapped
             if outermost:  # (_before_update of an unrecorded step: the loop watch alone)
-                self._watch.before_step(opt)
+                try:
+                    self._watch.before_step(opt)
+                except Exception as exc:
+                    if not self.guards.failed("loop", exc):
+                        raise
             return None
         self._count = self._ext.op_count()
         wrapped = super()._optim_pre(opt, args, kwargs)
@@ -162,10 +166,11 @@ class LoopSampling:
         ``backward()`` has run since: then they are the ones it used. (One that ran since made or added to
         them: a later step's check sees this run's own backward, not a stale gradient.)"""
         pending, self._unmarked = self._unmarked, {}
+        stopped = self.guards.stopped("loop")  # (its backward() count stopped: which gradients were used is unknown)
         for opt, calls in pending.values():
             if id(opt) not in self._stepped_opts:  # (their weights are checked for NaN/Inf at the end: finish.py)
                 self._stepped_opts[id(opt)] = weakref.ref(opt)
-            if calls == self._watch.backward_calls:
+            if calls == self._watch.backward_calls and not stopped:
                 self._mark_stepped(opt)
 
     def _wake(self) -> None:

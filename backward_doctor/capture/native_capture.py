@@ -252,13 +252,13 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
         if torch.compiler.is_compiling():
             return
         super()._module_pre(module, args)
-        self._set_stack()
+        self._guarded("modules", self._set_stack)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         super()._module_post(module, args, output)
-        self._set_stack()
+        self._guarded("modules", self._set_stack)
 
     def _new_stack(self, key: tuple[int, ...]) -> int:
         sid = self._stack_ids[key] = len(self._stacks)

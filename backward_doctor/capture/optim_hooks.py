@@ -108,16 +108,6 @@ class OptimizerHooks:
 
         return closure_under_doctor
 
-    def _guarded(self, name: str, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``, the doctor's bookkeeping of watch ``name``, under its guard (``guard.py``); None if it
-        failed (the watch is off)."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            if not self.guards.failed(name, exc):
-                raise
-            return None
-
     def _set_optimizer_depth(self, depth: int) -> None:
         """Inside (depth > 0) or outside the optimizer's own update, from the next op on."""
         self._opt_depth = depth

@@ -150,6 +150,16 @@ class CaptureState:
         self._training_closed = False  # the watches' wrappers were put back for good (the capture stopped)
 
 
+    def _guarded(self, name: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, the doctor's bookkeeping of watch ``name``, under its guard (``guard.py``); None if it
+        failed (the watch is off)."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if not self.guards.failed(name, exc):
+                raise
+            return None
+
     def _op_clock(self) -> int:
         return self._count
 

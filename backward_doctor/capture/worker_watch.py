@@ -38,6 +38,7 @@ from typing import Any
 
 from ..trace.records import FrameInfo, LoaderRecord, WorkerRecord
 from .code_names import CodeNames
+from .process import doctors_own
 from .worker_side import DUMP_SIGNAL, WorkerInit, dump_path, error_path
 
 _WRAPPED = ("__init__", "_next_index", "_try_put_index", "_shutdown_workers")
@@ -119,41 +120,54 @@ class WorkerWatch:
         init, next_index, put, shutdown = (getattr(cls, name) for name in _WRAPPED)
         watch = self
 
+        # (each wrapper's own part under the watch's guard, ``guard.py``: the iterator's methods run as they would)
         def __init__(it: Any, loader: Any) -> None:
             user_fn = loader.worker_init_fn
-            wrapper = WorkerInit(user_fn, watch._folder_now(), watch._capture)
+            wrapper = None
             try:
-                loader.worker_init_fn = wrapper
-            except Exception:  # noqa: BLE001 - a loader that refuses: its workers run unwatched
+                wrapper = WorkerInit(user_fn, watch._folder_now(), watch._capture)
+                loader.worker_init_fn = wrapper  # (a loader that refuses: its workers run unwatched, no failure)
+                seen = watch._by_iter[it] = _Watched(it, loader)  # (before: __init__ sends the first tasks)
+            except Exception as exc:
+                refused, loader.worker_init_fn = wrapper is not None and loader.worker_init_fn is not wrapper, user_fn
+                watch._failed(exc, quietly=refused)
                 return init(it, loader)
-            seen = watch._by_iter[it] = _Watched(it, loader)  # (before: __init__ sends the first tasks)
             try:
                 init(it, loader)
             finally:
                 loader.worker_init_fn = user_fn
-            if it._worker_init_fn is wrapper:
-                it._worker_init_fn = user_fn
-            seen.started(it)
-            watch._watched.append(seen)
+            try:
+                if it._worker_init_fn is wrapper:
+                    it._worker_init_fn = user_fn
+                seen.started(it)
+                watch._watched.append(seen)
+            except Exception as exc:
+                watch._failed(exc)
 
         def _next_index(it: Any) -> Any:
             index = next_index(it)
-            watch._last[it] = index
+            try:
+                watch._last[it] = index
+            except Exception as exc:
+                watch._failed(exc)
             return index
 
         def _try_put_index(it: Any) -> None:
             before = it._send_idx
             put(it)
-            seen = watch._by_iter.get(it)
-            if seen is not None and it._send_idx != before:
-                seen.sent[before] = (it._task_info[before][0], watch._last.pop(it, None))
-                for old in [k for k in seen.sent if k < it._rcvd_idx - 1]:
-                    del seen.sent[old]
+            try:
+                seen = watch._by_iter.get(it)
+                if seen is not None and it._send_idx != before:
+                    seen.sent[before] = (it._task_info[before][0], watch._last.pop(it, None))
+                    for old in [k for k in seen.sent if k < it._rcvd_idx - 1]:
+                        del seen.sent[old]
+            except Exception as exc:
+                watch._failed(exc)
 
         def _shutdown_workers(it: Any) -> None:
             try:
                 shutdown(it)
-            finally:  # (also from the iterator's __del__: nothing here may raise)
+            finally:  # (also from the iterator's __del__: nothing here may raise; ``ended`` catches its own)
                 seen = watch._by_iter.get(it)
                 if seen is not None:
                     seen.ended(it)
@@ -161,8 +175,15 @@ class WorkerWatch:
         for name, fn in zip(_WRAPPED, (__init__, _next_index, _try_put_index, _shutdown_workers)):
             setattr(cls, name, fn)
 
-    def remove(self) -> None:
-        """Put the iterator's methods back; read what the workers left, then remove the run's folder."""
+    def _failed(self, exc: Exception, quietly: bool = False) -> None:
+        """The watch's own part failed: it stops (``guard.py``; ``quietly``: only that loader runs unwatched), or
+        the exception is re-raised when it is no failure of the doctor's (a signal handler's)."""
+        guards = getattr(self._capture, "guards", None)
+        if guards is None or not (doctors_own(exc) if quietly else guards.failed("workers", exc)):
+            raise exc
+
+    def unwrap(self) -> None:
+        """Put the iterator's methods back (the run's end, or the watch switched off: ``guard.py``)."""
         cls, self._cls = self._cls, None
         if cls is not None:
             for name, old in self._saved.items():
@@ -171,6 +192,10 @@ class WorkerWatch:
                         delattr(cls, name)
                 else:
                     setattr(cls, name, old)
+
+    def remove(self) -> None:
+        """Put the iterator's methods back; read what the workers left, then remove the run's folder."""
+        self.unwrap()
         folder, self._folder = self._folder, None
         if os.getpid() != self._pid:  # a forked worker undoing its copy: the folder is the run's
             return

@@ -33,12 +33,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from IPython.core import magic_arguments
-from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
-
-from ..api import check_engine, check_timeout
-from ..capture.process import one_run_at_a_time
+from ..capture.process import doctors_own, one_run_at_a_time
 from ..capture.runner import running_captures
 from ..capture.trains import INERT, is_data, might_train, names_of
 from ..report import Report
@@ -46,7 +41,7 @@ from ..run.engine import choose_engine
 from ..run.step import run_step
 from ..run.watch import Watch
 from .magic import _release_failed_frames, _show, ipython_places
-from ..util.units import format_bytes, parse_size
+from ..util.units import format_bytes
 from .cell_watch import BackwardTrigger, HeldTracebacks, Outer, failed, quiet_line
 
 log = logging.getLogger(__name__)
@@ -145,7 +140,13 @@ class AlwaysOn:
         if raw_cell.lstrip().startswith(_DOCTOR_MAGIC):  # (it wins: the trigger stays out of its way)
             return self._unarmed(lambda: self._original(raw_cell, *args, **kwargs))
         ns = self.shell.user_ns
-        if not might_train(raw_cell, ns):
+        try:
+            trains = might_train(raw_cell, ns)
+        except Exception as exc:  # (the guess's own failure: the cell runs as it is; the trigger still watches)
+            if not doctors_own(exc):
+                raise
+            return self._original(raw_cell, *args, **kwargs)
+        if not trains:
             names = names_of(raw_cell)
             if names is not None and is_data(names, ns):
                 # (decided by its text and its names' types alone, might_train's first test: the installed
@@ -212,16 +213,23 @@ class AlwaysOn:
                                   engine=engine, rollback=True, cell_file=filename, execute=execute,
                                   build=False, every_iteration=opts.every_iteration, stall=True, budget=True,
                                   places=ipython_places(shell, filename, number))
-        except BaseException:
+        except BaseException as exc:
             held.show()  # a Ctrl-C in the doctor's own code: the user's traceback all the same
-            raise
+            if not doctors_own(exc):
+                raise
+            # The doctor's own error: the cell's outcome stands (run now as it is, if it had not run yet).
+            log.warning("always on: no report for this cell (the doctor's own error)", exc_info=True)
+            if not box:
+                return self._original(raw_cell, *args, **kwargs)
+            report = None
         finally:
             guard.__exit__(None, None, None)
         result = box[0] if box else RuntimeError("backward_doctor: the cell did not run")
         if isinstance(result, BaseException):  # IPython's own machinery raised: as it would have without us
             held.show()
             raise result
-        self._after(report, source, held, result)
+        if report is not None:
+            self._after(report, source, held, result)
         return result
 
     def _open_at(self, frame: Any) -> Watch | None:
@@ -314,67 +322,6 @@ class AlwaysOn:
                 f"{'s' if self.watched != 1 else ''} watched{last}; recording with {recorder}")
 
 
-@magics_class
-class AlwaysOnMagics(Magics):
-    """``%backward_doctor on|off|status`` (the line magic; ``%%backward_doctor`` is the cell magic)."""
-
-    @magic_arguments.magic_arguments()
-    @magic_arguments.argument("action", nargs="?", default="status", choices=("on", "off", "status"),
-                              help="on: watch every later cell that trains; off: stop; status: say which")
-    @magic_arguments.argument("--timeout", type=float, default=None, metavar="S",
-                              help="seconds without a completed optimizer step before a cell counts as hung "
-                                   "and is interrupted")
-    @magic_arguments.argument("--memory-limit", default=None, metavar="SIZE",
-                              help="simulated device capacity for every watched cell, e.g. 300MB or 2GiB")
-    @magic_arguments.argument("--quiet", action="store_true",
-                              help="no line for silent findings of a cell that ran to its end (failures still show)")
-    @magic_arguments.argument("--every-iteration", action="store_true",
-                              help="record every iteration of a loop (default: 0, 1, 2 and powers of two)")
-    @magic_arguments.argument("--engine", default="auto", metavar="NAME",
-                              help="what records the ops: auto, native or python")
-    @line_magic("backward_doctor")
-    def backward_doctor_line(self, line: str) -> None:
-        """Watch every later cell that trains, and show the diagnosis the first time one fails.
-
-        Example::
-
-            %load_ext backward_doctor
-            %backward_doctor on --timeout 120
-
-        A cell that trains (a backward, an optimizer step, ``trainer.train()``...) runs as with
-        ``%%backward_doctor``; when it fails (an exception, NaN/Inf, a hang past ``--timeout``
-        seconds without an optimizer step, Ctrl-C, an OOM) the report appears above the traceback. When it
-        succeeds nothing is shown, or one line when something silent was found. Other cells run as they are.
-        ``%%backward_doctor`` on a cell still works and wins. ``%backward_doctor off`` puts everything back.
-        """
-        args = magic_arguments.parse_argstring(self.backward_doctor_line, line)
-        shell = self.shell
-        given = args.timeout is not None or args.memory_limit is not None or args.quiet or args.every_iteration \
-            or args.engine != "auto"
-        if given and args.action != "on":
-            raise UsageError(f"options go with `on` (`%backward_doctor on {line.strip()}`), not with {args.action}")
-        if args.action == "off":
-            print("backward_doctor: always on is off" if turn_off(shell) else "backward_doctor: always on was not on")
-            return
-        if args.action == "status":
-            on = current(shell)
-            print(on.status() if on is not None else "backward_doctor: always on is off "
-                  "(`%backward_doctor on` watches every later cell that trains)")
-            return
-        try:
-            options = Options(timeout=check_timeout(args.timeout), memory_limit=parse_size(args.memory_limit),
-                              quiet=args.quiet, engine=check_engine(args.engine), every_iteration=args.every_iteration)
-            choose_engine(options.engine, memory_limit=options.memory_limit, build=False)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        print(turn_on(shell, options).status())
-
-
-def register(ipython: Any) -> None:
-    """Register the line magic (``%load_ext backward_doctor``)."""
-    ipython.register_magics(AlwaysOnMagics)
-
-
 def turn_on(shell: Any, options: Options) -> AlwaysOn:
     """Wrap ``shell.run_cell`` (replacing an earlier ``on``'s options)."""
     turn_off(shell)
@@ -397,4 +344,4 @@ def current(shell: Any) -> AlwaysOn | None:
     return getattr(vars(shell).get("run_cell"), "__backward_doctor__", None)
 
 
-__all__ = ["AlwaysOn", "AlwaysOnMagics", "register", "Options", "turn_on", "turn_off", "current"]
+__all__ = ["AlwaysOn", "Options", "turn_on", "turn_off", "current"]

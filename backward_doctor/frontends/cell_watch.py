@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..capture.process import doctors_own
 from ..report import Report
 from ..render.view import verdict_parts
 from ..run.watch import Watch
@@ -146,7 +147,9 @@ class BackwardTrigger:
             if opener is not None:
                 try:
                     watch = opener(sys._getframe(1))
-                except Exception:  # noqa: BLE001 - the user's backward() must run whatever happens here
+                except Exception as exc:  # the user's backward() runs whatever happens here (``guard.py``)
+                    if not doctors_own(exc):  # (a signal handler's exception: theirs)
+                        raise
                     log.warning("always on: the watch could not begin at backward()", exc_info=True)
                     self._opener = None  # (not asked again before the owner re-arms: one warning a cell)
                     watch = None

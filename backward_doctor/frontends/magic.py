@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -20,7 +21,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.display import display
 
 from ..api import check_engine, check_fix, check_timeout
-from ..capture.process import one_run_at_a_time
+from ..capture.process import doctors_own, one_run_at_a_time
 from ..capture.runner import running_progress
 from ..run.engine import ENGINES, choose_engine, python_tier_reason
 from ..report.places import name_places
@@ -107,6 +108,7 @@ class BackwardDoctorMagics(Magics):
 
     def _run(self, args: Any, cell: str, timeout: float | None, limit: int | None, engine: str) -> None:
         shell = self.shell
+        self._cell_ran = False
         # In Jupyter the report's place is taken before the cell runs, so it ends above the traceback.
         notice = RunningNotice(display, running_progress) if _in_kernel(shell) else None
         try:
@@ -125,7 +127,13 @@ class BackwardDoctorMagics(Magics):
         except BaseException as exc:  # a Ctrl-C in the doctor's own code: say so where the report would be
             if notice is not None:
                 notice.say(f"backward_doctor: no report ({type(exc).__name__} before it was made)")
-            raise
+            if not doctors_own(exc) or args.fix is not None:
+                raise
+            # The doctor's own error: the cell's outcome stands (it runs now, as it is, if it had not run yet).
+            print(f"backward_doctor: no report (the doctor's own error: {type(exc).__name__}: {exc})", file=sys.stderr)
+            if not self._cell_ran:
+                shell.run_cell(cell, store_history=False)
+            return None
         _export(report, args)
         if args.quiet and report.ok:
             if notice is not None:
@@ -144,6 +152,7 @@ class BackwardDoctorMagics(Magics):
         outer = getattr(shell.displayhook, "exec_result", None)
 
         def run() -> BaseException | None:
+            self._cell_ran = True
             result = shell.run_cell(cell, store_history=False)
             error = result.error_in_exec or result.error_before_exec
             if outer is not None:

@@ -25,7 +25,7 @@ import types
 from typing import Any
 
 from ..api import check_timeout
-from ..capture.process import one_run_at_a_time
+from ..capture.process import doctors_own, one_run_at_a_time
 from ..run.engine import ENGINES, choose_engine, screens_every_op
 from ..run.step import run_step
 from ..util.units import parse_size
@@ -82,8 +82,10 @@ def main(argv: list[str]) -> int:
     path = os.path.abspath(args.script)
     source = read_source(parser, path)
     raised: list[BaseException] = []
+    ran: list[bool] = []
     with _as_main(path, args.args) as namespace:
         def execute() -> BaseException | None:
+            ran.append(True)
             try:
                 exec(compile(source, path, "exec"), namespace)
             except BaseException as exc:  # noqa: BLE001 - the script's outcome, reported and re-told below
@@ -91,15 +93,26 @@ def main(argv: list[str]) -> int:
                 return exc
             return None
 
-        with one_run_at_a_time():
-            report = run_step(source, namespace, timeout=timeout, memory_limit=limit, engine=engine,
-                              rollback=screens_every_op(), cell_file=path, execute=execute, build=True,
-                              every_iteration=args.every_iteration, stall=True,
-                              places=lambda file: os.path.basename(path) if file is None else None)
+        try:
+            with one_run_at_a_time():
+                report = run_step(source, namespace, timeout=timeout, memory_limit=limit, engine=engine,
+                                  rollback=screens_every_op(), cell_file=path, execute=execute, build=True,
+                                  every_iteration=args.every_iteration, stall=True,
+                                  places=lambda file: os.path.basename(path) if file is None else None)
+        except Exception as own:  # the doctor's own error: the script's outcome stands (it runs now if it had not)
+            if not doctors_own(own):
+                raise
+            print(f"backward_doctor: no report (the doctor's own error: {type(own).__name__}: {own})",
+                  file=sys.stderr, flush=True)
+            report = None
+            if not ran:
+                execute()
     exc = raised[0] if raised else None
-    if isinstance(exc, SystemExit) and not report.trace.timed_out and report.trace.iterations.first_nonfinite is None:
-        return _exit_code(exc)  # the script chose to exit: its own business
-    if failed(report):
+    if report is None or (isinstance(exc, SystemExit) and not report.trace.timed_out
+                          and report.trace.iterations.first_nonfinite is None):
+        if exc is None or isinstance(exc, SystemExit):  # (the script chose to exit: its own business)
+            return _exit_code(exc) if exc is not None else 0
+    elif failed(report):
         written = write_report(report, out)
         print(f"{report}\nbackward_doctor: the report (written to {written[1]})", file=sys.stderr, flush=True)
     elif not args.quiet and quiet_line(report):

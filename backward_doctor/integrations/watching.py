@@ -26,6 +26,7 @@ import sys
 from typing import Any, Callable
 
 from ..api import check_timeout
+from ..capture.process import doctors_own
 from ..capture.runner import current_capture
 from ..frontends.cell_watch import failed, quiet_line, write_report
 from ..report import Report
@@ -103,10 +104,15 @@ class LoopDoctor:
         """After an optimizer step: whether training should stop now (NaN/Inf seen, ``on_nonfinite="stop"``)."""
         if self.on_nonfinite != "stop":
             return False
-        if self._watch is not None:
-            return self._watch.first_nonfinite is not None
-        cap = current_capture() if self._aside else None  # (standing aside: the running diagnosis's watch)
-        return cap is not None and cap.trace.iterations.first_nonfinite is not None
+        try:
+            if self._watch is not None:
+                return self._watch.first_nonfinite is not None
+            cap = current_capture() if self._aside else None  # (standing aside: the running diagnosis's watch)
+            return cap is not None and cap.trace.iterations.first_nonfinite is not None
+        except Exception as exc:  # (the doctor's own failure: training goes on as it would without it)
+            if not doctors_own(exc):
+                raise
+            return False
 
     def end(self, exc: BaseException | None = None, unannounced: str = "") -> Report | None:
         """Training ended (``exc``: what it raised). The report, written when training failed or went
@@ -121,6 +127,12 @@ class LoopDoctor:
         self._disarm_fallbacks()
         try:
             report = self.report = remember(watch.end(exc))
+        except Exception as own:  # (the doctor's own failure: never the training's, whose outcome stands)
+            if not doctors_own(own):
+                raise
+            print(f"backward_doctor: no report for this training run (the doctor's own error: "
+                  f"{type(own).__name__}: {own}); the training ran as it would without the doctor", file=sys.stderr)
+            return None
         finally:
             self._undo_cleanup()
         if unannounced:

@@ -130,6 +130,7 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
             finally:
                 done.set()
         fill_from_flight_recorder(rec.collectives)
+    report.trace.notes.extend(rec.notes)  # (the collective log's own failure, if it stopped)
     keep_excerpts(report.trace, [(c.file, c.line) for c in rec.collectives]
                   + [(u.forward_file, u.forward_line) for u in rec.unused])
     record = RankRecord(rank=rank, world_size=world, script=cell_file, wrote_report=True,

@@ -14,6 +14,7 @@ from ..trends import history_before, lr_change, nan_pattern
 from .amp import low_precision, low_precision_origin
 from .learning_rate import diverged_from_start
 from ...capture.stats import format_stats
+from ...trace.queries import recorded_nothing
 from ...trace.records import NonFiniteEvent, Trace, Where
 
 _EXPLAIN = {
@@ -195,8 +196,8 @@ def nonfinite(trace: Trace) -> list[Finding]:
 def _nonfinite(trace: Trace) -> list[Finding]:
     origins: list[NonFiniteEvent] = [e for e in trace.nonfinite if e.is_origin and e.reached]
     its = trace.iterations
-    if its.first_nonfinite is not None and its.replayed is None \
-            and its.first_nonfinite not in its.recorded:  # (a sampled loop's unrecorded iteration; always on's)
+    if its.first_nonfinite is not None and its.replayed is None and (  # (a sampled loop's unrecorded iteration)
+            its.first_nonfinite not in its.recorded if its.recorded else recorded_nothing(trace)):  # (always on's)
         return _unrecorded_first(trace)
     if not origins:
         return _without_origin(trace)
