@@ -205,13 +205,16 @@ class CaptureState:
 
     def _accumulated(self, param: torch.Tensor) -> None:
         try:
-            self._got_grad.add(id(param))
-            grad = grad_of(param)
-            if grad is not None:
-                self._ledger.reclassify(grad, "gradients")
+            self._got_gradient(param)
         except Exception as exc:  # (the watch's own failure: it stops, backward goes on, ``guard.py``)
             if not self.guards.failed("gradients", exc):
                 raise
+
+    def _got_gradient(self, param: torch.Tensor) -> None:
+        self._got_grad.add(id(param))
+        grad = grad_of(param)
+        if grad is not None:
+            self._ledger.reclassify(grad, "gradients")
 
     def release(self) -> None:
         """Let go of the user's objects once the trace is finished. A capture is a cycle of its own (its
