@@ -73,6 +73,20 @@ def _findings(findings) -> list[str]:
             for f in findings]
 
 
+def _own_errors(notes: list[str]) -> list[str]:
+    """The doctor's own errors that a guard kept out of the cell (``capture/guard.py``): a watch that stopped."""
+    return [f"the doctor's own error (note): {n[:400]}" for n in notes if "the doctor's own error" in n]
+
+
+def _report_problems(report, engine: str) -> list[str]:
+    problems = []
+    if report.exception is not None:
+        problems.append(f"report.exception: {report.exception}")
+    if report.trace.engine != engine:
+        problems.append(f"engine: {report.trace.engine}")
+    return problems + _findings(report.findings) + _own_errors(report.trace.notes)
+
+
 def _doctor_frames(exc: BaseException) -> str:
     """Where in backward_doctor an exception was raised (its innermost frames there), or its last frame."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -108,13 +122,7 @@ def test_diagnose(name: str, engine: str) -> None:
     plain(name)
     ns = idioms.build(name)
     report = bd.diagnose(IDIOMS[name].cell, ns, engine=engine, timeout=TIMEOUT)
-    problems = []
-    if report.exception is not None:
-        problems.append(f"exception: {report.exception}")
-    if report.trace.engine != engine:
-        problems.append(f"engine: {report.trace.engine}")
-    problems += _findings(report.findings)
-    _check(name, problems, ns)
+    _check(name, _report_problems(report, engine), ns)
 
 
 # ----------------------------------------------------------------------------- IPython: the magic and always on
@@ -156,11 +164,8 @@ def _cell_outcome(result, before, report, engine: str) -> list[str]:
     if report is None or report is before:
         problems.append("no report: the cell was not watched")
     else:
-        if report.exception is not None and result.error_in_exec is None:
-            problems.append(f"report.exception: {report.exception}")
-        if report.trace.engine != engine:
-            problems.append(f"engine: {report.trace.engine}")
-        problems += _findings(report.findings)
+        problems += [p for p in _report_problems(report, engine)
+                     if not (p.startswith("report.exception") and result.error_in_exec is not None)]
     return problems
 
 
@@ -219,11 +224,7 @@ def test_callback(name: str, engine: str, tmp_path) -> None:
     if cb.report is None:
         problems.append("no report: the callback watched nothing")
     else:
-        if cb.report.exception is not None:
-            problems.append(f"report.exception: {cb.report.exception}")
-        if cb.report.trace.engine != engine:
-            problems.append(f"engine: {cb.report.trace.engine}")
-        problems += _findings(cb.report.findings)
+        problems += _report_problems(cb.report, engine)
     if os.listdir(tmp_path):
         problems.append(f"wrote {sorted(os.listdir(tmp_path))}")
     _check(name, problems, ns)
@@ -321,6 +322,10 @@ def test_cli_script_exits_0_and_prints_no_report(engine: str, script_folder: Pat
         problems.append("no report: was the script watched?")
     for f in runs.unattributed_findings():
         problems.append(f"finding {f['kind']} ({f['severity']}): {f['title']} at {f.get('file')}:{f.get('line')}")
+    for r in runs.reports:
+        if r["trace"].get("engine") != engine:
+            problems.append(f"engine: {r['trace'].get('engine')}")
+        problems += _own_errors(r["trace"].get("notes", []))
     assert not problems, "\n  ".join(problems)
 
 

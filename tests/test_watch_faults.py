@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import backward_doctor as bd
-from backward_doctor.capture import guard, loop_hooks, loop_sampling, state as state_mod, worker_watch
+from backward_doctor.capture import guard, loop_hooks, state as state_mod, worker_watch
 from backward_doctor.capture.accum_watch import AccumulationWatch
 from backward_doctor.capture.context import Capture
+from backward_doctor.capture.loop_sampling import LoopSampling
 from backward_doctor.capture.loop_watch import LoopWatch
 from backward_doctor.capture.native_capture import NativeLoopWatch
 from backward_doctor.capture.optim_hooks import OptimizerHooks
@@ -95,13 +96,13 @@ BREAK = {
     "recorder": lambda mp: mp.setattr(Capture, "_where", boom),
     "modules": lambda mp: mp.setattr(state_mod.CaptureState, "_register_module", boom),
     "gradients": lambda mp: mp.setattr(state_mod.CaptureState, "_got_gradient", boom),
-    "optimizer": lambda mp: (mp.setattr(OptimizerHooks, "_optim_pre", boom),
-                             mp.setattr(loop_sampling.LoopSampling, "_optim_pre", boom)),
+    "optimizer": lambda mp: (mp.setattr(OptimizerHooks, "_recorded_step_began", boom),
+                             mp.setattr(OptimizerHooks, "_check_stale_unrecorded", boom)),
     "loop": _native_loop_watch_broken,
     "accumulation": lambda mp: mp.setattr(AccumulationWatch, "step_began", boom),
     "precision": lambda mp: mp.setattr(PrecisionWatch, "scaler_stepped", boom),
     "sampling": lambda mp: (mp.setattr(loop_hooks.LoopHooks, "_begin_iteration", boom),
-                            mp.setattr(loop_sampling.LoopSampling, "_begin_iteration", boom)),
+                            mp.setattr(LoopSampling, "_begin_iteration", boom)),
     "rollback": lambda mp: mp.setattr(IterationRollback, "iteration_began", boom),
     "compile": lambda mp: mp.setattr(Capture, "_compile_started", boom),
     "workers": lambda mp: mp.setattr(worker_watch, "_Watched", boom),

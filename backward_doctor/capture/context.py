@@ -190,8 +190,8 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
 
     def _add_global_hooks(self) -> None:
         if not self._global_handles and not self.guards.stopped("optimizer"):  # (once: compilations nest)
-            self._global_handles.append(_optim.register_optimizer_step_pre_hook(self._step_pre_hook))
-            self._global_handles.append(_optim.register_optimizer_step_post_hook(self._step_post_hook))
+            self._global_handles.append(_optim.register_optimizer_step_pre_hook(self._optim_pre))
+            self._global_handles.append(_optim.register_optimizer_step_post_hook(self._optim_post))
         self._add_module_hooks()
 
     def _add_module_hooks(self) -> None:

@@ -86,44 +86,56 @@ class LoopSampling:
                 + ("; always on records only what fits its cost budget" if not self._first_recorded else "")
                 + ". `every_iteration=True` (`--every-iteration`) records them all, at 2-4x a plain step.")
 
+    # (torch's optimizer-step hooks: every line under the optimizer watch's guard, ``guard.py``, written inline
+    # rather than in a frame of its own: an asleep iteration of a long loop pays for each call)
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
-        if self._asleep:  # an unsampled iteration: only its end is counted (and its numbers read)
-            outermost = self._opt_depth == 0
-            if outermost:
-                self._outer_step_began(opt, args, kwargs)
-                if self.history is not None and id(opt) not in self._stale_checked:
-                    self._check_stale_unrecorded(opt, sys._getframe(1))
-            self._opt_depth += 1
-            if kwargs or len(args) > 1:  # (step(closure): the gradients are read after it ran)
-                wrapped = self._wrap_closure(opt, args, kwargs, lambda: self._before_update(opt, None, outermost))
-                if wrapped is not None:
-                    return wrapped
-            if outermost:  # (_before_update of an unrecorded step: the loop watch alone)
-                try:
-                    self._watch.before_step(opt)
-                except Exception as exc:
-                    if not self.guards.failed("loop", exc):
-                        raise
+        try:
+            if self._asleep:  # an unsampled iteration: only its end is counted (and its numbers read)
+                outermost = self._opt_depth == 0
+                if outermost:
+                    self._outer_step_began(opt, args, kwargs)
+                    if self.history is not None and id(opt) not in self._stale_checked:
+                        self._check_stale_unrecorded(opt, sys._getframe(1))
+                self._opt_depth += 1
+                if kwargs or len(args) > 1:  # (step(closure): the gradients are read after it ran)
+                    wrapped = self._wrap_closure(opt, args, kwargs,
+                                                 lambda: self._before_update(opt, None, outermost))
+                    if wrapped is not None:
+                        return wrapped
+                if outermost:  # (_before_update of an unrecorded step: the loop watch alone)
+                    try:
+                        self._watch.before_step(opt)
+                    except Exception as exc:
+                        if not self.guards.failed("loop", exc):
+                            raise
+                return None
+            self._count = self._ext.op_count()
+            wrapped = super()._optim_pre(opt, args, kwargs)
+            self._ext.set_optimizer_depth(self._opt_depth)
+            return wrapped
+        except Exception as exc:
+            if not self.guards.failed("optimizer", exc):
+                raise
             return None
-        self._count = self._ext.op_count()
-        wrapped = super()._optim_pre(opt, args, kwargs)
-        self._ext.set_optimizer_depth(self._opt_depth)
-        return wrapped
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._asleep:
-            depth = self._opt_depth = self._opt_depth - 1 if self._opt_depth > 0 else 0
-            # (the next run, and the next recorded iteration, must know these gradients were consumed: marked
-            # when the recorder wakes or the run ends, not at every step of a long loop)
-            self._unmarked[id(opt)] = (opt, self._watch.backward_calls)
-            if depth == 0:
+        try:
+            if self._asleep:
+                depth = self._opt_depth = self._opt_depth - 1 if self._opt_depth > 0 else 0
+                # (the next run, and the next recorded iteration, must know these gradients were consumed: marked
+                # when the recorder wakes or the run ends, not at every step of a long loop)
+                self._unmarked[id(opt)] = (opt, self._watch.backward_calls)
+                if depth == 0:
+                    self._iteration_ended()
+                return
+            super()._optim_post(opt, args, kwargs)
+            self._ext.set_optimizer_depth(self._opt_depth)
+            self._post_counts.append(self._ext.op_count())
+            if self._opt_depth == 0:
                 self._iteration_ended()
-            return
-        super()._optim_post(opt, args, kwargs)
-        self._ext.set_optimizer_depth(self._opt_depth)
-        self._post_counts.append(self._ext.op_count())
-        if self._opt_depth == 0:
-            self._iteration_ended()
+        except Exception as exc:
+            if not self.guards.failed("optimizer", exc):
+                raise
 
     def _ops_so_far(self) -> int:
         return self._ext.op_count()

@@ -27,23 +27,24 @@ class OptimizerHooks:
     """Optimizer-step bookkeeping for :class:`Capture` (see the module docstring)."""
 
     # The hooks torch calls (``register_optimizer_step_pre_hook``/``post_hook``): the bookkeeping under the
-    # optimizer watch's guard (``guard.py``), so that its failure never fails the user's step.
-    def _step_pre_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+    # optimizer watch's guard (``guard.py``), so that its failure never fails the user's step. (The sampling
+    # captures' own hooks guard their asleep path inline: no frame more at every step of a long loop.)
+    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         try:
-            return self._optim_pre(opt, args, kwargs)
+            return self._recorded_step_began(opt, args, kwargs)
         except Exception as exc:
             if not self.guards.failed("optimizer", exc):
                 raise
             return None  # (the step runs with its own arguments)
 
-    def _step_post_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
-            self._optim_post(opt, args, kwargs)
+            self._recorded_step_ended(opt)
         except Exception as exc:
             if not self.guards.failed("optimizer", exc):
                 raise
 
-    def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+    def _recorded_step_began(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         outermost = self._opt_depth == 0
         if outermost:
             self._outer_step_began(opt, args, kwargs)
@@ -53,7 +54,7 @@ class OptimizerHooks:
             for p in group["params"]:
                 self._register_param(p)
                 self._stepped_params.add(id(p))
-        where = self._frames.where(sys._getframe(1))
+        where = self._frames.where(sys._getframe(2))
         step = OptimizerStep(index=self._count, optimizer=type(opt).__name__, id=id(opt),
                              line=where.line, file=where.file, cell_line=where.cell_line, function=where.function)
         self.trace.optimizer_steps.append(step)
@@ -147,7 +148,7 @@ class OptimizerHooks:
                                            line=where.line, file=where.file, cell_line=where.cell_line,
                                            function=where.function), stale)
 
-    def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _recorded_step_ended(self, opt: torch.optim.Optimizer) -> None:
         self._opt_depth = max(0, self._opt_depth - 1)
         for t in ns_mod.optimizer_state_tensors(opt):
             self._ledger.reclassify(t, "optimizer")
