@@ -1009,7 +1009,7 @@ def nanogpt_train_loop(ns):
         define(NANO_TRAIN_SETUP, ns, "nanogpt_train_loop", "train")
 
 
-# ============================================================================ pytorch/examples' mnist main.py, in miniature
+# ============================================================================ pytorch/examples' mnist, in miniature
 EXAMPLES_MNIST = '''\
 import argparse
 
@@ -1080,8 +1080,10 @@ args = argparse.Namespace(batch_size=8, test_batch_size=16, epochs=2, lr=1.0, ga
 torch.manual_seed(args.seed)
 device = torch.device("cpu")
 g = torch.Generator().manual_seed(2)
-train_set = torch.utils.data.TensorDataset(torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g))
-test_set = torch.utils.data.TensorDataset(torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g))
+train_set = torch.utils.data.TensorDataset(torch.randn(16, 1, 8, 8, generator=g),
+                                           torch.randint(0, 10, (16,), generator=g))
+test_set = torch.utils.data.TensorDataset(torch.randn(16, 1, 8, 8, generator=g),
+                                          torch.randint(0, 10, (16,), generator=g))
 train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
 test_loader = torch.utils.data.DataLoader(test_set, batch_size=args.test_batch_size)
 model = Net().to(device)
