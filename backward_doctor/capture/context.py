@@ -382,4 +382,6 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         from .finish import finish
 
         self._accum.finish(self.namespace)
+        if self._unhooked:
+            self._unfrozen()
         return finish(self)

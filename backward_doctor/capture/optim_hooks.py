@@ -50,6 +50,8 @@ class OptimizerHooks:
             self._outer_step_began(opt, args, kwargs)
         self._opt_depth += 1
         self._where_cache.clear()
+        if self._unhooked:
+            self._unfrozen()
         for group in opt.param_groups:
             for p in group["params"]:
                 self._register_param(p)

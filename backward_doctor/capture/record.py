@@ -177,7 +177,10 @@ class OpRecorder(CaptureState):
         if info[4]:
             _bump_versions(args, info[4])
         self._t_last = now = _now()
-        self._after_safely(info, args, index, "backward", False, ins, in_keys, out, where, None, now - t_op)
+        # (the grad mode the op ran under, put back after the screens: a checkpoint's recomputation runs in backward
+        # with grad on, and must go on so, or it saves fewer tensors than its forward did: CheckpointError)
+        self._after_safely(info, args, index, "backward", _grad_enabled(), ins, in_keys, out, where, None,
+                           now - t_op)
         return out
 
     def _after(self, info, args, index, phase, grad_enabled, ins, in_keys, out, where, fwd_index, t_op) -> None:

@@ -97,6 +97,8 @@ class CaptureState:
         self._seq_start = self._last_seq = _sequence_nr()
         self._iter_seq = array("q")  # the autograd sequence number at which each iteration after the first began
         self._handles: list[Any] = []  # hooks on parameters
+        #: parameters frozen when seen (no hook can go on them yet): id -> (weak ref, their gradient's id and version)
+        self._unhooked: dict[int, tuple[weakref.ref, tuple[int, int] | None]] = {}
         self._undo = UndoStack()       # what start() installed, to undo in stop()
         self._global_handles: list[Any] = []  # optimizer hooks (off while torch.compile compiles)
         self._module_handles: list[Any] = []  # module hooks (off while compiling, and in unsampled iterations)
@@ -195,6 +197,25 @@ class CaptureState:
         if p.requires_grad and p.is_leaf and hasattr(p, "register_post_accumulate_grad_hook") \
                 and not self.guards.stopped("gradients"):
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        elif not p.requires_grad and p.is_leaf and id(p) not in self._unhooked:  # (frozen: ``_unfrozen``)
+            grad = grad_of(p)
+            self._unhooked[id(p)] = (weakref.ref(p), (id(grad), grad._version) if grad is not None else None)
+
+    def _unfrozen(self) -> None:
+        """Parameters frozen when first seen that require grad now (fine-tuning unfreezes a backbone mid-run):
+        those whose gradient this run made or added to got one (no hook could say it), and they are hooked for
+        the rest of the run. (At each recorded optimizer step and at the end: not per op or module.)"""
+        for key, (ref, before) in list(self._unhooked.items()):
+            p = ref()
+            if p is not None and not p.requires_grad:
+                continue
+            del self._unhooked[key]
+            if p is None:
+                continue
+            grad = grad_of(p)
+            if grad is not None and (id(grad), grad._version) != before:
+                self._got_grad.add(key)
+            self._hook_parameter(p)
 
     def _hook_parameters(self) -> None:
         """Every known parameter hooked again (after an asleep stretch of a loop, which runs without them)."""
