@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -295,6 +296,8 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
 
     # ---------------------------------------------------------------- hooks
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() != self._thread:  # (another thread's model: not this run's)
+            return
         try:
             if id(module) not in self._modules:
                 self._register_module(module)
@@ -305,6 +308,8 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
                 raise
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
         try:
             stack = self._module_stack
             if stack and stack[-1] == id(module):

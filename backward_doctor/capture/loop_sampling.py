@@ -16,11 +16,14 @@ True
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import weakref
 from typing import Any
 
 import torch
+
+_get_ident = threading.get_ident  # (read at every optimizer step of every thread)
 
 
 class LoopSampling:
@@ -89,6 +92,8 @@ class LoopSampling:
     # (torch's optimizer-step hooks: every line under the optimizer watch's guard, ``guard.py``, written inline
     # rather than in a frame of its own: an asleep iteration of a long loop pays for each call)
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+        if _get_ident() != self._thread:  # (another thread's optimizer: not this run's)
+            return None
         try:
             if self._asleep:  # an unsampled iteration: only its end is counted (and its numbers read)
                 outermost = self._opt_depth == 0
@@ -119,6 +124,8 @@ class LoopSampling:
             return None
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _get_ident() != self._thread:
+            return
         try:
             if self._asleep:
                 depth = self._opt_depth = self._opt_depth - 1 if self._opt_depth > 0 else 0

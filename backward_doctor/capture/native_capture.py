@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import weakref
 from typing import Any, Iterator
@@ -249,13 +250,13 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         # Called inside a compiled module, a hook is traced by dynamo: ``set_stack`` (C) broke the graph. While it
         # traces, the hook is nothing (the region is seen at its edges anyway).
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:  # (or another thread's model)
             return
         super()._module_pre(module, args)
         self._guarded("modules", self._set_stack)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
             return
         super()._module_post(module, args, output)
         self._guarded("modules", self._set_stack)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ import torch
 from . import namespace as ns_mod
 from .memory import grad_of
 from ..trace.parts import OptimizerStep, StaleStep
+
+_get_ident = threading.get_ident  # (read at every optimizer step of every thread)
 
 
 class OptimizerHooks:
@@ -30,6 +33,8 @@ class OptimizerHooks:
     # optimizer watch's guard (``guard.py``), so that its failure never fails the user's step. (The sampling
     # captures' own hooks guard their asleep path inline: no frame more at every step of a long loop.)
     def _optim_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+        if _get_ident() != self._thread:  # (another thread's optimizer: not this run's)
+            return None
         try:
             return self._recorded_step_began(opt, args, kwargs)
         except Exception as exc:
@@ -38,6 +43,8 @@ class OptimizerHooks:
             return None  # (the step runs with its own arguments)
 
     def _optim_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _get_ident() != self._thread:
+            return
         try:
             self._recorded_step_ended(opt)
         except Exception as exc:

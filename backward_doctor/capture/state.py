@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import weakref
 from array import array
 from typing import TYPE_CHECKING, Any, Callable
@@ -67,6 +68,9 @@ class CaptureState:
         self.trace.run_id = self._run_id
         #: each watch's switch (``guard.py``): its bookkeeping failing switches it off, with a note
         self.guards = Guards(self.trace.notes)
+        #: the thread that runs the step: the process-wide hooks ignore every other (a background thread training
+        #: its own model runs exactly as without the doctor, and is not counted in this run)
+        self._thread = threading.get_ident()
         self._frames = UserFrames(cell_file)
         self._ledger = MemoryLedger()
         self._ledger.on_free = self._on_free

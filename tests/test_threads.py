@@ -1,0 +1,110 @@
+"""Another thread trains while the doctor watches a cell (issue 46, items 4-5): the process-wide hooks (optimizer
+steps, module forwards) belong to the thread that runs the step. Before, a background thread's optimizer steps went
+through the capture's hooks: the accumulation watch raised ``AttributeError: '_step_where'`` into that thread (the
+kernel could die), its parameters were registered into the run's ledger (its frees mutated the ledger while the
+step read it; its weights were screened while it updated them), the cell's report counted its steps and blamed its
+line for stale gradients. Now the other thread runs exactly as without the doctor (its weights bit-identical to a
+plain run of as many steps) and the report is the cell's own."""
+from __future__ import annotations
+
+import threading
+import traceback
+
+import pytest
+import torch
+
+import backward_doctor as bd
+
+CELL = "for i in range(50):\n    opt.zero_grad()\n    loss = model(x).pow(2).mean()\n    loss.backward()\n    opt.step()\n"
+
+
+class Background:
+    """A thread training its own model until stopped; what it raised; how many steps it took."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.steps = 0
+        self._stop = threading.Event()
+        self.model, self.opt, self.x, self.y = self.make()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="background-training")
+
+    @staticmethod
+    def make():
+        g = torch.Generator().manual_seed(1)
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3), torch.randn(64, 8, generator=g), \
+            torch.randn(64, 1, generator=g)
+
+    @staticmethod
+    def step(model, opt, x, y) -> None:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.step(self.model, self.opt, self.x, self.y)
+                self.steps += 1
+        except BaseException:  # noqa: BLE001 - what the doctor raised into this thread is the finding
+            self.errors.append(traceback.format_exc())
+
+    def __enter__(self) -> "Background":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.thread.join(60)
+
+    def check(self) -> None:
+        """No error in the thread, and its weights what as many plain steps give."""
+        assert not self.errors, self.errors[0]
+        assert self.steps > 0
+        model, opt, x, y = self.make()
+        for _ in range(self.steps):
+            self.step(model, opt, x, y)
+        for p, q in zip(self.model.parameters(), model.parameters()):
+            assert torch.equal(p, q)
+
+
+def _cell_namespace() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "x": torch.randn(32, 4)}
+
+
+def test_diagnose_while_another_thread_trains(engine):
+    with Background() as bg:
+        for _ in range(8):
+            report = bd.diagnose(CELL, _cell_namespace(), engine=engine)
+            assert report.findings == [] and report.exception is None, report
+            assert report.trace.iterations.steps == 50, report.trace.iterations.steps
+            assert not any("stopped" in n for n in report.trace.notes), report.trace.notes
+    bg.check()
+
+
+@pytest.mark.ipython
+def test_always_on_while_another_thread_trains():
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    shell = InteractiveShell.instance()
+    with capture_output():
+        shell.run_cell("%load_ext backward_doctor", store_history=False)
+        shell.run_cell("%backward_doctor on", store_history=False)
+    try:
+        with Background() as bg:
+            for _ in range(6):
+                shell.user_ns.update(_cell_namespace())
+                with capture_output() as shown:
+                    result = shell.run_cell(CELL, store_history=True)
+                assert result.success, result.error_in_exec
+                assert shown.outputs == [] and "backward_doctor" not in shown.stdout, shown.stdout
+                report = bd.last_report()
+                assert report.trace.iterations.steps == 50 and report.findings == [], report
+        bg.check()
+    finally:
+        with capture_output():
+            shell.run_cell("%backward_doctor off", store_history=False)
