@@ -296,7 +296,9 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
 
     # ---------------------------------------------------------------- hooks
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() != self._thread:  # (another thread's model: not this run's)
+        # (another thread's model is not this run's; while dynamo traces this hook into a graph, asking for the thread
+        # would break the graph: is_compiling() is constant there, and the trace is the run's thread's)
+        if not torch.compiler.is_compiling() and threading.get_ident() != self._thread:
             return
         try:
             if id(module) not in self._modules:
@@ -308,7 +310,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
                 raise
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self._thread:
+        if not torch.compiler.is_compiling() and threading.get_ident() != self._thread:
             return
         try:
             stack = self._module_stack
@@ -380,7 +382,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
             # (its weights are still those it began with unless its optimizer step already ran). A name the
             # code misspelt would only fail again: no state is copied for it. (Nor after a device-side assert: the
             # CUDA context is lost, nothing more runs on it.)
-            self.rollback.went_wrong(self.trace.iterations.steps)
+            self.rollback.went_wrong(self.trace.iterations.steps, exc, self.trace)  # (not after the loop)
 
     def finish(self) -> Trace:
         """Resolve names, downsample the timeline, decide what NaN/Inf reached; returns the trace."""

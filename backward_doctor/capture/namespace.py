@@ -67,6 +67,35 @@ def optimizers(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.optim.Opt
             yield name, value
 
 
+def held(namespace: dict[str, Any], classes: type | tuple[type, ...] = torch.optim.Optimizer
+         ) -> Iterator[tuple[str, Any]]:
+    """Instances of ``classes`` (optimizers unless told) bound to a name or in a small container, or held as an
+    attribute of an object there (``runner.opt``, a module's ``self.opt``), as :func:`modules` finds modules;
+    each once. What a rollback restores besides the modules.
+
+    >>> class Runner: pass
+    >>> r = Runner(); r.opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    >>> [name for name, _ in held({"runner": r, "opt": r.opt})]
+    ['runner.opt']
+    """
+    seen: set[int] = set()
+    for name, value in user_items(namespace, depth=1):
+        if isinstance(value, classes):
+            found = [(name, value)]
+        elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+            try:  # (an object of the user's whose ``__dict__`` is not a plain one: nothing found in it)
+                attrs = list(vars(value).items())[:_MAX_ITEMS]
+            except Exception:  # noqa: BLE001
+                attrs = []
+            found = [(f"{name}.{attr}", sub) for attr, sub in attrs if isinstance(sub, classes)]
+        else:
+            continue
+        for item in found:
+            if id(item[1]) not in seen:
+                seen.add(id(item[1]))
+                yield item
+
+
 def module_paths(namespace: dict[str, Any]) -> dict[int, str]:
     """id(module) -> dotted path from the variable that holds it (first name wins)."""
     paths: dict[int, str] = {}

@@ -132,7 +132,7 @@ def nothing_recorded(trace: Trace) -> str | None:
     what = "the step" if steps <= 1 else f"its {steps} steps"
     return (f"always on recorded nothing op by op ({what} ran with the recorder asleep: recording costs 2-5x a "
             "plain step, more than always on's budget allows). The loss, gradient norm and memory were watched "
-            "(a failure is replayed in detail); the checks that read the ops (silent broadcasting, detached "
+            "(a failure inside the loop is replayed in detail); the checks that read the ops (silent broadcasting, detached "
             "outputs, in-place writes to saved tensors, unused parameters) did not run. `%%backward_doctor` on "
             "the cell records it op by op.")
 

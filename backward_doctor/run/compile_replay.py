@@ -9,7 +9,8 @@ run, when the compiled step went NaN/Inf (its loss, a gradient, a weight), diver
 1. keeps the state the run ended with, restores the snapshot and runs the same cell again under
    ``torch.compiler.set_stance("force_eager")`` (every compiled region runs its original Python: the
    same step, eagerly), recording the inputs and weights each compiled module got at its first call;
-2. puts the end state back: the namespace ends as the compiled run left it;
+2. puts the end state back: the namespace ends as the compiled run left it (its names bound to the compiled
+   run's objects, the lists and dicts they hold with the compiled run's contents);
 3. if eager does the same (NaN too, or the same error), the report is built from the eager replay: its
    op-by-op record places the NaN's origin (or the failing op) at the user's line, where the compiled
    run could only show the region's edge;
@@ -35,7 +36,7 @@ from ..capture.frames import UserFrames
 from ..capture.trainers import library_of
 from ..trace.parts import CompileCheck
 from ..trace.records import Trace
-from .snapshot import Snapshot, take_if_it_fits
+from .snapshot import Bindings, Snapshot, take_if_it_fits
 
 _replaying = [False]  # the eager replay itself is not checked again
 
@@ -209,6 +210,7 @@ class CompilePlan:
         if end is None:
             first.notes.append(f"torch.compile: the step was not replayed eagerly to compare: {why_not}")
             return first
+        left = Bindings(self.namespace)  # (the compiled run's objects in its names: the replay binds its own)
         self.snapshot.restore(self.namespace)
         ended = _trainer_fields(self.namespace)
         _put(self.trainers)
@@ -220,6 +222,7 @@ class CompilePlan:
         finally:
             _replaying[0] = False
             end.restore(self.namespace)
+            left.restore(self.namespace)
             _put(ended)
         if eager.timed_out or (eager.exception is not None and eager.exception.type == "KeyboardInterrupt"):
             first.notes.append("torch.compile: the eager replay (to compare with the compiled step) was interrupted "

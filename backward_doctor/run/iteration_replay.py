@@ -16,6 +16,7 @@ True
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import ctypes
@@ -30,7 +31,7 @@ import torch
 from ..trace.records import Trace
 from ..util.loops import loop_names, one_iteration, training_loop
 from ..capture.state import cuda_in_use
-from .snapshot import Snapshot, take_if_it_fits
+from .snapshot import Bindings, Snapshot, take_if_it_fits
 
 _CONTAINERS = (list, dict, set)
 
@@ -95,7 +96,11 @@ class IterationRollback:
             return
         self.iteration = iteration
         self.seen_in_scalar = what == "scalar"  # (the recorder was on, screening scalars only; else asleep)
-        state, self.why_not = take_if_it_fits(self.namespace)
+        names = loop_names(self.source)
+        values = {n: self.namespace[n] for n in names if n in self.namespace}
+        # the loop runs inside a function (a script's main()): its locals (its model and optimizer saved too)
+        local = _loop_locals(self.source, self.namespace) if len(values) < len(names) else {}
+        state, self.why_not = take_if_it_fits({**self.namespace, **local} if local else self.namespace)
         if state is None:
             return
         # the draws of the iteration's own start, not of now
@@ -105,19 +110,20 @@ class IterationRollback:
         else:
             state.rng["torch"] = torch.frombuffer(bytearray(self._rng["torch"]), dtype=torch.uint8)
         self.state = state
-        names = loop_names(self.source)
-        self.values = {n: self.namespace[n] for n in names if n in self.namespace}
-        if len(self.values) < len(names):  # the loop runs inside a function (a script's main()): its locals
-            self.locals = _loop_locals(self.source, self.namespace)
-            self.values.update({n: self.locals[n] for n in names if n in self.locals})
+        self.values, self.locals = values, local
+        self.values.update({n: local[n] for n in names if n in local})
         if self._find_body is not None:
             try:
                 self.body = self._find_body()
             except Exception:  # noqa: BLE001 - no replay then (the report says so), never a failed step
                 self.body = None
 
-    def went_wrong(self, iteration: int) -> None:
-        """The cell raised in an iteration the recorder did not record: keep its state (after the run)."""
+    def went_wrong(self, iteration: int, exc: BaseException | None = None, trace: Trace | None = None) -> None:
+        """The cell raised in an iteration the recorder did not record: keep its state (after the run). Not when
+        ``exc`` was raised outside the training loop (before it began, after it ended: no iteration was running,
+        and a replay of the last one would do its work again)."""
+        if exc is not None and trace is not None and not raised_in_loop(exc, self.source, trace):
+            return
         self.failed = True
         self.went_nonfinite(iteration, "exception")
 
@@ -135,6 +141,45 @@ class IterationRollback:
     def release(self) -> None:
         """Drop the copy and the batch (after the replay, or when none is run)."""
         self.state, self.values, self.locals, self.body = None, {}, {}, None
+
+
+def raised_in_loop(exc: BaseException, source: str, trace: Trace) -> bool:
+    """Whether ``exc`` was raised while the cell's training loop ran (or the library's loop the cell calls, at
+    ``trace.iterations.library_line``): a line of the cell its traceback passes through lies in the loop's body
+    (a function the cell defines included). True where it cannot be told: no such loop in the cell's text, no
+    frame of the cell in the traceback.
+
+    >>> cell = "for b in []:\\n    opt.step()\\nraise ValueError('after the loop')\\n"
+    >>> try:
+    ...     exec(compile(cell, "<c>", "exec"), {})
+    ... except ValueError as e:
+    ...     raised_in_loop(e, cell, Trace(cell_file="<c>"))
+    False
+    """
+    lines, tb = [], exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == trace.cell_file and tb.tb_lineno is not None:
+            lines.append(tb.tb_lineno)
+        tb = tb.tb_next
+    span = _loop_span(source, trace.iterations.library_line)
+    return not lines or span is None or any(span[0] <= line <= span[1] for line in lines)
+
+
+def _loop_span(source: str, library_line: int | None) -> tuple[int, int] | None:
+    """The lines an iteration of the cell's training loop runs (its header and body, not its ``else``), or those
+    of the statement calling a library's loop; None: neither is in the cell's text."""
+    loop = training_loop(source)
+    if loop is not None:
+        return loop.lineno, max(s.end_lineno or s.lineno for s in loop.body)
+    if library_line is None:
+        return None
+    try:
+        stmts = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt)
+                 and n.lineno <= library_line <= (n.end_lineno or n.lineno)]
+    except SyntaxError:
+        return None
+    inner = min(stmts, key=lambda n: (n.end_lineno or n.lineno) - n.lineno, default=None)
+    return None if inner is None else (inner.lineno, inner.end_lineno or inner.lineno)
 
 
 def _loop_locals(source: str, namespace: dict[str, Any]) -> dict[str, Any]:
@@ -175,18 +220,23 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
             rollback.source, rollback._find_body is not None, first.iterations.library))
         end = None
         if not why and rollback.state is not None:
-            end, why = take_if_it_fits(namespace)  # (names: the replay assigns only its copy's)
+            # (names: the replay assigns only its copy's; the locals of a function running the loop: theirs too)
+            end, why = take_if_it_fits({**namespace, **rollback.locals} if rollback.locals else namespace)
+        if not why and end is not None and found is not None and not callable(found[0]):  # (a library's step: no update)
+            why = _out_of_reach(first, end)
         if why or end is None or found is None or rollback.state is None:
             what = "The cell raised" if rollback_failed else "NaN/Inf first appeared"
             first.notes.append(f"{what} in iteration {k}, {ran}; it "
                                f"could not be replayed in detail: {why or 'no state was kept'}")
             return first
         code, _ = found
+        left = Bindings(namespace)  # (the replay runs in a copy: the lists and dicts nested in it are shared)
         try:
             detailed = _run_once(first, rollback, code, namespace, timeout, engine, make_capture,
                                  run_under_capture)
         finally:
             end.restore(namespace)
+            left.restore(namespace)
     finally:
         rollback.release()
     if rollback_failed:
@@ -202,6 +252,18 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
                            "the optimizer and the loop variables)")
         return first
     return _merged(first, detailed, k, values, whole=whole, ran=ran)
+
+
+def _out_of_reach(first: Trace, end: Snapshot) -> str:
+    """Why the replay would leave an optimizer changed: the run stepped one the snapshot does not hold (held deeper
+    than an attribute of an object a name holds, or by a callable), which the replay's step would move a step
+    ahead with no copy to put back; "" when every optimizer the run stepped is saved."""
+    saved = {id(opt) for opt, *_ in end.optimizers}
+    missed = sorted({s.optimizer for s in first.optimizer_steps if s.id not in saved})
+    if not missed:
+        return ""
+    return (f"the loop steps an optimizer ({', '.join(missed)}) that no name of the notebook holds, nor an object "
+            "bound to one as an attribute: its state could not be saved, and a replay would leave it a step ahead")
 
 
 def _how_it_ran(scalars_only: bool) -> str:

@@ -2,7 +2,8 @@
 
 What is saved: every parameter and buffer of the namespace's modules (values and
 ``.grad``), their train/eval flags, optimizer state and hyper-parameters, LR
-scheduler and ``GradScaler`` state, RNG states (Python, NumPy when imported,
+scheduler and ``GradScaler`` state (bound to a name, or held by an object there as
+an attribute: ``runner.opt``, as modules are found), RNG states (Python, NumPy when imported,
 torch CPU, CUDA when initialised) and the bindings of the names the cell
 rebinds. Tensors bound to those names are copied (so the snapshot keeps no graph
 and no device memory alive); other objects are kept by reference. What is *not*
@@ -22,6 +23,7 @@ optimizer objects the user holds stay the same objects.
 """
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 from dataclasses import dataclass, field
@@ -60,20 +62,21 @@ def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+def _optimizers(namespace: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The optimizers bound to a name, or held by an object there (``runner.opt``): as modules are found."""
+    return list(ns_mod.held(namespace, torch.optim.Optimizer))
+
+
 def _schedulers(namespace: dict[str, Any]) -> Iterable[tuple[str, Any]]:
     from torch.optim.lr_scheduler import LRScheduler
 
-    for name, value in ns_mod.user_items(namespace, depth=1):
-        if isinstance(value, LRScheduler):
-            yield name, value
+    return ns_mod.held(namespace, LRScheduler)
 
 
 def _scalers(namespace: dict[str, Any]) -> Iterable[tuple[str, Any]]:
     classes = tuple(c for c in (getattr(torch.amp, "GradScaler", None),
                                 getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)) if c is not None)
-    for name, value in ns_mod.user_items(namespace, depth=1):
-        if classes and isinstance(value, classes):
-            yield name, value
+    return ns_mod.held(namespace, classes) if classes else iter(())
 
 
 def state_tensors(namespace: dict[str, Any]) -> list[torch.Tensor]:
@@ -82,7 +85,7 @@ def state_tensors(namespace: dict[str, Any]) -> list[torch.Tensor]:
     for _, mod in ns_mod.modules(namespace):
         for t in list(mod.parameters()) + list(mod.buffers()):
             seen.setdefault(id(t), t)
-    for _, opt in ns_mod.optimizers(namespace):
+    for _, opt in _optimizers(namespace):
         for group in opt.param_groups:
             for p in group["params"]:
                 seen.setdefault(id(p), p)
@@ -94,7 +97,7 @@ def estimate_bytes(namespace: dict[str, Any], rebinds: set[str] = frozenset()) -
     total = 0
     for t in state_tensors(namespace):
         total += _nbytes(t) + _nbytes(grad_of(t))
-    for _, opt in ns_mod.optimizers(namespace):
+    for _, opt in _optimizers(namespace):
         total += sum(_nbytes(t) for t in ns_mod.optimizer_state_tensors(opt))
     for name in rebinds:
         total += _nbytes(namespace.get(name))
@@ -120,7 +123,7 @@ class Snapshot:
             snap.nbytes += _nbytes(t) + _nbytes(grad)
         for _, mod in ns_mod.modules(namespace):
             snap.training.extend((m, m.training) for m in mod.modules())
-        for _, opt in ns_mod.optimizers(namespace):
+        for _, opt in _optimizers(namespace):
             state: dict = {}
             for p, s in opt.state.items():
                 state[p] = {k: _Saved(_cpu_copy(v), v.device) if isinstance(v, torch.Tensor) else _copy_value(v)
@@ -219,6 +222,53 @@ class Snapshot:
             sys.modules["numpy"].random.set_state(self.rng["numpy"])
         if "cuda" in self.rng:
             torch.cuda.set_rng_state_all(self.rng["cuda"])
+
+
+_CONTAINERS = (list, dict, set)
+_NESTED = 64  # the items of a container looked into for containers of its own
+
+
+class Bindings:
+    """The namespace as a run left it, for a replay to put back exactly: every name bound to the same object, and
+    the contents of the lists, dicts and sets its names hold (two levels deep: a replay appends to them too).
+
+    >>> ns = {"log": [1], "h": {"loss": [0.5]}, "loss": 1.0}
+    >>> left = Bindings(ns)
+    >>> ns["log"].append(2); ns["h"]["loss"].append(0.4); ns["loss"] = 2.0; ns["new"] = 1
+    >>> left.restore(ns)
+    >>> ns == {"log": [1], "h": {"loss": [0.5]}, "loss": 1.0}
+    True
+    """
+
+    def __init__(self, namespace: dict[str, Any]) -> None:
+        self.names = dict(namespace)
+        self.contents: list[tuple[Any, Any]] = []
+        seen: set[int] = set()
+        self._keep([v for k, v in self.names.items() if not k.startswith("__")], 2, seen)
+
+    def _keep(self, values: Iterable[Any], depth: int, seen: set[int]) -> None:
+        for v in values:
+            if type(v) not in _CONTAINERS or id(v) in seen:
+                continue
+            seen.add(id(v))
+            self.contents.append((v, type(v)(v)))
+            if depth > 1:  # (the first items only: a list of 10k batches is not walked)
+                inner = v.values() if type(v) is dict else v if type(v) is list else ()
+                self._keep(itertools.islice(inner, _NESTED), depth - 1, seen)
+
+    def restore(self, namespace: dict[str, Any]) -> None:
+        """Names the replay bound unbound, the others bound to their objects again, the containers' items back."""
+        for name in [n for n in namespace if n not in self.names]:
+            del namespace[name]
+        for name, value in self.names.items():
+            if namespace.get(name, _MISSING) is not value:
+                namespace[name] = value
+        for container, contents in self.contents:
+            if type(container) is list:
+                container[:] = contents
+            else:  # (no comparison first: a tensor's ``==`` has no truth value)
+                container.clear()
+                container.update(contents)
 
 
 def _copy_value(v: Any) -> Any:
