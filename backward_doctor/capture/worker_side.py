@@ -8,7 +8,12 @@ worker what the main process needs to name a worker's failure, all without chang
 computes:
 
 - ``faulthandler`` on ``SIGUSR2``: the main process asks a stuck worker for its stacks (C-level, so it
-  answers even while its Python code is blocked in a lock or in C); and on a fatal signal (a crash);
+  answers even while its Python code is blocked in a lock or in C); and on a fatal signal (a crash).
+  ``SIGUSR2`` may be the user's: one that has a handler already (the script's, inherited by the fork) is
+  left alone and a free real-time signal taken instead, and where the user's code takes the signal later
+  (its ``worker_init_fn``, checked when it returns and before every task) the watch moves to a free one,
+  the user's handler put back, so that a stack request never runs the user's handler; the dump file's
+  ``ready`` line says which signal it is now (``worker_files.ready_signal``);
 - ``ExceptionWrapper``'s constructor, which torch calls in the worker when a fetch raises: before it
   formats the error as it always does, the worker's own frames (with class-qualified names), the task,
   the dataset index that raised (read from the frames' locals) and where a tensor requiring grad among
@@ -74,8 +79,11 @@ class WorkerInit:
             _start(self.folder, worker_id)
         except Exception:  # noqa: BLE001 - the worker must run as it would without the doctor
             _stop()
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
+        try:
+            if self.user_fn is not None:
+                self.user_fn(worker_id)
+        finally:
+            _recheck()  # (the user's function may have taken the stack request's signal)
 
 
 def forget(capture: Any) -> None:
@@ -92,6 +100,7 @@ class _State:
         self.folder, self.worker_id, self.pid = folder, worker_id, os.getpid()
         self.undo: list[Callable[[], None]] = []
         self.dump = open(dump_path(folder, self.pid), "a", encoding="utf-8")  # noqa: SIM115 - faulthandler keeps it
+        self.signal: int | None = None  # the signal that asks for this worker's stacks (faulthandler's)
 
 
 _state: _State | None = None
@@ -108,10 +117,7 @@ def _start(folder: str, worker_id: int) -> None:
 
     st = _state = _State(folder, worker_id)
     st.undo.append(st.dump.close)
-    faulthandler.register(DUMP_SIGNAL, file=st.dump, all_threads=True, chain=False)
-    st.undo.append(lambda: faulthandler.unregister(DUMP_SIGNAL))
-    st.dump.write(f"worker {worker_id} ready\n")  # (the main process signals only a worker that is)
-    st.dump.flush()
+    _listen(st)
     if not faulthandler.is_enabled():  # a crash (SIGSEGV, SIGABRT, ...) leaves its stack too
         faulthandler.enable(file=st.dump, all_threads=True)
         st.undo.append(faulthandler.disable)
@@ -122,6 +128,59 @@ def _start(folder: str, worker_id: int) -> None:
         check_nan = torch.is_anomaly_check_nan_enabled()
         torch.set_anomaly_enabled(True, False)
         st.undo.append(lambda: torch.set_anomaly_enabled(False, check_nan))
+
+
+def _taken(sig: int) -> bool:
+    """Whether ``sig`` has a handler in this process: a Python one, or any installed in C (``sigaction``)."""
+    if signal.getsignal(sig) not in (signal.SIG_DFL, None):
+        return True
+    try:
+        import ctypes
+
+        act = ctypes.create_string_buffer(512)  # (a struct sigaction: the handler is its first member)
+        if ctypes.CDLL(None, use_errno=True).sigaction(int(sig), None, act) != 0:
+            return False
+        return ctypes.c_void_p.from_buffer(act).value not in (None, 0)
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
+def _free_signal() -> int | None:
+    """``SIGUSR2`` unless it has a handler; else the highest real-time signal that has none; None if none."""
+    spare = range(signal.SIGRTMAX, signal.SIGRTMIN, -1) if hasattr(signal, "SIGRTMAX") else ()
+    return next((int(sig) for sig in (DUMP_SIGNAL, *spare) if not _taken(sig)), None)
+
+
+def _listen(st: _State) -> None:
+    """faulthandler on a free signal, said in the dump file (the main process signals only a worker that is
+    ready, with the signal its latest ready line names)."""
+    sig = _free_signal()
+    if sig is None:
+        return
+    faulthandler.register(sig, file=st.dump, all_threads=True, chain=False)
+    st.signal = sig
+    st.undo.append(lambda: faulthandler.unregister(sig))
+    st.dump.write(f"worker {st.worker_id} ready {sig}\n")
+    st.dump.flush()
+
+
+def _recheck() -> None:
+    """The user's code took the stack request's signal since (``signal.signal``): faulthandler lets go of it,
+    the user's handler is put back in place (unregistering restores what was there before faulthandler), and
+    the request moves to a free signal."""
+    st = _state
+    if st is None or st.signal is None:
+        return
+    try:
+        mine = signal.getsignal(st.signal)
+        if mine in (signal.SIG_DFL, None):
+            return
+        sig, st.signal = st.signal, None
+        faulthandler.unregister(sig)
+        signal.signal(sig, mine)
+        _listen(st)
+    except Exception:  # noqa: BLE001 - the worker must run as it would without the doctor
+        pass
 
 
 def _patch(owner: type, name: str, new: Any, st: _State) -> None:
@@ -168,6 +227,7 @@ def _is_alive(self: Any) -> bool:
     alive = _original(torch_worker.ManagerWatchdog, "is_alive")
     if _state is not None and not os.path.isdir(_state.folder):
         _stop()
+    _recheck()
     return alive(self)
 
 

@@ -14,10 +14,12 @@ While the run lasts, ``_MultiProcessingDataLoaderIter`` (the iterator of a DataL
 
 Nothing else runs, and nothing at all for a loop without worker processes. When the run is stuck (the
 watchdog's timeout, a Ctrl-C, the loader's own ``timeout=``), :meth:`WorkerWatch.photograph` asks every
-live worker for its stacks (``SIGUSR2``: faulthandler in the worker writes them to a file in the run's
-folder) before the main process is interrupted and tears the workers down. After the run the folder is
-read (the workers' own error records, crash stacks) and removed, and what went wrong becomes
-``trace.loaders`` (:class:`~backward_doctor.trace.records.LoaderRecord`).
+live worker for its stacks (``SIGUSR2``, or the signal the worker chose where its own code took that one:
+faulthandler in the worker writes them to a file in the run's folder) before the main process is
+interrupted and tears the workers down. After the run the folder is read (the workers' own error records,
+crash stacks) and removed, and what went wrong becomes ``trace.loaders``
+(:class:`~backward_doctor.trace.records.LoaderRecord`); a process killed before that (SIGTERM, SIGHUP)
+leaves it to its :class:`~.janitor.Janitor`.
 
 >>> watch = WorkerWatch(None)
 >>> watch.photograph()  # no worker started: nothing to do
@@ -39,12 +41,12 @@ from typing import Any
 from ..trace.records import FrameInfo, LoaderRecord, WorkerRecord
 from .code_names import CodeNames
 from .process import doctors_own
-from .worker_side import DUMP_SIGNAL, WorkerInit, dump_path, error_path
+from .janitor import Janitor
+from .worker_files import crash_stack, fetching, read_errors, ready_signal, task_words, worker_stack
+from .worker_side import WorkerInit, dump_path, error_path
 
 _WRAPPED = ("__init__", "_next_index", "_try_put_index", "_shutdown_workers")
 _MISSING = object()
-_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
-_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _PHOTO_WAIT_S = 2.0
 #: how torch re-raises a worker's error in the main process (``ExceptionWrapper.reraise``)
 _RERAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)\.\s*\nOriginal (Traceback.*)", re.S)
@@ -100,6 +102,7 @@ class WorkerWatch:
     def __init__(self, capture: Any) -> None:
         self._capture = capture
         self._folder: str | None = None
+        self._janitor: Janitor | None = None
         self._watched: list[_Watched] = []
         self._by_iter: "weakref.WeakKeyDictionary[Any, _Watched]" = weakref.WeakKeyDictionary()
         self._last: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -197,7 +200,10 @@ class WorkerWatch:
         """Put the iterator's methods back; read what the workers left, then remove the run's folder."""
         self.unwrap()
         folder, self._folder = self._folder, None
+        janitor, self._janitor = self._janitor, None
         if os.getpid() != self._pid:  # a forked worker undoing its copy: the folder is the run's
+            if janitor is not None:
+                janitor.forget()
             return
         try:
             if folder is not None:
@@ -208,10 +214,13 @@ class WorkerWatch:
         finally:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
+            if janitor is not None:
+                janitor.close()
 
     def _folder_now(self) -> str:
         if self._folder is None:
             self._folder = tempfile.mkdtemp(prefix="backward_doctor-workers-")
+            self._janitor = Janitor(self._folder)  # (removes it if this process is killed before the run ends)
         return self._folder
 
     # ---------------------------------------------------------------- a stuck run
@@ -238,10 +247,11 @@ class WorkerWatch:
                 workers = []
             for wid, proc in workers:
                 path = dump_path(folder, proc.pid)
-                if proc.exitcode is None and os.path.exists(path) and os.path.getsize(path):  # (its handler is in)
+                sig = ready_signal(path) if proc.exitcode is None else None  # (None: its handler is not in)
+                if sig is not None:
                     size = os.path.getsize(path)
                     try:
-                        os.kill(proc.pid, DUMP_SIGNAL)
+                        os.kill(proc.pid, sig)
                     except OSError:
                         continue
                     asked.append((seen, wid, path, size))
@@ -254,7 +264,7 @@ class WorkerWatch:
         for seen, wid, path, size in asked:
             with open(path, encoding="utf-8", errors="replace") as fh:
                 fh.seek(size)
-                seen.photos[wid] = _worker_stack(fh.read())
+                seen.photos[wid] = worker_stack(fh.read())
 
     def after_run(self, exc: BaseException | None) -> None:
         """The run ended with ``exc``: a Ctrl-C or the loader's own timeout is a hang the watchdog did not
@@ -294,23 +304,23 @@ class WorkerWatch:
             if wid in seen.photos:
                 stack = seen.photos[wid]
                 rec.frames = self._frames(seen.names, [(f, ln, fn) for f, ln, fn in reversed(stack)])
-                rec.state = "fetching" if _fetching(stack) else "idle"
-                rec.task = _task(seen.doing.get(wid))
+                rec.state = "fetching" if fetching(stack) else "idle"
+                rec.task = task_words(seen.doing.get(wid))
                 rec.waited_on = seen.waiting == wid
                 workers[wid] = rec
-            crash = _crash(dump_path(folder, pid))
+            crash = crash_stack(dump_path(folder, pid))
             if crash is not None:
                 rec.state, rec.frames, rec.exitcode = "crashed", self._frames(seen.names, list(reversed(crash))), code
                 workers[wid] = rec
             elif code not in (None, 0, -signal.SIGTERM) and not seen.photos:  # (SIGTERM: torch's own shutdown)
                 rec.state, rec.exitcode = "exited", code
-                rec.task = rec.task or _task(next((ix for w, ix in seen.sent.values() if w == wid), None))
+                rec.task = rec.task or task_words(next((ix for w, ix in seen.sent.values() if w == wid), None))
                 workers[wid] = rec
-            for err in _errors(error_path(folder, pid))[:1]:  # its first: the task the main process reached first
+            for err in read_errors(error_path(folder, pid))[:1]:  # its first: the task the main process reached first
                 rec.state = "could not send" if err.get("kind") == "send" else "raised"
                 rec.error = err.get("error", "")
-                rec.task = _task(err.get("index") if err.get("index") is not None else err.get("indices")) or \
-                    rec.task or _task(seen.sent.get(err.get("task"), (None, None))[1])
+                rec.task = task_words(err.get("index") if err.get("index") is not None else err.get("indices")) or \
+                    rec.task or task_words(seen.sent.get(err.get("task"), (None, None))[1])
                 if err.get("frames"):
                     rec.frames = self._frames(seen.names, [tuple(f) for f in err["frames"]])
                 rec.made_at = self._frames(seen.names, [tuple(f[:3]) for f in err.get("made_at") or [] if f[0]])
@@ -338,62 +348,6 @@ class WorkerWatch:
             else:
                 out.append(FrameInfo(file=file, line=int(line), function=name, code=code))
         return out
-
-
-def _worker_stack(text: str) -> list[tuple[str, int, str]]:
-    """The worker's main thread in a faulthandler dump (the one running torch's worker loop), innermost
-    first; the thread that took the signal when none is."""
-    stacks: list[tuple[bool, list[tuple[str, int, str]]]] = []
-    for line in text.splitlines():
-        head = _THREAD.match(line)
-        if head:
-            stacks.append((head.group(1) == "Current thread", []))
-            continue
-        m = _FRAME.match(line)
-        if m and stacks:
-            stacks[-1][1].append((m.group(1), int(m.group(2)), m.group(3)))
-    for _, frames in stacks:
-        if any(fn == "_worker_loop" for _, _, fn in frames):
-            return frames
-    return next((frames for current, frames in stacks if current), stacks[0][1] if stacks else [])
-
-
-def _fetching(stack: list[tuple[str, int, str]]) -> bool:
-    """Inside a fetch (the dataset, the sampler's indices, collate), not waiting for its next task."""
-    return any(fn == "fetch" and "fetch.py" in file for file, _, fn in stack)
-
-
-def _crash(path: str) -> list[tuple[str, int, str]] | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
-    except OSError:
-        return None
-    at = text.find("Fatal Python error")
-    return _worker_stack(text[at:]) if at >= 0 else None
-
-
-def _errors(path: str) -> list[dict[str, Any]]:
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
-    except (OSError, ValueError):
-        return []
-
-
-def _task(indices: Any) -> str:
-    """``dataset[5]`` or ``batch [4, 5, 6, 7]`` ('' unknown; an IterableDataset has no indices)."""
-    if indices is None:
-        return ""
-    if isinstance(indices, int):
-        return f"dataset[{indices}]"
-    if isinstance(indices, (list, tuple)):
-        if all(i is None for i in indices):
-            return "the next batch of the IterableDataset"
-        return f"dataset[{indices[0]}]" if len(indices) == 1 else "batch [" + ", ".join(map(str, indices)) + "]"
-    return f"dataset[{indices!r}]"
 
 
 __all__ = ["WorkerWatch"]

@@ -27,6 +27,7 @@ import time
 from typing import IO, Any, Callable
 
 from ..analysis.distributed import analyze_ranks
+from ..capture.janitor import Janitor
 from ..capture.process import interrupts_allowed
 from ..report.combined import CombinedReport
 from ..report.schema import ReportError
@@ -192,8 +193,10 @@ def supervise(start: Callable[[int, int, str], "_Rank"], nproc: int, timeout: fl
     read what each left in ``out_dir`` and combine it (``launch`` and ``fork_ranks.launch_cell`` use it;
     see ``launch``'s example). A Ctrl-C (a kernel's interrupt) stops the ranks at once and the report says
     where each was; SIGTERM or SIGHUP to this process stop them and remove their folder before it ends as
-    the signal would have ended it."""
+    the signal would have ended it; killed outright (a kernel restarted: SIGKILL), the ranks die with it
+    and its :class:`~backward_doctor.capture.janitor.Janitor` removes their folder once they are gone."""
     out_dir = tempfile.mkdtemp(prefix="backward_doctor-ranks-")
+    janitor = Janitor(out_dir)
     port = free_port()
     begin = time.monotonic()
     ranks: list[_Rank] = []
@@ -235,6 +238,7 @@ def supervise(start: Callable[[int, int, str], "_Rank"], nproc: int, timeout: fl
     finally:
         stop_all(ranks, "the launcher stopped")  # Ctrl-C or an error here: no rank outlives the launcher
         shutil.rmtree(out_dir, ignore_errors=True)
+        janitor.close()
         _restore(previous)
         if ended_by:  # end as SIGTERM/SIGHUP would have ended the process, now that nothing is left behind
             os.kill(os.getpid(), ended_by[0])

@@ -5,10 +5,12 @@ The script is ``__main__`` (its ``if __name__ == "__main__":`` block runs, class
 ``sys.argv`` is ``[SCRIPT.py, ARGS...]`` and its folder is first on ``sys.path``. It runs under the
 doctor's sampled watch (a long loop costs ~1.1-1.3x); the timeout counts from the latest optimizer step.
 When it fails (an exception after training began, NaN/Inf in the loss or weights, a hang, Ctrl-C) the
-report is printed on stderr, then the script's own traceback, and written to ``--output-dir``
-(``backward_doctor-report.json`` and ``.html``). When it trains fine nothing is added to its output (one
-line on stderr when something silent was found). The exit status is the script's own: 0, 1 for an
-uncaught exception, its ``sys.exit`` code, 130 for Ctrl-C. Bad arguments: 2, and nothing runs.
+report is printed on stderr, then the script's own traceback (through the ``sys.excepthook`` it set, if
+any, as ``python`` calls it), and written to ``--output-dir`` (``backward_doctor-report.json`` and
+``.html``; where it cannot be, one line says why, and the rest stands). When it trains fine nothing is
+added to its output (one line on stderr when something silent was found). The exit status is the
+script's own: 0, 1 for an uncaught exception, its ``sys.exit`` code; after a Ctrl-C the process dies by
+SIGINT as ``python`` does (a shell says 130). Bad arguments: 2, and nothing runs.
 
 >>> main(["--help"])  # doctest: +ELLIPSIS
 Traceback (most recent call last):
@@ -17,6 +19,7 @@ SystemExit: 0
 from __future__ import annotations
 
 import argparse
+import builtins
 import os
 import sys
 import tokenize
@@ -26,7 +29,7 @@ from typing import Any
 
 from ..api import check_timeout
 from ..capture.process import doctors_own, one_run_at_a_time
-from ..run.engine import ENGINES, choose_engine, screens_every_op
+from ..run.engine import ENGINES, choose_engine, python_tier_reason, screens_every_op
 from ..run.step import run_step
 from ..util.units import parse_size
 from .cell_watch import failed, quiet_line, write_report
@@ -83,7 +86,7 @@ def main(argv: list[str]) -> int:
     source = read_source(parser, path)
     raised: list[BaseException] = []
     ran: list[bool] = []
-    with _as_main(path, args.args) as namespace:
+    with _as_main(path, args.script, args.args) as namespace:
         def execute() -> BaseException | None:
             ran.append(True)
             try:
@@ -99,6 +102,8 @@ def main(argv: list[str]) -> int:
                                   rollback=screens_every_op(), cell_file=path, execute=execute, build=True,
                                   every_iteration=args.every_iteration, stall=True,
                                   places=lambda file: os.path.basename(path) if file is None else None)
+            if args.engine == "auto" and report.trace.engine == "python":
+                report.engine_note = python_tier_reason()  # (why not the native recorder: said once, here)
         except Exception as own:  # the doctor's own error: the script's outcome stands (it runs now if it had not)
             if not doctors_own(own):
                 raise
@@ -113,16 +118,94 @@ def main(argv: list[str]) -> int:
         if exc is None or isinstance(exc, SystemExit):  # (the script chose to exit: its own business)
             return _exit_code(exc) if exc is not None else 0
     elif failed(report):
-        written = write_report(report, out)
-        print(f"{report}\nbackward_doctor: the report (written to {written[1]})", file=sys.stderr, flush=True)
+        _tell(report, out)
     elif not args.quiet and quiet_line(report):
         print(quiet_line(report), file=sys.stderr, flush=True)
     if exc is None:
         return 0
     if isinstance(exc, SystemExit):
         return _exit_code(exc)
-    traceback.print_exception(type(exc), exc, without_doctor_frames(exc.__traceback__), file=sys.stderr)
-    return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    return _uncaught(exc)
+
+
+def _tell(report: Any, out: str) -> None:
+    """The report on stderr, then where it was written, or in one line why it was not (a full disk, a quota, a
+    folder where the file goes): the report is shown and the script's outcome stands either way."""
+    try:
+        text = str(report)
+    except Exception as own:  # noqa: BLE001 - the doctor's own: the script's outcome stands
+        if not doctors_own(own):
+            raise
+        print(f"backward_doctor: no report (the doctor's own error: {_one_line(own)})", file=sys.stderr, flush=True)
+        return
+    try:
+        written = write_report(report, out)
+        where = f"backward_doctor: the report (written to {written[1]})"
+    except Exception as exc:  # noqa: BLE001 - an OSError above all; the report is shown whatever happened
+        if not (isinstance(exc, OSError) or doctors_own(exc)):
+            raise
+        where = f"backward_doctor: the report above is not saved: it could not be written to {out} ({_one_line(exc)})"
+    print(f"{text}\n{where}", file=sys.stderr, flush=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``IsADirectoryError: Is a directory: '/out/backward_doctor-report.json'``: an error on one line.
+
+    >>> _one_line(OSError(28, "No space left on device", "/out/r.json"))
+    "OSError: No space left on device: '/out/r.json'"
+    """
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror + (f": {exc.filename!r}" if exc.filename else "")
+    return f"{type(exc).__name__}: {' '.join(text.split())}"[:500]
+
+
+def _uncaught(exc: BaseException) -> int:
+    """What ``python SCRIPT.py`` does with the exception the script raised: ``sys.last_*`` set and
+    ``sys.excepthook`` called (the script's own, if it set one: a crash reporter) with the script's frames;
+    exit status 1, or death by SIGINT after a Ctrl-C."""
+    shown = without_doctor_frames(exc.__traceback__)
+    exc.__traceback__ = shown  # (as python hands it over: the hook may read the exception's own traceback)
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, shown
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc
+    hook = getattr(sys, "excepthook", None)
+    try:
+        if hook is None:
+            print("sys.excepthook is missing", file=sys.stderr)
+            traceback.print_exception(type(exc), exc, shown, file=sys.stderr)
+        else:
+            hook(type(exc), exc, shown)
+    except SystemExit as stop:  # (as python: a hook that exits sets the status)
+        return _exit_code(stop)
+    except BaseException as err:  # noqa: BLE001 - as python reports a hook that fails
+        print("Error in sys.excepthook:", file=sys.stderr)
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+        print("\nOriginal exception was:", file=sys.stderr)
+        traceback.print_exception(type(exc), exc, shown, file=sys.stderr)
+    sys.stderr.flush()
+    if isinstance(exc, KeyboardInterrupt):
+        return _interrupted()
+    return 1
+
+
+def _interrupted() -> int:
+    """After a Ctrl-C: under ``python -m backward_doctor run`` the process ends as ``python`` ends after an
+    uncaught ``KeyboardInterrupt`` (its exit handlers run, then it kills itself with SIGINT, so that its parent
+    sees it die by the signal): a ``KeyboardInterrupt`` leaves ``main`` for the interpreter, which does that,
+    past a ``sys.excepthook`` that prints nothing for it (the traceback was shown). Called from other code:
+    130 (128 + SIGINT)."""
+    entry = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(entry, "name", None) != "backward_doctor.__main__":
+        return 130
+    interrupt, hook = KeyboardInterrupt(), sys.excepthook
+
+    def silent(etype: Any, value: Any, tb: Any) -> Any:
+        if value is not interrupt:
+            return hook(etype, value, tb)
+        return None
+    sys.excepthook = silent
+    raise interrupt
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -136,20 +219,29 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 class _as_main:
-    """The script as ``__main__`` (a module of its own), its ``sys.argv`` and folder on ``sys.path``; put
-    back afterwards."""
+    """The script as ``__main__`` (a module of its own, with the globals ``python SCRIPT.py`` gives it: its
+    absolute ``__file__``, a ``SourceFileLoader`` as ``__loader__``, ``__cached__`` None, ``__builtins__`` the
+    module), ``sys.argv`` with the script as typed, and its folder (symbolic links resolved) first on
+    ``sys.path``; put back afterwards.
 
-    def __init__(self, path: str, argv: list[str]) -> None:
-        self.path, self.argv = path, argv
+    >>> with _as_main(os.path.abspath("train.py"), "train.py", ["--lr", "1"]) as ns:
+    ...     sys.argv, ns["__loader__"].name, ns["__loader__"].path == ns["__file__"], ns["__builtins__"] is builtins
+    (['train.py', '--lr', '1'], '__main__', True, True)
+    """
+
+    def __init__(self, path: str, typed: str, argv: list[str]) -> None:
+        self.path, self.typed, self.argv = path, typed, argv
 
     def __enter__(self) -> dict[str, Any]:
+        from importlib.machinery import SourceFileLoader
+
         module = types.ModuleType("__main__")
-        module.__file__ = self.path
-        module.__builtins__ = __builtins__  # type: ignore[attr-defined]
+        module.__dict__.update(__annotations__={}, __builtins__=builtins, __file__=self.path, __cached__=None,
+                               __loader__=SourceFileLoader("__main__", self.path))
         self._saved = (sys.modules.get("__main__"), sys.argv, list(sys.path))
         sys.modules["__main__"] = module
-        sys.argv = [self.path] + list(self.argv)
-        sys.path.insert(0, os.path.dirname(self.path))
+        sys.argv = [self.typed] + list(self.argv)
+        sys.path.insert(0, os.path.dirname(os.path.realpath(self.path)))
         return module.__dict__
 
     def __exit__(self, *exc: Any) -> None:

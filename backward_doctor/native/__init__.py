@@ -3,15 +3,16 @@
 The Python dispatch mode costs 1.15-1.2x a step before it records anything
 (benchmarks/RESULTS.md); the same records taken from C++ cost a few percent. The
 recorder is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are
-needed), once per torch version: the build is cached under ``TORCH_EXTENSIONS_DIR``
-(or ``~/.cache/torch_extensions``) in a directory named by what the binary depends on (the
-recorder's source, torch's version and build, the Python ABI), and a cached build is loaded
+needed), once per torch version: the build is cached under ``TORCH_EXTENSIONS_DIR`` (or, as
+torch does, ``$XDG_CACHE_HOME/torch_extensions``, ``~/.cache/torch_extensions``) in a directory
+named by what the binary depends on (the recorder's source, torch's version and build, the
+Python ABI), and a cached build is loaded
 by Python's own importer, without ninja: two ninjas (pip's in a venv, the system's) hash
 build commands differently, and letting either decide would rebuild after the other. The
 compile runs in a child process whose output is kept (torch's compiler banners, "No CUDA
-runtime is found"), so loading the recorder prints nothing. Where it cannot be built, or
-with ``BACKWARD_DOCTOR_NATIVE=0``, the doctor uses the Python first tier and says why in
-``status()``.
+runtime is found"), so loading the recorder prints nothing. Where it cannot be built (no compiler, or
+no cache folder: a home that is read-only, a file, missing), or with ``BACKWARD_DOCTOR_NATIVE=0``, the
+doctor uses the Python first tier and says why in ``status()``.
 
 >>> status()["reason"] is None or isinstance(status()["reason"], str)
 True
@@ -42,6 +43,7 @@ _reason: str | None = None
 _build_s: float | None = None
 _thread: threading.Thread | None = None
 _keys: dict[str, str] = {}  # source path -> cache key (hashed once per process)
+_probed = False  # the cache folder was tried once (``_probe``)
 
 
 def enabled() -> bool:
@@ -50,8 +52,38 @@ def enabled() -> bool:
 
 
 def _root() -> str:
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                   "torch_extensions")
+    """Where torch's ``cpp_extension`` keeps builds: ``TORCH_EXTENSIONS_DIR``, else the user's cache folder
+    (``XDG_CACHE_HOME`` when set to an absolute path, else ``~/.cache``)."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        cache = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(cache, "torch_extensions")
+
+
+def _cache_words(exc: OSError) -> str:
+    """Why the cache folder cannot be used, in one line (the reason ``status()`` gives).
+
+    >>> print(_cache_words(NotADirectoryError(20, "Not a directory", "/home/me")))  # doctest: +ELLIPSIS
+    its cache folder cannot be made (NotADirectoryError: Not a directory: '/home/me'); set ...
+    """
+    what = exc.strerror or str(exc) or "error"
+    where = f": {exc.filename!r}" if exc.filename else ""
+    return (f"its cache folder cannot be made ({type(exc).__name__}: {what}{where}); "
+            "set TORCH_EXTENSIONS_DIR to a writable folder")
+
+
+def _probe() -> None:
+    """Once per process: the build directory made (a home that is a file, missing or read-only, an
+    unwritable cache folder fail here); where it cannot be, that is the reason and the Python tier records."""
+    global _probed, _reason
+    if _probed or _module is not None or _reason is not None or not enabled():
+        return
+    _probed = True
+    try:
+        _build_dir()
+    except OSError as exc:
+        _reason = _cache_words(exc)
+        log.info("native recorder unavailable (%s); the Python tier records the ops", _reason)
 
 
 def cache_key() -> str:
@@ -152,7 +184,10 @@ def cached() -> bool:
     >>> isinstance(cached(), bool)
     True
     """
-    return os.path.exists(_stamp()) and os.path.exists(built_file())
+    try:
+        return os.path.exists(_stamp()) and os.path.exists(built_file())
+    except OSError:  # (no cache folder can be made: nothing cached)
+        return False
 
 
 def _tool_path() -> str:
@@ -253,7 +288,12 @@ def load(build: bool = True, retry: bool = False) -> Any:
     try:
         if _module is not None or (_reason is not None and not retry):
             return _module
-        if not cached():
+        _reason = None
+        try:
+            _build_dir()  # (made here: a home or cache folder where it cannot be is the reason, said once)
+        except OSError as exc:
+            _reason = _cache_words(exc)
+        if _reason is None and not cached():
             if not build:
                 return None
             try:
@@ -269,6 +309,8 @@ def load(build: bool = True, retry: bool = False) -> Any:
                             _write_stamp(_build_s)
             except TimeoutError as exc:
                 _reason = str(exc)
+            except OSError as exc:  # (a cache folder it can read but not write: the lock, the build)
+                _reason = _cache_words(exc)
         if _reason is None:
             try:
                 _module = _import(built_file())
@@ -299,6 +341,7 @@ def needs_build() -> bool:
     >>> isinstance(needs_build(), bool)
     True
     """
+    _probe()
     return enabled() and _module is None and _reason is None and not cached()
 
 
@@ -307,6 +350,7 @@ def build_in_background() -> threading.Thread | None:
     to do. The compile runs in a child process whose output is kept: nothing lands in the notebook; its
     last line of errors, if any, is the reason ``status()`` gives."""
     global _thread
+    _probe()
     if _module is not None or not enabled() or _reason is not None:
         return None
     if _thread is None or not _thread.is_alive():
@@ -325,5 +369,6 @@ def ready() -> Any:
 def status() -> dict[str, Any]:
     """What the doctor knows about the native recorder: switched on, built, building, why not, and how long
     this process's build took (None: loaded from the cache, or not built)."""
+    _probe()
     return {"enabled": enabled(), "built": _module is not None, "building": bool(_thread and _thread.is_alive()),
             "reason": _reason if enabled() else "switched off (BACKWARD_DOCTOR_NATIVE=0)", "build_s": _build_s}
