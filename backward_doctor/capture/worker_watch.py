@@ -34,6 +34,7 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import weakref
 from typing import Any
@@ -110,6 +111,7 @@ class WorkerWatch:
         self._cls: Any = None
         self._reraised: tuple[int, str] | None = None
         self._pid = os.getpid()  # (a forked worker undoing its copy is another process: it leaves the folder)
+        self._thread = threading.get_ident()  # (the run's: another thread's loaders run as they are)
         self.loaders: list[LoaderRecord] = []
 
     # ---------------------------------------------------------------- install / remove
@@ -125,6 +127,8 @@ class WorkerWatch:
 
         # (each wrapper's own part under the watch's guard, ``guard.py``: the iterator's methods run as they would)
         def __init__(it: Any, loader: Any) -> None:
+            if threading.get_ident() != watch._thread:  # (another thread's loader: not this run's, as it is)
+                return init(it, loader)
             user_fn = loader.worker_init_fn
             wrapper = None
             try:
@@ -150,7 +154,8 @@ class WorkerWatch:
         def _next_index(it: Any) -> Any:
             index = next_index(it)
             try:
-                watch._last[it] = index
+                if it in watch._by_iter:
+                    watch._last[it] = index
             except Exception as exc:
                 watch._failed(exc)
             return index
