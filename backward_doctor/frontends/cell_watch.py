@@ -23,7 +23,9 @@ import torch
 from ..capture.process import doctors_own
 from ..report import Report
 from ..render.view import verdict_parts
+from ..report.renderers import renderer
 from ..run.watch import Watch
+from ..util.writing import write_atomic
 from .running import without_doctor_frames
 
 log = logging.getLogger(__name__)
@@ -203,13 +205,31 @@ class BackwardTrigger:
 
 
 def write_report(report: Report, folder: str) -> list[str]:
-    """The report as ``backward_doctor-report.json`` and ``.html`` in ``folder`` (made if missing); the paths."""
-    os.makedirs(folder, exist_ok=True)
+    """The report as ``backward_doctor-report.json`` and ``.html`` in ``folder`` (made if missing); the paths.
+
+    Each file is written whole or not at all, and never through a link planted at its name
+    (``util/writing.py``). When one cannot be written (a full disk, a quota, a folder at its name, a
+    read-only folder) the other is still tried, then the first ``OSError`` is raised (one line: the file and
+    why), nothing half-written left behind; its ``written`` lists the files that were written."""
     base = os.path.join(folder, REPORT_NAME)
-    with open(base + ".json", "w", encoding="utf-8") as fh:
-        json.dump(report.to_dict(), fh)
-    report.save_html(base + ".html")
-    return [base + ".json", base + ".html"]
+    files = [(base + ".json", lambda: json.dumps(report.to_dict())),
+             (base + ".html", lambda: renderer("page").render(report))]
+    written: list[str] = []
+    errors: list[OSError] = []
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        errors.append(exc)
+    for path, data in files if not errors else ():
+        try:
+            write_atomic(path, data())
+            written.append(path)
+        except OSError as exc:
+            errors.append(exc)
+    if errors:
+        errors[0].written = written  # type: ignore[attr-defined]
+        raise errors[0]
+    return written
 
 
 __all__ = ["BackwardTrigger", "HeldTracebacks", "Outer", "failed", "quiet_line", "write_report", "REPORT_NAME"]

@@ -26,11 +26,12 @@ from typing import Any, Callable
 from ..api import check_fix, check_timeout, diagnose
 from ..report.combined import load_report
 from ..report.places import name_places
-from ..report.schema import loads
-from ..report.renderers import names, renderer, write
+from ..report.schema import ReportError, loads
+from ..report.renderers import names, renderer
 from ..run.engine import choose_engine
 from ..util.files import read_bounded
 from ..util.units import parse_size
+from ..util.writing import write_atomic
 from .script import read_source as _read
 
 
@@ -84,9 +85,8 @@ def _check_output(parser: argparse.ArgumentParser, flag: str, path: str | None) 
 
 def _emit(report: Any, args: argparse.Namespace) -> None:
     print(report, flush=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(report.to_dict(), fh)
+    if args.json:  # (whole or not at all, never through a link at its name: util/writing.py)
+        write_atomic(args.json, json.dumps(report.to_dict()))
     if args.html:
         report.save_html(args.html)
     if getattr(args, "memory_snapshot", None):
@@ -206,7 +206,12 @@ def combine_main(argv: list[str]) -> int:
         report = combine_folder(args.folder)
     except (ValueError, OSError) as exc:  # no rank files, a file that is not a rank's, an unreadable folder
         p.error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    _emit(report, args)
+    try:
+        _emit(report, args)
+    except OSError as exc:
+        p.error(f"cannot write {exc.filename or 'a file'}: {exc.strerror or exc}")
+    except (ReportError, ArithmeticError) as exc:  # an export of a crafted rank file (a number past its range)
+        p.error(f"{args.folder}: {_one_line(exc)}")
     return 0 if report.ok else 1
 
 
@@ -233,10 +238,22 @@ def render_main(argv: list[str]) -> int:
     except (ValueError, UnicodeDecodeError) as exc:  # not a regular file, too big, not JSON, not a report
         p.error(f"{args.report} is not a saved backward_doctor report: {str(exc).splitlines()[0][:300]}")
     try:
-        if args.output:
-            write(report, args.kind, args.output)
-        else:
-            print(renderer(args.kind).render(report))
+        out = renderer(args.kind).render(report)
     except RuntimeError as exc:  # a renderer that needs a package not installed here (tensorboard)
         p.error(str(exc))
+    except (ReportError, ArithmeticError) as exc:  # a value no file of this format holds (a crafted snapshot,
+        # a number past its range): refused in one line, nothing written
+        p.error(f"{args.report} cannot be rendered --as {args.kind}: {_one_line(exc)}")
+    if not args.output:
+        print(out)
+        return 0 if report.ok else 1
+    try:
+        write_atomic(args.output, out)
+    except OSError as exc:
+        p.error(f"cannot write {args.output}: {exc.strerror or exc}")
     return 0 if report.ok else 1
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:300]

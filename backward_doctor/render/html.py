@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
 from . import sections as S, style, view, wording
-from .style import esc
+from .style import esc, neutralise
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
@@ -169,7 +169,7 @@ def render_html(report: "Report") -> str:
     parts.append(f'<div class="muted bd-footer" style="margin-top:10px;font-size:11px">torch {esc(tr.torch_version)} · '
                  f"device {esc(tr.device)} · {tr.op_count:,} ops recorded by {esc(wording.recorder_words(report))}"
                  "</div></div>")
-    return "".join(parts)
+    return neutralise("".join(parts), keep="\n\t")  # (every value went through esc: this is the second lock)
 
 
 def render_page(report: "Report", title: str = "backward_doctor report") -> str:

@@ -10,11 +10,18 @@ place (``Cell In[2]``, the op), its module and its category (``parameter``, ``gr
 ``optimizer_state``, ``activation``, ``temporary``), innermost first, so the viewer's stack and a flame
 graph group memory by category, then by line; ``category`` also colours the timeline.
 
-Addresses are laid out by this exporter (first fit in one segment, exact sizes): the Active Memory
-Timeline is exact; the segment views show a plain allocator's packing, not a device's. Only the recorded
-ops' storages are in it (a sampled loop's recorded iterations; the trace's first
-``STORAGE_EVENTS_CAP`` events). Plain ints below 2**53 and pickle protocol 4: the viewer's JavaScript
-unpickler reads nothing else. A distributed report has one device per rank.
+Addresses are laid out by this exporter (first fit among the lowest :data:`FIRST_FIT_SCAN` free blocks
+of one segment, else at its end; exact sizes): the Active Memory Timeline is exact; the segment views
+show a plain allocator's packing, not a device's. Only the recorded ops' storages are in it (a sampled
+loop's recorded iterations; the trace's first ``STORAGE_EVENTS_CAP`` events). Plain ints below 2**53 and
+pickle protocol 4: the viewer's JavaScript unpickler reads nothing else. A distributed report has one device per rank.
+
+A saved report is untrusted: a CUDA run's own snapshot (``trace.memory.cuda.allocator_snapshot``) is never
+passed through as it is. Its pickle must hold plain data only (:data:`PLAIN_OPCODES`: dicts, lists, tuples,
+strings, bytes, numbers, booleans, None; no opcode that imports, calls or builds an object), it is read as
+plain data and written out again by this exporter; anything else is refused (``ReportError``, one line),
+as is a ledger whose sizes pass :data:`MAX_ADDRESS`. The replay's work is bounded per event
+(:data:`FIRST_FIT_SCAN`), whatever a crafted ledger asks of it.
 
 >>> import pickle
 >>> from backward_doctor.report import Report
@@ -30,18 +37,38 @@ unpickler reads nothing else. A distributed report has one device per rank.
 from __future__ import annotations
 
 import base64
+import binascii
 import bisect
+import io
 import os
 import pickle
+import pickletools
 from typing import Any
 
 from ..report.places import CELL
 from ..report.renderers import Renderer, register, renderer
+from ..report.schema import ReportError
 from ..trace.records import Trace
 
 #: the doctor's categories as the viewers name them (torch.profiler's memory categories, lower case)
 LABELS = ("parameter", "gradient", "optimizer_state", "activation", "temporary")
 BASE = 0x100000  # where the exporter's one segment starts (addresses stay small, plain ints)
+#: how many free blocks (lowest addresses first) an allocation looks at before it takes room at the end: a
+#: real step's ledger leaves far fewer holes; a crafted one with 50,000 holes cost 50,000 looks per event
+FIRST_FIT_SCAN = 256
+#: the largest address or size the viewer's JavaScript reads exactly (and more than any device holds)
+MAX_ADDRESS = 2 ** 53
+#: the largest allocator snapshot a report holds (``capture/cuda.py`` keeps none larger)
+MAX_SNAPSHOT_BYTES = 16 << 20
+#: pickle opcodes of plain data and its memo (protocols 2-4): all PyTorch's allocator snapshot holds. None
+#: names a global (GLOBAL, STACK_GLOBAL, EXT1-4), calls (REDUCE, INST, OBJ, NEWOBJ, NEWOBJ_EX) or builds
+#: (BUILD) an object, or asks the loader for one (PERSID, BINPERSID).
+PLAIN_OPCODES = frozenset({
+    "PROTO", "FRAME", "STOP", "MARK", "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1",
+    "LONG4", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES",
+    "BINBYTES8", "EMPTY_LIST", "LIST", "APPEND", "APPENDS", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+    "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET"})
+_SNAPSHOT_FIELD = "trace.memory.cuda.allocator_snapshot"
 
 
 class _FirstFit:
@@ -52,7 +79,8 @@ class _FirstFit:
         self.end = BASE
 
     def alloc(self, size: int) -> int:
-        for i, (addr, room) in enumerate(self.free):
+        for i in range(min(len(self.free), FIRST_FIT_SCAN)):  # (bounded: see FIRST_FIT_SCAN)
+            addr, room = self.free[i]
             if room >= size:
                 if room == size:
                     del self.free[i]
@@ -129,9 +157,13 @@ def device_trace(trace: Trace, places: dict[str, str], device: int = 0) -> tuple
     for action, number, size, _, op in events:
         if oom_at is not None and op > oom_at:
             add_oom()
-        category = LABELS[final_cat.get(number, 4)]
+        cat = final_cat.get(number, 4)
+        category = LABELS[cat] if 0 <= cat < len(LABELS) else LABELS[4]
         if action == 1:
             frames = _frames(trace, places, op, category, cache)
+            if not 0 <= size < MAX_ADDRESS - space.end:
+                raise ReportError(f"trace.memory.storages: a storage of {size:,} bytes (after "
+                                  f"{space.end - BASE:,} bytes) is past what a memory snapshot holds")
             addr = space.alloc(size)
             live[number] = (addr, size, frames)
             out.append({"action": "alloc", "addr": addr, "size": int(size), "stream": 0, "frames": frames,
@@ -185,10 +217,65 @@ def snapshot(report: Any) -> dict[str, Any]:
 
 
 def allocator_snapshot(report: Any) -> bytes | None:
-    """A CUDA run's own allocator history, as the capture kept it (None: none was kept)."""
+    """A CUDA run's own allocator history, as the capture kept it (None: none was kept), checked and written
+    out again as plain data (:func:`plain_snapshot`): ``ReportError`` when it is anything else."""
     cuda = getattr(getattr(report, "trace", None), "memory", None)
     kept = (cuda.cuda or {}).get("allocator_snapshot") if cuda is not None else None
-    return base64.b64decode(kept) if isinstance(kept, str) and kept else None
+    if kept is None or kept == "":
+        return None
+    if not isinstance(kept, str) or len(kept) > MAX_SNAPSHOT_BYTES * 4 // 3 + 4:
+        raise ReportError(f"{_SNAPSHOT_FIELD}: not a snapshot this exporter writes (a base64 string of at most "
+                          f"{MAX_SNAPSHOT_BYTES:,} bytes)")
+    try:
+        raw = base64.b64decode(kept, validate=True)
+    except (binascii.Error, ValueError):
+        raise ReportError(f"{_SNAPSHOT_FIELD}: not base64") from None
+    return plain_snapshot(raw)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads plain data only (a second lock: :func:`plain_snapshot` lets no opcode through that gets here)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
+
+def plain_snapshot(raw: bytes) -> bytes:
+    """A memory snapshot's pickle, checked opcode by opcode before anything is loaded (:data:`PLAIN_OPCODES`),
+    loaded as plain data, checked to be a snapshot (a dict with ``segments`` and ``device_traces`` lists)
+    and pickled again by this exporter; ``ReportError`` (one line) otherwise. Nothing of ``raw`` is passed on
+    as it is.
+
+    >>> import pickle, os
+    >>> plain_snapshot(pickle.dumps({"segments": [], "device_traces": [[]]})) == pickle.dumps(
+    ...     {"segments": [], "device_traces": [[]]}, protocol=4)
+    True
+    >>> plain_snapshot(pickle.dumps({"segments": [], "device_traces": [], "x": os.system}))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    backward_doctor.report.schema.ReportError: trace.memory.cuda.allocator_snapshot: refused: ... STACK_GLOBAL at byte ...
+    """
+    if len(raw) > MAX_SNAPSHOT_BYTES:
+        raise ReportError(f"{_SNAPSHOT_FIELD}: {len(raw):,} bytes, more than the {MAX_SNAPSHOT_BYTES:,} a snapshot "
+                          "may have")
+    try:
+        for op, arg, pos in pickletools.genops(raw):
+            if op.name not in PLAIN_OPCODES:
+                raise ReportError(f"{_SNAPSHOT_FIELD}: refused: a snapshot holds plain data only, and this pickle "
+                                  f"would import or call code when opened (opcode {op.name} at byte {pos})")
+            if op.name == "PROTO" and not 2 <= arg <= 4:
+                raise ReportError(f"{_SNAPSHOT_FIELD}: refused: pickle protocol {arg} (a snapshot is written with "
+                                  "2 to 4)")
+        data = _PlainUnpickler(io.BytesIO(raw)).load()
+        if not (isinstance(data, dict) and isinstance(data.get("segments"), list)
+                and isinstance(data.get("device_traces"), list)):
+            raise ReportError(f"{_SNAPSHOT_FIELD}: not a memory snapshot (a dict of 'segments' and "
+                              "'device_traces' lists)")
+        return pickle.dumps(data, protocol=4)
+    except ReportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any other way the bytes fail to read: refused in one line
+        raise ReportError(f"{_SNAPSHOT_FIELD}: not a readable pickle ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:120]})") from None
 
 
 @register
@@ -204,4 +291,4 @@ class MemoryVizRenderer(Renderer):
         return pickle.dumps(snapshot(report), protocol=4)  # (the viewer's unpickler reads protocols 2-4)
 
 
-__all__ = ["LABELS", "MemoryVizRenderer", "device_trace", "snapshot"]
+__all__ = ["LABELS", "MemoryVizRenderer", "device_trace", "plain_snapshot", "snapshot"]

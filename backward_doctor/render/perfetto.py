@@ -23,10 +23,12 @@ from typing import Any
 
 from ..report.places import CELL, where_label
 from ..report.renderers import Renderer, register
+from ..report.schema import ReportError
 from ..trace.records import CATEGORIES, OpRecord, Trace
 from .view import offending_record
 
 OPS, COLLECTIVES = 1, 2  # thread ids in each process
+MAX_US = 1e15  # ~30 years: past it a time is no run's (and its nanoseconds overflow what readers hold)
 
 
 def _times(ops: list[OpRecord], offset: float = 0.0) -> list[tuple[int, int]]:
@@ -35,13 +37,20 @@ def _times(ops: list[OpRecord], offset: float = 0.0) -> list[tuple[int, int]]:
     previous one ended, and the spans around them are computed in the same integers, so the viewers nest
     the phases' and iterations' slices around the ops exactly."""
     end_to_end = len(ops) > 1 and not any(op.start_us for op in ops)
-    out, prev_end = [], round(offset * 1000)
-    for op in ops:
-        dur = round(max(op.duration_us, 0.0) * 1000)
-        ts = prev_end if end_to_end else max(round((op.start_us + offset) * 1000), prev_end)
+    out, prev_end = [], _ns(offset, "the run's start")
+    for k, op in enumerate(ops):
+        dur = _ns(max(op.duration_us, 0.0), f"trace.ops[{k}].duration_us")
+        ts = prev_end if end_to_end else max(_ns(op.start_us + offset, f"trace.ops[{k}].start_us"), prev_end)
         out.append((ts, dur))
         prev_end = ts + dur
     return out
+
+
+def _ns(us: float, what: str) -> int:
+    """Microseconds as whole nanoseconds; ``ReportError`` for a time no trace holds (a crafted report's 1e308)."""
+    if not -MAX_US <= us <= MAX_US:
+        raise ReportError(f"{what}: {us:g} microseconds is past the times a trace holds")
+    return round(us * 1000)
 
 
 def _us(ns: int) -> float:
@@ -180,7 +189,14 @@ class PerfettoRenderer(Renderer):
     name, suffix = "perfetto", ".json"
 
     def render(self, report: Any) -> str:
-        return json.dumps(trace_events(report), separators=(",", ":"))
+        """The trace as strict JSON; ``ReportError`` (one line) when a number of the report is past what one
+        holds (a crafted report's 1e308 seconds, multiplied into microseconds: no ``Infinity`` is written)."""
+        try:
+            return json.dumps(trace_events(report), separators=(",", ":"), allow_nan=False)
+        except (ValueError, OverflowError) as exc:
+            if isinstance(exc, ReportError):
+                raise
+            raise ReportError(f"the report holds a number past what a trace holds ({exc})") from None
 
 
 __all__ = ["PerfettoRenderer", "process_events", "trace_events"]

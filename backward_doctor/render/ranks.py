@@ -17,7 +17,7 @@ from ..report.report import Report
 from ..trace.distributed import RankRecord
 from ..trace.queries import line_text
 from ..trace.records import Trace
-from .style import CSS, esc, sev_color
+from .style import CSS, esc, lines, neutralise, sev_color
 
 if TYPE_CHECKING:
     from ..report.combined import CombinedReport
@@ -93,7 +93,7 @@ def ranks_text(report: "CombinedReport") -> str:
             frames = [fi for fi in main.frames[:-1] if fi.user] + main.frames[-1:]
             out += [f"    {fi.file.rsplit('/', 1)[-1]}:{fi.line} in {fi.function}: {fi.code}" for fi in frames[-6:]]
     out += [f"  note: {n}" for n in report.notes]
-    return "\n".join(out)
+    return lines(out)
 
 
 def _trace_for(report: "CombinedReport", rank: int | None) -> Trace:
@@ -146,4 +146,4 @@ def ranks_html(report: "CombinedReport") -> str:
         out.append(f"<details><summary>Rank {esc(r.rank)}: its own report</summary>{render_html(own)}</details>")
     out.extend(f'<div class="sub">note: {esc(n)}</div>' for n in report.notes)
     out.append("</div>")
-    return "".join(out)
+    return neutralise("".join(out), keep="\n\t")

@@ -1,12 +1,25 @@
-"""The report's look, shared by the static page, the panel and the plots: colours, CSS, labels, and
+r"""The report's look, shared by the static page, the panel and the plots: colours, CSS, labels, and
 :func:`esc`, which every piece of the user's text goes through before it reaches HTML.
 
 >>> esc("</script><script>alert(1)</script>")
 '&lt;/script&gt;&lt;script&gt;alert(1)&lt;/script&gt;'
+
+A report handed over is untrusted, and its strings can carry control characters (an escape sequence that
+clears the terminal or prints a fake green "OK", a carriage return or backspaces over a line, a bell) and
+bidirectional overrides (U+202E shows ``evil.py`` as ``yp.live``). :func:`neutralise` shows each one as its
+escape (``\x1b``, ``\u202e``); the text renderers pass every line through it and :func:`esc` every value.
+
+>>> neutralise("\x1b[2J\x1b[32mOK\x07\r\u202eyp.live\n")
+'\\x1b[2J\\x1b[32mOK\\x07\\r\\u202eyp.live\\n'
+>>> neutralise("a\tb\nc", keep="\n\t")
+'a\tb\nc'
+>>> esc("\x1b]8;;http://x\x1b\\ok")
+'\\x1b]8;;http://x\\x1b\\ok'
 """
 from __future__ import annotations
 
 import html
+import re
 from typing import Any, Iterable
 
 from ..trace.records import CATEGORIES
@@ -90,9 +103,43 @@ for _name, _value in (("INK3", INK3), ("INK2", INK2), ("INK", INK), ("BG2", BG2)
     CSS = CSS.replace(_name, _value)
 
 
+#: C0 controls (but tab and newline, which :func:`neutralise` keeps when asked), DEL, C1 controls, and the
+#: invisible format characters that reorder or hide text: bidi marks, embeddings, overrides and isolates
+#: (U+061C, U+200E-U+200F, U+202A-U+202E, U+2066-U+2069), zero-width ones, line/paragraph separators, BOM
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u180e\u200b-\u200f\u2028-\u202e"
+                     "\u2060-\u206f\ufeff\ufff9-\ufffb]")
+_TAB_NEWLINE = re.compile("[\t\n]")
+
+
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match) -> str:
+    ch = m.group()
+    c = ord(ch)
+    return _NAMED.get(ch) or (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
+
+
+def neutralise(text: str, keep: str = "") -> str:
+    """``text`` with every control and bidi character shown as its escape (``\\x1b``, ``\\u202e``), so a
+    report's string cannot drive the terminal or reorder what is read; ``keep``: any of tab and newline, left
+    as they are (where the renderer itself lays out lines)."""
+    text = _UNSAFE.sub(_escape, text)
+    if "\n" in keep and "\t" in keep:
+        return text
+    return _TAB_NEWLINE.sub(lambda m: m.group() if m.group() in keep else _escape(m), text)
+
+
+def lines(out: list[str]) -> str:
+    """A text report's lines joined: each stays one line whatever a report's string holds (a newline, an
+    escape sequence, a carriage return or a bidi override inside it is shown as its escape)."""
+    return "\n".join(neutralise(line, keep="\t") for line in out)
+
+
 def esc(text: Any) -> str:
-    """HTML-escape anything shown to the user (quotes too, for attributes)."""
-    return html.escape("" if text is None else str(text), quote=True)
+    """HTML-escape anything shown to the user (quotes too, for attributes), control and bidi characters
+    shown as their escapes (:func:`neutralise`; tabs and newlines kept: ``<pre>`` lays lines out)."""
+    return html.escape(neutralise("" if text is None else str(text), keep="\n\t"), quote=True)
 
 
 def sev_color(sev: str) -> str:

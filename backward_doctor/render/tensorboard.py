@@ -19,11 +19,20 @@ import tempfile
 from typing import Any
 
 from ..report.renderers import Renderer, register, renderer
+from ..report.schema import ReportError
 from ..trace.records import Trace
+
+
+#: the last step a TensorBoard event holds (an int64)
+MAX_STEP = 2 ** 63 - 1
 
 
 def _scalars(writer: Any, trace: Trace, prefix: str) -> None:
     its = trace.iterations
+    longest = max(len(its.loss), len(its.grad_norm), len(its.lr), len(its.live_bytes), 1)
+    if not 0 <= (longest - 1) * its.stride <= MAX_STEP:
+        raise ReportError(f"trace.iterations.stride: {its.stride:,} iterations a point makes steps past the "
+                          f"{MAX_STEP:,} an event holds")
     series = (("loss", its.loss), ("grad_norm", its.grad_norm), ("learning_rate", its.lr),
               ("live_bytes", its.live_bytes))
     for name, values in series:

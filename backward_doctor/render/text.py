@@ -1,4 +1,5 @@
-"""Plain-text report: what a terminal, a log file or CI shows.
+"""Plain-text report: what a terminal, a log file or CI shows. Every line is shown as it is laid out here: a
+report's string cannot add a line or drive the terminal (control and bidi characters shown as escapes).
 
 >>> from backward_doctor.report import Report
 >>> print(render_text(Report()).splitlines()[0])
@@ -13,6 +14,7 @@ from ..analysis.findings import source_line
 from ..capture.stats import format_stats
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
+from .style import lines
 from .view import hang_threads, op_place, phase_counts, refused_fixes
 from .workers import worker_lines
 from .wording import (finding_title, fix_failed, fix_next_step, frame_label, ok_headline, original_verdict,
@@ -117,7 +119,7 @@ def render_text(report: "Report") -> str:
         out.extend(_fix_lines(report.fix_result))
     out.append("")
     out.append(f"  ({tr.op_count:,} ops recorded by {recorder_words(report)})")
-    return "\n".join(out)
+    return lines(out)
 
 
 def _fix_lines(fr: "FixResult") -> list[str]:

@@ -38,12 +38,29 @@ FIX_INFO = {
 
 
 # --------------------------------------------------------------------------- derivations
+#: the most bytes a tensor is counted as: past any device (a saved report's shape is untrusted: a product of
+#: 100,000 dimensions of 2**64 is a 6-million-bit integer, seconds per multiplication, never a tensor)
+MAX_TENSOR_BYTES = 2 ** 62
+
+
 def tensor_bytes(m: TensorMeta) -> int:
-    """Bytes of a tensor from its metadata (0 when the dtype is unknown)."""
-    n = 1
+    """Bytes of a tensor from its metadata (4 bytes an element when the dtype is unknown), at most
+    :data:`MAX_TENSOR_BYTES` (the product stops growing there: the work is one small multiplication per
+    dimension); a dimension of 0 (or below) makes it 0.
+
+    >>> from backward_doctor.trace.records import TensorMeta
+    >>> tensor_bytes(TensorMeta([2, 3], "float16", "cpu")), tensor_bytes(TensorMeta([2 ** 64] * 9 + [0], "x", "cpu"))
+    (12, 0)
+    >>> tensor_bytes(TensorMeta([2 ** 64 - 1] * 100_000, "float32", "cpu")) == MAX_TENSOR_BYTES
+    True
+    """
+    n = _ITEMSIZE.get(m.dtype, 4)
     for s in m.shape:
-        n *= int(s)
-    return n * _ITEMSIZE.get(m.dtype, 4)
+        s = int(s)
+        if s <= 0:
+            return 0
+        n = min(n * s, MAX_TENSOR_BYTES)
+    return n
 
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,

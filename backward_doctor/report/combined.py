@@ -80,9 +80,7 @@ class CombinedReport:
         return renderer("html").render(self)
 
     def save_html(self, path: str) -> str:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(renderer("page").render(self))
-        return path
+        return write(self, "page", path)
 
     def save_memory_snapshot(self, path: str) -> str:
         """The memory snapshot (one device per rank) to ``path``; see ``Report.save_memory_snapshot``."""

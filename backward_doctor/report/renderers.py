@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from ..util.writing import write_atomic
+
 
 class Renderer:
     """Turns a report into one value (a string: text, an HTML fragment, a whole page; or bytes, for a
@@ -65,7 +67,8 @@ def names() -> list[str]:
 
 def write(report: Any, name: str, path: str) -> str:
     """Render ``report`` with the renderer ``name`` into the file ``path`` (text as UTF-8, bytes as they are);
-    returns the path. The file is written whole or not at all (a failed render leaves no half file).
+    returns the path. The file is written whole or not at all (a failed render or write leaves no half file),
+    and never through a link planted at ``path`` (``util/writing.py``).
 
     >>> import os, tempfile
     >>> from backward_doctor.report import Report
@@ -73,8 +76,4 @@ def write(report: Any, name: str, path: str) -> str:
     >>> open(path).read().startswith("backward_doctor: OK")
     True
     """
-    out = renderer(name).render(report)
-    data = out if isinstance(out, bytes) else out.encode("utf-8")
-    with open(path, "wb") as fh:
-        fh.write(data)
-    return path
+    return write_atomic(path, renderer(name).render(report))

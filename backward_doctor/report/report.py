@@ -79,11 +79,9 @@ class Report:
         return renderer("html").render(self)
 
     def save_html(self, path: str) -> str:
-        """Write the report as one self-contained HTML page to ``path``; returns the path."""
-        page = renderer("page").render(self)
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(page)
-        return path
+        """Write the report as one self-contained HTML page to ``path`` (whole or not at all, never through a link
+        at ``path``: ``renderers.write``); returns the path."""
+        return write(self, "page", path)
 
     def save_memory_snapshot(self, path: str) -> str:
         """Write the memory snapshot PyTorch's viewers read (drop it on pytorch.org/memory_viz) to ``path``:

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
+import sys
 from typing import Any, Callable
 
 #: ``format`` of every saved report (single-process and distributed alike)
@@ -64,6 +64,8 @@ class _Invalid(Exception):
 def _where(path: list[str | int]) -> str:
     out = ""
     for key in reversed(path):
+        if isinstance(key, str) and not key.isprintable():
+            key = json.dumps(key)  # (a key's control characters shown as escapes, never raw on the screen)
         out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
     return out or "the report"
 
@@ -82,12 +84,15 @@ def schema() -> dict[str, Any]:
         return json.load(fh)
 
 
+#: a number is what a float holds: NaN, the infinities and an integer past a float's range are not (that
+#: integer would overflow where it is used as one: ``float(10**400)``)
+_FLOAT_MAX = sys.float_info.max
 _TYPES: dict[str, Callable[[Any], bool]] = {
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, list),
     "string": lambda v: isinstance(v, str),
     "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and -_FLOAT_MAX <= v <= _FLOAT_MAX,
     "boolean": lambda v: isinstance(v, bool),
     "null": lambda v: v is None,
 }
