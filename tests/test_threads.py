@@ -108,3 +108,22 @@ def test_always_on_while_another_thread_trains():
     finally:
         with capture_output():
             shell.run_cell("%backward_doctor off", store_history=False)
+
+
+@pytest.mark.slow
+def test_always_on_in_a_real_kernel_while_a_thread_trains(tmp_path):
+    """Item 4 as it was found: a kernel with always on, a background thread training its own model while cells
+    train. The thread lives on (it died with the doctor's AttributeError, and the kernel could die), and each
+    watched cell shows nothing and counts its own 50 steps."""
+    from test_always_on_kernel import _execute, _text
+
+    start = ("import torch, backward_doctor as bd\nfrom test_threads import Background, CELL, _cell_namespace\n"
+             "bg = Background().__enter__()\n")
+    train = "globals().update(_cell_namespace())\n" + CELL
+    cells = _execute(["%load_ext backward_doctor", start, "%backward_doctor on", train, train, train,
+                      "print('steps', bd.last_report().trace.iterations.steps)",
+                      "bg.__exit__(None, None, None)\nbg.check()\nprint('background ok', bg.steps > 0)"], tmp_path)
+    for c in cells[3:6]:
+        assert c.outputs == [], c.outputs  # (a watched cell that trains fine shows nothing)
+    assert "steps 50" in _text(cells[6]), cells[6].outputs
+    assert "background ok True" in _text(cells[7]), cells[7].outputs
