@@ -34,6 +34,29 @@ def native_engine() -> str:
     return "native"
 
 
+@pytest.fixture(autouse=True)
+def nothing_left_running():
+    """Every test ends with no capture installed: one left running (a frontend that failed to close its watch)
+    would record every later test and make the native recorder look unavailable to them. It is stopped here
+    and the test that left it fails."""
+    yield
+    from backward_doctor import native
+    from backward_doctor.capture.runner import running_captures
+
+    left = list(running_captures)
+    ext = native.ready()
+    recording = ext is not None and ext.running()
+    for capture in reversed(left):
+        try:
+            capture.stop()
+        finally:
+            if capture in running_captures:
+                running_captures.remove(capture)
+    if ext is not None and ext.running():
+        ext.stop()
+    assert not left and not recording, f"the test left a capture running: {left or 'the native recorder'}"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

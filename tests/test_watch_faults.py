@@ -221,3 +221,43 @@ def test_a_broken_backward_trigger_lets_the_cell_run(monkeypatch):
             shell.run_cell("%backward_doctor off")
     assert result.success, result.error_in_exec
     assert torch.equal(shell.user_ns["m"].weight, expected)
+
+
+@pytest.mark.ipython
+def test_a_watch_that_fails_to_end_leaves_nothing_installed(monkeypatch):
+    """Always on's watch opened at a cell's first backward() and its end failed (the doctor's own error): the
+    cell's outcome stands, the doctor says there is no report, and nothing of the capture outlives the cell
+    (the next cell is watched afresh; ``nothing_left_running`` checks the process)."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from backward_doctor.run.watch import Watch
+
+    shell = InteractiveShell.instance()
+    setup = ("import torch\ntorch.manual_seed(0)\nm = torch.nn.Linear(3, 1)\n"
+             "sgd = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+             "def step_(t):\n    t.sum().backward()\n    sgd.step()\njobs = {'go': step_}\n")
+    cell = "h = m(torch.ones(2, 3))\njobs['go'](h)\n"  # (the guess cannot see the backward(): the trigger opens)
+    with capture_output():
+        shell.run_cell("%load_ext backward_doctor", store_history=False)
+        shell.run_cell(setup)
+        shell.run_cell(cell)
+        expected = shell.user_ns["m"].weight.detach().clone()
+        shell.run_cell(setup)
+        shell.run_cell("%backward_doctor on")
+        try:
+            with monkeypatch.context() as mp:
+                mp.setattr(Watch, "end", boom)
+                with capture_output() as broken:
+                    result = shell.run_cell(cell)
+            weight = shell.user_ns["m"].weight.detach().clone()
+            before = bd.last_report()
+            with capture_output():
+                shell.run_cell("h = m(torch.ones(2, 3)) / 0 * 0\njobs['go'](h)\n")
+        finally:
+            shell.run_cell("%backward_doctor off")
+    assert result.success, result.error_in_exec
+    assert torch.equal(weight, expected)
+    assert "no report for this cell (the doctor's own error: RuntimeError: injected fault)" in broken.stderr
+    report = bd.last_report()
+    assert report is not before and [f.kind for f in report.findings][:1] == ["nonfinite"], report

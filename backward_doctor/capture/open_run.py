@@ -65,12 +65,20 @@ class OpenRun:
     def close(self, exc: BaseException | None) -> Trace:
         """Disarm, uninstall, and make the trace (``exc``: how the watched code ended, None when it did not
         raise)."""
-        self._watchdog.disarm()
-        if exc is not None and not self._watchdog.fired:  # DataLoader workers' state, while still installed
-            self.capture.photograph_workers(exc)
+        try:
+            self._watchdog.disarm()
+            if exc is not None and not self._watchdog.fired:  # DataLoader workers' state, while still installed
+                self.capture.photograph_workers(exc)
+        finally:  # (whatever failed above: nothing of the capture stays installed in the user's process)
+            with interrupts_deferred():
+                self._uninstall()
+        return traced(self.capture, self._watchdog, exc)
+
+    def abandon(self) -> None:
+        """Uninstall without a trace: the doctor failed to close the run (its own error), and the user's
+        process must not keep its capture. Nothing happens when the run is already closed."""
         with interrupts_deferred():
             self._uninstall()
-        return traced(self.capture, self._watchdog, exc)
 
     @property
     def timed_out(self) -> bool:

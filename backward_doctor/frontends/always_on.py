@@ -283,11 +283,20 @@ class AlwaysOn:
         if watch is None:  # (the watch could not begin: the trigger said so)
             return
         opened = self._opened
-        if result is None:
-            watch.end(None)
+        try:
+            report = watch.end(None if result is None else result.error_in_exec)
+        except Exception as exc:  # (the doctor's own failure: the cell's outcome and traceback stand)
+            watch.abandon()
+            if not doctors_own(exc):
+                raise
+            log.warning("always on: no report for this cell (the doctor's own error)", exc_info=True)
+            print(f"backward_doctor: no report for this cell (the doctor's own error: {type(exc).__name__}: "
+                  f"{exc})", file=sys.stderr)
             opened["held"].show()
             return
-        report = watch.end(result.error_in_exec)
+        if result is None:
+            opened["held"].show()
+            return
         report.trace.notes.append(f"always on: the watch began at the cell's first backward() (line "
                                   f"{opened.get('line')}); what ran before it was not recorded")
         self._after(report, opened.get("source", ""), opened["held"], result)

@@ -128,6 +128,7 @@ class LoopDoctor:
         try:
             report = self.report = remember(watch.end(exc))
         except Exception as own:  # (the doctor's own failure: never the training's, whose outcome stands)
+            watch.abandon()  # (no capture outlives the training, whatever end() left installed)
             if not doctors_own(own):
                 raise
             print(f"backward_doctor: no report for this training run (the doctor's own error: "

@@ -22,6 +22,7 @@ aside: the cell's own run sees its loop).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from .. import native
@@ -34,6 +35,8 @@ from ..util.loops import training_loop
 from .engine import choose_engine, python_tier_reason, screens_every_op
 from .iteration_replay import IterationRollback, replay_iteration
 from .step import build_report
+
+log = logging.getLogger(__name__)
 
 
 def active() -> bool:
@@ -110,6 +113,19 @@ class Watch:
         if self._engine_asked == "auto" and trace.engine == "python":
             report.engine_note = python_tier_reason()
         return report
+
+    def abandon(self) -> None:
+        """Uninstall what is still installed and release the run, without a report: a frontend calls it when
+        :meth:`end` failed (the doctor's own error), so that no capture outlives the training it watched."""
+        try:
+            self._run.abandon()
+        except Exception:  # noqa: BLE001 - already the doctor's failure: said in the log, never raised on
+            log.warning("backward_doctor: the watch could not be uninstalled cleanly", exc_info=True)
+        finally:
+            self.rollback = None
+            if self._claimed:
+                self._claimed = False
+                release_run()
 
     # ---------------------------------------------------------------- while it runs
     @property
