@@ -246,8 +246,8 @@ class NativeRecords:
         last_post = self._post_counts[-1] if self._post_counts else -1
         cleared: set[int] = set()
         events = self.trace.inplace
-        for e in range(len(inplace) // 5):
-            index, key, version, producer, toff = inplace[e * 5:(e + 1) * 5]
+        for e in range(len(inplace) // 7):  # (7 ints a write: recorder.cpp)
+            index, key, version, producer, toff, base_off, base_ndim = inplace[e * 7:(e + 1) * 7]
             name = self._op_name(index)
             if name in _CLEARING:
                 self._clearings.setdefault(key, []).append(index)
@@ -260,7 +260,8 @@ class NativeRecords:
                 index=index, op=name or "?", key=key, version=version, shape=list(sizes[t[6]:t[6] + t[5]]),
                 requires_grad=bool(t[4]), where=idx_where.get(index, Where()),
                 producer_index=None if producer < 0 else producer,
-                producer_op=self._op_name(producer) if producer >= 0 else None))
+                producer_op=self._op_name(producer) if producer >= 0 else None,
+                base_shape=None if base_off < 0 else list(sizes[base_off:base_off + base_ndim])))
         if cleared and self.history is not None:
             # zero_grad(set_to_none=False) after this run's last step: those gradients are not stale.
             for p in self.parameters():

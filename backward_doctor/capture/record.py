@@ -314,11 +314,16 @@ class OpRecorder(CaptureState):
                 t = args[i]
                 key = storage_key(t) or 0
                 producer = self._ledger.producer(key)
+                # An index assignment (`h[:, 0] = 0.0`) writes a view of `h`: the view shares its base's
+                # storage (same key, same producer) and version counter, but PyTorch's error names the
+                # base's shape, so that is kept too. (`_base` is the root base, however deep the view.)
+                base = t._base
                 # The version counter is bumped above this dispatch level, after we return: +1.
                 self.trace.inplace.append(InplaceEvent(
                     index=index, op=name, key=key, version=int(t._version) + 1, shape=list(shape_of(t)),
                     requires_grad=bool(t.requires_grad), where=where, producer_index=producer,
-                    producer_op=self._op_name(producer)))
+                    producer_op=self._op_name(producer),
+                    base_shape=None if base is None else list(shape_of(base))))
 
     def _screen_scalar(self, index: int, out: torch.Tensor, where: Where) -> None:
         """First tier: a NaN/Inf scalar forward output; the detailed run is needed if it was the loss or a

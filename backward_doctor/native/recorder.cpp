@@ -228,7 +228,9 @@ struct State {
   std::array<int64_t, 2 + kCategories> light_best{}, light_peak_rec{};  // index, total, category totals
   bool has_best = false;
   int64_t light_peak = -1;
-  std::vector<int64_t> recs, tensors, sizes, inplace;  // inplace: op index, key, version, producer, tensor off
+  // inplace, 7 ints a write (as native_records.py reads them): op index, key, version, producer, tensor
+  // offset, and for a write through a view its base's sizes: offset in `sizes` (-1: no view), ndim
+  std::vector<int64_t> recs, tensors, sizes, inplace;
   std::vector<PyObject*> codes;
   std::vector<int64_t> lastis;
   // Interning, so that Python turns each distinct stack and tensor description into objects once (a
@@ -582,9 +584,18 @@ void start_op(const at::RecordFunction& fn, Open& o) {
                                              !inputs[j].toTensor().unsafeGetTensorImpl()->is_wrapped_number();
             else if (inputs[j].isTensorList()) pos += (int64_t)inputs[j].toTensorList().size();
           }
+          // An index assignment (`h[:, 0] = 0.0`) writes a view of `h`: same storage and version counter,
+          // but PyTorch's error names the base's shape, so that is kept too (_base(): the root base).
+          int64_t base_off = -1, base_ndim = 0;
+          if (t.is_view()) {
+            auto bs = t._base().sizes();
+            base_off = (int64_t)S->sizes.size();
+            base_ndim = (int64_t)bs.size();
+            S->sizes.insert(S->sizes.end(), bs.begin(), bs.end());
+          }
           S->inplace.insert(S->inplace.end(), {index, key, (int64_t)t._version() + 1,
                                                it == S->live.end() ? -1 : it->second.producer,
-                                               rec[7] + pos});
+                                               rec[7] + pos, base_off, base_ndim});
         }
       }
     }

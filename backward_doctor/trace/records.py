@@ -144,6 +144,9 @@ class InplaceEvent:
     where: Where
     producer_index: int | None = None
     producer_op: str | None = None
+    #: the write went through a view (``h[:, 0] = 0.0`` fills a ``select`` of ``h``): the shape of the view's
+    #: base, the tensor autograd saved and PyTorch's error names; None when the written tensor is no view
+    base_shape: list[int] | None = None
 
 
 @dataclass

@@ -75,10 +75,12 @@ def _fresh(e: InplaceEvent) -> bool:
 
 def _pick_inplace(trace: Trace, shape: list[int] | None, node: str | None,
                   expected: int | None) -> InplaceEvent | None:
-    events = [e for e in trace.inplace if shape is None or e.shape == shape]
+    # A write through a view (``h[:, 0] = 0.0`` fills a select of ``h``) changed its base, the tensor named.
+    events = [e for e in trace.inplace if shape is None or shape in (e.shape, e.base_shape)]
     if not events and shape is not None:
         # Autograd saved a view of the written tensor (``x.view(-1, d)`` for a matmul): same elements.
-        events = [e for e in trace.inplace if numel(e.shape) == numel(shape)]
+        events = [e for e in trace.inplace
+                  if numel(shape) == numel(e.shape if e.base_shape is None else e.base_shape)]
     events = _read_before_write(trace, events) or [e for e in events if not _fresh(e)] or events
     if node:
         base = _node_op(node)
@@ -145,11 +147,21 @@ def inplace(trace: Trace) -> list[Finding]:
     producer = ev_.producer_op or "an earlier op"
     evidence.update(op=ev_.op, producer_op=ev_.producer_op, code=code)
     alt = ev_.op.split("::")[-1].rstrip("_")
-    msg = (f"`{ev_.op}` at {'line ' + str(ev_.where.line)} (`{code}`) overwrote a {list(ev_.shape)} tensor "
+    written = f"a {list(ev_.shape)} tensor"
+    fix = (f"Use the out-of-place form (`{alt}` instead of `{alt}_`, `y = y + 1` instead of `y += 1`, "
+           "`nn.ReLU()` instead of `nn.ReLU(inplace=True)`), or `.clone()` before writing.")
+    if ev_.base_shape is not None:
+        # An index assignment has no out-of-place spelling of its op: the fix is a copy to write into.
+        written = f"a {list(ev_.shape)} view of a {list(ev_.base_shape)} tensor"
+        evidence["base_shape"] = list(ev_.base_shape)
+        var = re.match(r"\s*([A-Za-z_][\w.]*)\s*\[", code or "")  # `h[:, 0] = 0.0`, `h[1].zero_()`: h
+        name = var.group(1) if var else "t"
+        fix = (f"Write into a copy (`{name} = {name}.clone()` before writing into `{name}`), or build the new "
+               f"values out of place (`torch.where(mask, value, {name})`, `torch.cat`).")
+    msg = (f"`{ev_.op}` at {'line ' + str(ev_.where.line)} (`{code}`) overwrote {written} "
            f"made by `{producer}`, which autograd had saved to compute gradients ({node or 'a backward node'}). "
            f"`backward()` then found it changed (version {ev_.version}, expected {expected}) and refused "
-           f"to compute wrong gradients. Use the out-of-place form (`{alt}` instead of `{alt}_`, `y = y + 1` "
-           "instead of `y += 1`, `nn.ReLU()` instead of `nn.ReLU(inplace=True)`), or `.clone()` before writing.")
+           f"to compute wrong gradients. {fix}")
     return [at("inplace", ev_.where, msg, op=ev_.op, title="Saved tensor modified in place", evidence=evidence)]
 
 
