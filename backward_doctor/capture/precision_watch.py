@@ -42,6 +42,9 @@ _SAMPLES = 16384      # at most, per step
 _UPDATES = 3          # steps sampled per run
 _STEPS_KEPT = 64
 _CLIPS_KEPT = 16
+#: libraries whose own code scales the user's loss with a GradScaler (``accelerator.backward(loss)``); their
+#: fix for clipping is their own clip, which unscales first
+_DRIVERS = ("accelerate",)
 
 
 def _view(t: torch.Tensor) -> tuple[Any, int] | None:
@@ -70,7 +73,8 @@ class PrecisionWatch:
         self.record = record
         self._frames, self._iteration, self._on_skipped = frames, iteration, on_skipped
         self._thread = threading.get_ident()
-        self._scalers: dict[int, tuple[Any, bool]] = {}  # id -> (weakref, a loss scaled since its update)
+        #: id -> (weakref, a loss scaled since its update, the library whose code called ``scale``: '' the user)
+        self._scalers: dict[int, tuple[Any, bool, str]] = {}
         self._run = 0                                    # scaler.step calls skipped in a row
         self._run_start: ScalerStep | None = None
         self._low: dict[int, tuple[Any, list[Any]]] = {}  # optimizer id -> (weakref, its low-precision params)
@@ -108,7 +112,7 @@ class PrecisionWatch:
         def scale(scaler: Any, outputs: Any) -> Any:
             try:
                 if self._mine():
-                    self._scalers[id(scaler)] = (weakref.ref(scaler), True)
+                    self._scalers[id(scaler)] = (weakref.ref(scaler), True, _caller_library(sys._getframe(1)))
             except Exception as exc:
                 self._failed(exc)
             return real(scaler, outputs)
@@ -119,7 +123,7 @@ class PrecisionWatch:
             out = real(scaler, *args, **kwargs)
             try:
                 if self._mine():
-                    self._scalers[id(scaler)] = (weakref.ref(scaler), False)
+                    self._scalers[id(scaler)] = (weakref.ref(scaler), False, "")
                     self.record.scaler.scale_last = _scale_of(scaler)
             except Exception as exc:
                 self._failed(exc)
@@ -178,7 +182,7 @@ class PrecisionWatch:
 
     def clipping(self, max_norm: float | None) -> None:
         """Gradients are about to be clipped: did a GradScaler scale them, and unscale them since?"""
-        for ref, pending in list(self._scalers.values()):
+        for ref, pending, by in list(self._scalers.values()):
             scaler = ref()
             if scaler is None or not pending or not _enabled(scaler):
                 continue
@@ -187,7 +191,7 @@ class PrecisionWatch:
             unscaled = any(getattr(s, "name", "") == "UNSCALED" for s in stages)
             self.record.clips.append(ClipCall(
                 iteration=self._iteration(), scaled=not unscaled, stage="UNSCALED" if unscaled else "READY",
-                scale=_scale_of(scaler), max_norm=max_norm,
+                scale=_scale_of(scaler), max_norm=max_norm, scaled_by=by,
                 **self._place(self._where())))
             return
 
@@ -260,6 +264,19 @@ def _enabled(scaler: Any) -> bool:
     """Whether a GradScaler scales (a disabled one is a pass-through: ``enabled=False``, or fp32/bf16 runs)."""
     is_enabled = getattr(scaler, "is_enabled", None)
     return bool(is_enabled()) if callable(is_enabled) else False
+
+
+def _caller_library(frame: Any) -> str:
+    """The library (of ``_DRIVERS``) whose module ``frame`` runs in, else '' (the user's code, or any other).
+    Read from the frame's globals: no stack walk, one dictionary read per ``scaler.scale``.
+
+    >>> import sys
+    >>> _caller_library(sys._getframe())
+    ''
+    """
+    name = frame.f_globals.get("__name__") if frame is not None else None
+    top = name.partition(".")[0] if isinstance(name, str) else ""
+    return top if top in _DRIVERS else ""
 
 
 def _scale_of(scaler: Any) -> float | None:

@@ -23,7 +23,7 @@ from .style import CATEGORY_LABELS, COLORS, esc, sev_color
 from .workers import workers_html
 from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, hang_threads, offending_record, op_place, op_rows,
                    phase_counts, source_context, tensor_bytes, used_parameters, verdict_parts)
-from .wording import finding_title, fix_failed, fix_next_step, frame_label, kind_words
+from .wording import finding_title, fix_code_lines, fix_failed, fix_next_step, frame_label, kind_words
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
@@ -228,8 +228,9 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
                        f'<code>{esc(ic.valid)}</code> ({esc(ic.what)})</div>')
     out.append(f'<div style="margin-top:6px">{message_html(f.message)}</div>')
     ev = f.evidence
-    if ev.get("fix_code"):  # the fix as code, as the user would write it
-        out.append(f'<div class="src"><pre style="padding:6px 8px">{esc(str(ev["fix_code"]))}</pre></div>')
+    fix = "\n".join(fix_code_lines(f))  # the fix as code, as the user would write it (none: no empty block)
+    if fix:
+        out.append(f'<div class="src"><pre style="padding:6px 8px">{esc(fix)}</pre></div>')
     out.append(loop_plot_html(tr, f))
     if f.kind == "oom" and ev.get("predicted_peak_text"):
         limit = ev.get("limit")

@@ -17,8 +17,8 @@ from ..util.units import format_bytes
 from .style import lines
 from .view import hang_threads, op_place, phase_counts, refused_fixes
 from .workers import worker_lines
-from .wording import (finding_title, fix_failed, fix_next_step, frame_label, ok_headline, original_verdict,
-                      recorder_words)
+from .wording import (finding_title, fix_code_lines, fix_failed, fix_next_step, frame_label, ok_headline,
+                      original_verdict, recorder_words)
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
@@ -74,9 +74,10 @@ def render_text(report: "Report") -> str:
         if f.op:
             out.append(f"    op: {f.op}")
         out.extend(_wrap(f.message, "    "))
-        if f.evidence.get("fix_code"):  # the fix as code, as the user would write it
+        fix = fix_code_lines(f)  # the fix as code, as the user would write it (none: no label over nothing)
+        if fix:
             out.append("    fix:")
-            out.extend("      " + ln for ln in str(f.evidence["fix_code"]).splitlines())
+            out.extend(("      " + ln) if ln else "" for ln in fix)
         offers = report.fix_offers or {}
         offered = [n for n in f.fixes if not offers.get(n)]
         if offered:

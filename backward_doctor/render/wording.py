@@ -50,6 +50,25 @@ def finding_title(f: Finding) -> str:
     return f.title or kind_words(f.kind)
 
 
+def fix_code_lines(f: Finding) -> list[str]:
+    """The lines of a finding's fix as code (``evidence["fix_code"]``), blank lines at its ends dropped and
+    trailing spaces cut; ``[]`` when it has none, so no renderer shows a ``fix:`` label over nothing.
+
+    >>> fix_code_lines(Finding("amp_misuse", "", evidence={"fix_code": "\\nscaler.unscale_(opt)  \\nclip()\\n"}))
+    ['scaler.unscale_(opt)', 'clip()']
+    >>> fix_code_lines(Finding("amp_misuse", "", evidence={"fix_code": " \\n  "})), fix_code_lines(Finding("oom", ""))
+    ([], [])
+    """
+    code = f.evidence.get("fix_code")
+    if not code:
+        return []
+    lines = [ln.rstrip() for ln in str(code).splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    while lines and not lines[0]:
+        lines.pop(0)
+    return lines
+
 
 # --------------------------------------------------------------------------- fixes
 def fix_failed(result: "FixResult") -> bool:

@@ -27,6 +27,9 @@ class ClipCall:
     file: str | None = None
     cell_line: int | None = None
     function: str | None = None
+    #: the library whose own code scaled the loss these gradients came from (``"accelerate"``: its
+    #: ``accelerator.backward``), '' when the user's code called ``scaler.scale``: the advice follows what ran
+    scaled_by: str = ""
 
 
 @dataclass

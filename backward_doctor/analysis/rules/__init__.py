@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..consequences import cause_first
 from ..findings import Finding
 from ..loops import place_in_loops
 from .accumulation import grad_accumulation
@@ -67,4 +68,5 @@ def analyze(trace: Trace) -> list[Finding]:
         oom_f.fixes = []
         oom_f.severity = "warning"
         oom_f.iteration = trace.iterations.steps  # the iteration that was running when it ran out
-    return place_in_loops(trace, compiled_first(findings))
+    # (placed in the loop first: the cell's exception is placed at the op that raised while it is still first)
+    return cause_first(trace, place_in_loops(trace, compiled_first(findings)))

@@ -53,7 +53,9 @@ def _clip_before_unscale(trace: Trace) -> list[Finding]:
     times = f"{scale}x the true one" if known else "the scale times the true one"
     fraction = f"1/{scale}" if known else "1/scale"
     limit = f"max_norm={clip.max_norm:g}" if clip.max_norm is not None else "its max_norm"
-    if any("accelerator." in s for s in trace.accumulation.settings) or "accelerator" in trace.source:
+    # Accelerate's clip only when Accelerate's own backward scaled these gradients in this run: an Accelerator
+    # elsewhere in the namespace (or the word in the cell) says nothing about which scaler this step used.
+    if clip.scaled_by == "accelerate":
         fix = f"accelerator.clip_grad_norm_(model.parameters(), {clip.max_norm:g})" if clip.max_norm is not None \
             else "accelerator.clip_grad_norm_(...)"
         how = f"`{fix}` (it unscales first)"
@@ -81,10 +83,11 @@ def _stuck(trace: Trace) -> list[Finding]:
     frozen = [names.get(p.key, "?") for p in worst if p.unchanged == p.sampled]
     shown = ", ".join(f"{names.get(p.key, '?')} {100 * p.unchanged / p.sampled:.0f}%" for p in worst[:4])
     lr = f" at lr={u.lr:g}" if u.lr is not None else ""
-    settings = " ".join(trace.accumulation.settings) + trace.source
-    if "trainer.train" in trace.source or "args." in settings:
+    # (the library whose loop this run ran, or the cell's call of it: never a trainer elsewhere in the namespace)
+    library = trace.iterations.library
+    if library == "transformers" or "trainer.train" in trace.source:
         fix = "load the model in float32 and pass `bf16=True` to `TrainingArguments` (autocast, float32 weights)"
-    elif "trainer.fit" in trace.source:
+    elif library == "lightning" or "trainer.fit" in trace.source:
         fix = "`precision=\"bf16-mixed\"` instead of `\"bf16-true\"` in `pl.Trainer` (float32 weights, bf16 compute)"
     else:
         fix = ("keep the weights in float32 and run the forward under `torch.autocast(device_type, "
