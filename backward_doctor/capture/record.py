@@ -314,11 +314,9 @@ class OpRecorder(CaptureState):
                 t = args[i]
                 key = storage_key(t) or 0
                 producer = self._ledger.producer(key)
-                # An index assignment (`h[:, 0] = 0.0`) writes a view of `h`: the view shares its base's
-                # storage (same key, same producer) and version counter, but PyTorch's error names the
-                # base's shape, so that is kept too. (`_base` is the root base, however deep the view.)
-                base = t._base
-                # The version counter is bumped above this dispatch level, after we return: +1.
+                # `h[:, 0] = 0.0` writes a view of `h` (same storage, producer, version counter); PyTorch's
+                # error names the base's shape, so that is kept too (`_base`: the root, however deep the view).
+                base = t._base  # (the version counter is bumped above this dispatch level, after we return: +1)
                 self.trace.inplace.append(InplaceEvent(
                     index=index, op=name, key=key, version=int(t._version) + 1, shape=list(shape_of(t)),
                     requires_grad=bool(t.requires_grad), where=where, producer_index=producer,
