@@ -175,7 +175,7 @@ def test_trace_is_read_strictly_and_has_the_reports_ops_and_peak(engine, tmp_pat
     reader = TraceReader(report.save_trace(str(tmp_path / "trace.json")))
     ops = reader.slices(cat="op")
     assert len(ops) == len(report.trace.ops) > 0
-    assert max(v for _, v in reader.counter("live bytes", "bytes")) == report.trace.memory.peak_bytes
+    assert max(v for _, v in reader.counter("live", "bytes")) == report.trace.memory.peak_bytes
     for cat in ("parameters", "gradients", "optimizer", "activations"):
         assert max(v for _, v in reader.counter("memory by category", cat)) > 0
     # Ops inside their phase inside their iteration; args name the module and the line.
@@ -208,7 +208,7 @@ def test_trace_marks_the_oom(tmp_path):
     report = _diagnose(OOM, "python", memory_limit=300_000)
     reader = TraceReader(report.save_trace(str(tmp_path / "oom.json")))
     assert "out of memory" in [e["name"] for e in reader.instants()]
-    assert max(v for _, v in reader.counter("live bytes", "bytes")) == report.trace.memory.peak_bytes
+    assert max(v for _, v in reader.counter("live", "bytes")) == report.trace.memory.peak_bytes
 
 
 def test_a_distributed_report_has_one_process_per_rank_with_its_collectives(tmp_path):

@@ -181,7 +181,7 @@ def counters_at_peak(tp: TraceProcessor) -> dict[str, float]:
     named N with args {k: v} is the track ``N k``)."""
     rows = tp.query("""
         WITH live AS (SELECT c.ts, c.value FROM counter c JOIN counter_track t ON c.track_id = t.id
-                      WHERE t.name = 'live bytes bytes'),
+                      WHERE t.name = 'live bytes'),
              peak AS (SELECT MIN(ts) AS ts FROM live WHERE value = (SELECT MAX(value) FROM live))
         SELECT t.name, c.value FROM counter c JOIN counter_track t ON c.track_id = t.id
         WHERE c.ts = (SELECT ts FROM peak)""")
@@ -216,9 +216,9 @@ def test_the_trace_processor_counts_the_reports_ops_and_peak(perfetto, engine, t
         assert addmm["module"] == "model.0"
         # Memory: the counter's peak is the report's, in bytes, and split by category as the report splits it.
         peak = trace.memory.peak_bytes
-        assert peak > 0 and counter_max(tp, "live bytes bytes") == peak
+        assert peak > 0 and counter_max(tp, "live bytes") == peak
         at_peak = counters_at_peak(tp)
-        assert at_peak["live bytes bytes"] == peak
+        assert at_peak["live bytes"] == peak
         by_category = {c: at_peak[f"memory by category {c}"] for c in CATEGORIES}
         assert sum(by_category.values()) == peak
         if trace.memory.peak_by_category:
@@ -237,7 +237,7 @@ def test_the_trace_processor_finds_the_first_nan_at_its_op(perfetto, engine, tmp
         marks = instants(tp)
         log_op = tp.value("SELECT ts FROM slice WHERE category = 'op' AND name = 'aten::log'")
         assert marks["first NaN/Inf: aten::log"] == log_op == marks["finding: nonfinite"]
-        assert counter_max(tp, "live bytes bytes") == report.trace.memory.peak_bytes
+        assert counter_max(tp, "live bytes") == report.trace.memory.peak_bytes
 
 
 def test_the_trace_processor_finds_the_oom(perfetto, tmp_path):
@@ -249,7 +249,7 @@ def test_the_trace_processor_finds_the_oom(perfetto, tmp_path):
         requested = tp.value("SELECT EXTRACT_ARG(arg_set_id, 'args.requested') FROM slice "
                              "WHERE name = 'out of memory'")
         assert requested == report.trace.exception.oom.requested > 0
-        assert counter_max(tp, "live bytes bytes") == report.trace.memory.peak_bytes > 0
+        assert counter_max(tp, "live bytes") == report.trace.memory.peak_bytes > 0
 
 
 def test_the_trace_processor_reads_one_process_per_rank(perfetto, tmp_path):
@@ -265,7 +265,7 @@ def test_the_trace_processor_reads_one_process_per_rank(perfetto, tmp_path):
         for pid, rank in ((1, ranks[0]), (2, ranks[1])):
             assert tp.value(f"SELECT name FROM process WHERE pid = {pid}").startswith(f"rank {rank.rank}")
             assert len(op_slices(tp, pid)) == len(rank.trace.ops) > 0
-            assert counter_max(tp, "live bytes bytes", pid) == rank.trace.memory.peak_bytes
+            assert counter_max(tp, "live bytes", pid) == rank.trace.memory.peak_bytes
         calls = tp.query("SELECT p.pid, s.name FROM slice s JOIN thread_track tt ON s.track_id = tt.id "
                          "JOIN thread t USING (utid) JOIN process p USING (upid) "
                          "WHERE s.category = 'collective' AND t.name = 'collectives' ORDER BY p.pid")

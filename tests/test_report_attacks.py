@@ -141,7 +141,7 @@ def test_a_plain_allocator_snapshot_is_rewritten_as_plain_data(tmp_path, saved):
     data = copy.deepcopy(saved)
     data["trace"]["memory"]["cuda"] = {"allocator_snapshot": base64.b64encode(pickle.dumps(snap, protocol=4)).decode()}
     out = tmp_path / "snap.pickle"
-    assert main(["render", _save(tmp_path / "r.json", data), "--as", "memory_viz", "-o", str(out)]) == 1
+    assert main(["render", _save(tmp_path / "r.json", data), "--as", "memory_viz", "-o", str(out)]) == 0  # (rendered)
     raw = out.read_bytes()
     assert {op.name for op, _, _ in pickletools.genops(raw)} <= PLAIN_OPCODES
     assert pickle.loads(raw) == snap
@@ -182,8 +182,8 @@ def test_every_writer_replaces_a_planted_link_never_its_target(tmp_path, victim,
     write(report, "text", str(out / "r.txt"))
     combined.save_html(str(out / "ranks.html"))
     src = _save(tmp_path / "saved.json", saved)
-    assert main(["render", src, "-o", str(out / "cli.txt")]) == 1
-    assert main(["render", src, "--html", str(out / "cli.html")]) == 1
+    assert main(["render", src, "-o", str(out / "cli.txt")]) == 0
+    assert main(["render", src, "--html", str(out / "cli.html")]) == 0
     folder = tmp_path / "ranks"
     folder.mkdir()
     rec = RankRecord(rank=0, world_size=1, wrote_report=True, trace=bd.Report().trace)
@@ -300,11 +300,11 @@ def test_render_shows_no_control_or_bidi_character_of_a_report(tmp_path, saved):
     assert json.dumps(data).count("\\u202e") > 20  # (messages, notes, the source, op names, places, ...)
     src = _save(tmp_path / "hostile.json", data)
     done = _cli("render", src)
-    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]  # (rendered: render's status is not the report's)
     _clean(done.stdout, "render (text)")
     _one_verdict_line(done.stdout)
     assert "\\x1b[2J" in done.stdout and "\\u202e" in done.stdout  # (shown, as escapes)
-    assert _cli("render", src, "--html", str(tmp_path / "page.html")).returncode == 1
+    assert _cli("render", src, "--html", str(tmp_path / "page.html")).returncode == 0
     page = (tmp_path / "page.html").read_text(encoding="utf-8")
     _clean(page, "the page")
     report = load_report(data)
@@ -329,7 +329,7 @@ def test_combine_and_a_combined_report_show_no_control_character(tmp_path, saved
     done = _cli("render", src)
     _clean(done.stdout, "render of a combined report")
     _one_verdict_line(done.stdout)
-    assert _cli("render", src, "--html", str(tmp_path / "c.html")).returncode == 1
+    assert _cli("render", src, "--html", str(tmp_path / "c.html")).returncode == 0
     _clean((tmp_path / "c.html").read_text(encoding="utf-8"), "the combined page")
 
 
@@ -390,7 +390,7 @@ def test_a_shape_of_a_hundred_thousand_huge_dimensions_renders_at_once(tmp_path,
     src = _save(tmp_path / "shapes.json", data)
     assert os.path.getsize(src) < 4 << 20
     done = _cli("render", src, "--html", str(tmp_path / "page.html"), timeout=120)
-    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]  # (rendered)
     page = (tmp_path / "page.html").read_text(encoding="utf-8")
     assert "could not be drawn" not in page and "aten::log" in page
 

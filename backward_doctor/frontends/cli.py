@@ -7,9 +7,11 @@ and ``--trace OUT`` write those two files of a run. ``--nproc N`` runs the file 
 all ranks); ``python -m backward_doctor combine FOLDER`` combines ranks run under ``torchrun -m
 backward_doctor.run.rank FILE.py FOLDER``.
 
-Exit status: 0 when the step ran and nothing was found, 1 when a problem was
-found, 2 for bad arguments (nothing is run then). With ``--fix NAME`` the report
-(and the status) is that of the fixed run, with the code to keep.
+Exit status of a diagnosis (``FILE.py``, ``--nproc``, ``combine``): 0 when the step ran and nothing was found,
+1 when a problem was found, 2 for bad arguments (nothing is run then). With ``--fix NAME`` the report
+(and the status) is that of the fixed run, with the code to keep. ``render`` diagnoses nothing: 0 once it
+rendered, whatever the report found (the run that saved it gave that status), 2 for bad arguments. Each
+command's ``--help`` says its own.
 
 >>> main(["--help"])  # doctest: +ELLIPSIS
 Traceback (most recent call last):
@@ -35,9 +37,19 @@ from ..util.writing import write_atomic
 from .script import read_source as _read
 
 
+#: what a diagnosis's exit status means (the file, --nproc, combine), as each ``--help`` says it
+DIAGNOSIS_STATUS = ("Exit status: 0 when nothing was found, 1 when a problem was found, 2 for bad arguments "
+                    "(nothing is run then).")
+#: ``render`` re-draws a report: its status says whether it rendered, not what the report found
+RENDER_STATUS = ("Exit status: 0 when it rendered, whatever the report found (the diagnosis that saved it gave "
+                 "that status); 2 for bad arguments, a file that is not a report, or a report this format cannot "
+                 "hold (nothing is written then).")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backward_doctor",
-                                description="Run a training-step script as one cell and diagnose it.")
+                                description="Run a training-step script as one cell and diagnose it.",
+                                epilog=DIAGNOSIS_STATUS + " With --fix: the fixed run's status.")
     p.add_argument("file", help="Python file with the training step")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds before it counts as a hang")
     p.add_argument("--memory-limit", default=None, metavar="SIZE", help="simulated device capacity, e.g. 2GiB")
@@ -70,13 +82,20 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         _check_output(parser, flag, getattr(args, flag[2:].replace("-", "_"), None))
 
 
-def _check_output(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
-    """An output path must be writable before the step runs (else the report would be lost after it)."""
+def _check_output(parser: argparse.ArgumentParser, flag: str, path: str | None, make: bool = False) -> None:
+    """An output path must be writable before the step runs (else the report would be lost after it).
+    ``make``: its folder may be missing, to be created when the file is written (``render -o runs/step/...``),
+    so the nearest folder that exists must be one the missing ones can be made in."""
     if path is None:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         parser.error(f"{flag} {path}: is a folder; give a file name")
+    if make:
+        while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            parser.error(f"{flag} {path}: {folder} is not a folder")
     if not os.path.isdir(folder):
         parser.error(f"{flag} {path}: no such folder: {folder}")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
@@ -195,7 +214,8 @@ def combine_main(argv: list[str]) -> int:
     from .combine import combine_folder
 
     p = argparse.ArgumentParser(prog="python -m backward_doctor combine",
-                                description="Combine the ranks' files of a torchrun run into one report.")
+                                description="Combine the ranks' files of a torchrun run into one report.",
+                                epilog=DIAGNOSIS_STATUS)
     p.add_argument("folder", help="the folder given to backward_doctor.run.rank on every rank")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT")
     p.add_argument("--html", default=None, metavar="OUT", help="also write the report as an HTML page to OUT")
@@ -217,20 +237,25 @@ def combine_main(argv: list[str]) -> int:
 
 def render_main(argv: list[str]) -> int:
     """``render REPORT.json``: a saved report (``--json``, or ``report.to_dict()``) rendered again; no
-    step runs. Exit status as for a diagnosis: 0 nothing found, 1 a problem, 2 bad arguments."""
+    step runs. Exit status 0 once it rendered, whatever the report found (a CI step that re-renders an
+    artifact must not fail because the run it shows did: that run's own command gave its status); 2 bad
+    arguments. ``-o`` into a folder that does not exist yet creates it (parents too) once the render
+    succeeded, as ``-o runs/step/events.out.tfevents.bd`` for TensorBoard needs."""
     p = argparse.ArgumentParser(prog="python -m backward_doctor render",
-                                description="Render a saved report (JSON) again; nothing is run.")
+                                description="Render a saved report (JSON) again; nothing is run.",
+                                epilog=RENDER_STATUS)
     p.add_argument("report", help="a report saved with --json (or json.dump(report.to_dict()))")
     p.add_argument("--as", dest="kind", default="text", choices=names(), help="renderer (default: text)")
     p.add_argument("-o", "--output", default=None, metavar="OUT",
-                   help="write to OUT instead of stdout (required for a binary format: memory_viz)")
+                   help="write to OUT instead of stdout (required for a binary format: memory_viz, tensorboard); "
+                        "its folder is created when missing")
     p.add_argument("--html", default=None, metavar="OUT", help="shortcut for --as page -o OUT")
     args = p.parse_args(argv)
     if args.html:
         args.kind, args.output = "page", args.html
     if renderer(args.kind).binary and not args.output:
         p.error(f"--as {args.kind} writes a binary file: give -o OUT (e.g. -o snapshot{renderer(args.kind).suffix})")
-    _check_output(p, "-o/--html", args.output)
+    _check_output(p, "-o/--html", args.output, make=True)
     try:
         report = load_report(loads(read_bounded(args.report)))
     except OSError as exc:
@@ -246,12 +271,13 @@ def render_main(argv: list[str]) -> int:
         p.error(f"{args.report} cannot be rendered --as {args.kind}: {_one_line(exc)}")
     if not args.output:
         print(out)
-        return 0 if report.ok else 1
-    try:
+        return 0
+    try:  # (the folder made only now: a render that failed leaves none behind)
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         write_atomic(args.output, out)
     except OSError as exc:
         p.error(f"cannot write {args.output}: {exc.strerror or exc}")
-    return 0 if report.ok else 1
+    return 0
 
 
 def _one_line(exc: BaseException) -> str:

@@ -55,7 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m backward_doctor run",
                                 description="Run a Python script as `python SCRIPT.py ARGS` would, watched: the "
                                             "doctor's report when it fails or goes NaN/Inf, nothing when it "
-                                            "trains fine.")
+                                            "trains fine.",
+                                epilog="Exit status: the script's own, as python gives it (0, 1 for an uncaught "
+                                       "exception, its sys.exit code; death by SIGINT after a Ctrl-C), whatever "
+                                       "the report found, so a watched job fails exactly when it would have; "
+                                       "2 for bad arguments (nothing runs then). For a status that says whether "
+                                       "a problem was found, diagnose the file: python -m backward_doctor "
+                                       "SCRIPT.py.")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds without a completed optimizer step before the run counts as hung")
     p.add_argument("--memory-limit", default=None, metavar="SIZE", help="simulated device capacity, e.g. 2GiB")

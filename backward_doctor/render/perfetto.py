@@ -3,10 +3,12 @@ ui.perfetto.dev and chrome://tracing.
 
 One process per run (a distributed report: one per rank, on one clock); on its ``ops`` thread one slice
 per recorded op (name, module, line, tensors in ``args``) inside the slices of its phase and of its
-loop iteration; counter tracks of live memory by category (the report's timeline, so their peak is the
-report's peak); instants where NaN/Inf was first made, where memory ran out and at the finding's op; a
-rank's collectives on its ``collectives`` thread. Times are the ops' own start times (microseconds
-since the capture started; a report saved before they were recorded lays its ops end to end).
+loop iteration (a sampled loop whose NaN/Inf iteration was replayed: every iteration the loop recorded, then
+the replay, ``iteration k (replayed)``); counter tracks of live memory by category and in all (``live
+bytes``; the report's timeline, so their peak is the report's peak); instants where NaN/Inf was first made,
+where memory ran out and at the finding's op; a rank's collectives on its ``collectives`` thread. Times are
+the ops' own start times (microseconds since the capture started; a report saved before they were recorded
+lays its ops end to end).
 
 >>> import json
 >>> from backward_doctor.report import Report
@@ -17,6 +19,7 @@ since the capture started; a report saved before they were recorded lays its ops
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 from ..report.places import CELL, where_label
 from ..report.renderers import Renderer, register
 from ..report.schema import ReportError
+from ..trace.parts import Iterations
 from ..trace.records import CATEGORIES, OpRecord, Trace
 from .view import offending_record
 
@@ -70,18 +74,48 @@ def _spans(keys: list[Any], times: list[tuple[int, int]]) -> list[tuple[Any, int
 
 def process_events(report: Any, trace: Trace, places: dict[str, str], pid: int, name: str,
                    offset: float = 0.0) -> list[dict[str, Any]]:
-    """The events of one run as process ``pid`` (``offset``: microseconds added to its times)."""
+    """The events of one run as process ``pid`` (``offset``: microseconds added to its times). A loop whose
+    NaN/Inf iteration was replayed after it (``trace.sampled``): the loop's recorded iterations at their own
+    times, then the replayed iteration when it ran (after the run), which the counters and instants are on."""
     ev: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
         {"ph": "M", "name": "thread_name", "pid": pid, "tid": OPS, "args": {"name": "ops"}}]
+    its = trace.iterations
+    sampled = trace.sampled.ops if trace.sampled is not None else []
+    if sampled:
+        first = _times(sampled, offset)
+        ev += _slices(sampled, first, [_recorded_iteration(its, op.index) for op in sampled], places, pid, its)
+        run_end = first[-1][0] + first[-1][1]
+        if trace.sampled.started_at and trace.started_at:  # (the replay on the run's clock, never inside it)
+            offset += (trace.started_at - trace.sampled.started_at) * 1e6
+        offset = max(offset, _us(run_end))
     ops = trace.ops
     times = _times(ops, offset)
     at = {op.index: (_us(ts), _us(dur)) for op, (ts, dur) in zip(ops, times)}
-    its = trace.iterations
-    iteration = [its.iteration_of(op.index) for op in ops]
+    ev += _slices(ops, times, [its.iteration_of(op.index) for op in ops], places, pid, its,
+                 replayed=its.replayed)
+    ev += _memory_counters(trace, at, pid)
+    ev += _instants(report, trace, at, pid, _us(times[-1][0] + times[-1][1]) if times else offset)
+    return ev
+
+
+def _recorded_iteration(its: Iterations, index: int) -> int | None:
+    """The recorded iteration of the loop's own run that op ``index`` ran in (``iterations.starts``), whatever
+    iteration was replayed; None where the report does not say."""
+    k = bisect.bisect_right(its.starts, index) - 1
+    return its.recorded[max(0, k)] if its.starts and max(0, k) < len(its.recorded) else None
+
+
+def _slices(ops: list[OpRecord], times: list[tuple[int, int]], iteration: list[int | None], places: dict[str, str],
+            pid: int, its: Iterations, replayed: int | None = None) -> list[dict[str, Any]]:
+    """One slice per op inside a slice per phase run inside a slice per iteration (``args.loop``: its loop
+    variables; ``replayed``: the iteration run again after the loop, named so)."""
+    ev: list[dict[str, Any]] = []
     for it, start, end in _spans(iteration, times):
-        ev.append({"ph": "X", "cat": "iteration", "name": f"iteration {it}", "pid": pid, "tid": OPS, "ts": _us(start),
-                   "dur": _us(end - start), "args": {"iteration": it, "loop": its.values.get(str(it), "")}})
+        again = it is not None and it == replayed
+        ev.append({"ph": "X", "cat": "iteration", "name": f"iteration {it}" + (" (replayed)" if again else ""),
+                   "pid": pid, "tid": OPS, "ts": _us(start), "dur": _us(end - start),
+                   "args": {"iteration": it, "loop": its.values.get(str(it), ""), "replayed": again}})
     for (_, phase), start, end in _spans(list(zip(iteration, (op.phase for op in ops))), times):
         ev.append({"ph": "X", "cat": "phase", "name": phase, "pid": pid, "tid": OPS, "ts": _us(start),
                    "dur": _us(end - start)})
@@ -90,8 +124,6 @@ def process_events(report: Any, trace: Trace, places: dict[str, str], pid: int, 
                    "args": {"index": op.index, "phase": op.phase, "module": op.where.module or "",
                             "line": where_label(places, op.where), "inputs": [m.short() for m in op.inputs],
                             "outputs": [m.short() for m in op.outputs], "live_bytes": op.live_bytes}})
-    ev += _memory_counters(trace, at, pid)
-    ev += _instants(report, trace, at, pid, _us(times[-1][0] + times[-1][1]) if times else offset)
     return ev
 
 
@@ -110,7 +142,8 @@ def _memory_counters(trace: Trace, at: dict[int, tuple[float, float]], pid: int)
             continue
         ts = t[0] + t[1]
         out.append({"ph": "C", "name": "memory by category", "pid": pid, "tid": 0, "ts": ts, "args": by_cat})
-        out.append({"ph": "C", "name": "live bytes", "pid": pid, "tid": 0, "ts": ts,
+        # (a JSON counter's track is its name and its series: "live" with "bytes" reads "live bytes" in Perfetto)
+        out.append({"ph": "C", "name": "live", "pid": pid, "tid": 0, "ts": ts,
                     "args": {"bytes": sum(by_cat.values())}})
     out.sort(key=lambda e: e["ts"])
     return out
@@ -158,14 +191,14 @@ def trace_events(report: Any) -> dict[str, Any]:
         events = process_events(report, report.trace, report.places, 1, report.places.get(CELL, "the cell"))
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": _other(report.trace)}
     name = os.path.basename(report.script) if report.script else "the script"
-    starts = [r.trace.started_at for r in report.ranks if r.trace is not None and r.trace.started_at]
+    starts = [_start(r.trace) for r in report.ranks if r.trace is not None and _start(r.trace)]
     starts += [c.start_s for r in report.ranks for c in r.collectives if c.start_s]
     t0 = min(starts) if starts else 0.0
     events: list[dict[str, Any]] = []
     for r in report.ranks:
         pid = r.rank + 1
         if r.trace is not None:
-            offset = (r.trace.started_at - t0) * 1e6 if r.trace.started_at and t0 else 0.0
+            offset = (_start(r.trace) - t0) * 1e6 if _start(r.trace) and t0 else 0.0
             events += process_events(report, r.trace, {CELL: name}, pid, f"rank {r.rank}: {r.ended()}", offset)
             end = offset + r.trace.duration_s * 1e6
         else:
@@ -177,8 +210,14 @@ def trace_events(report: Any) -> dict[str, Any]:
             "otherData": {"ranks": len(report.ranks), "findings": [f.kind for f in report.findings]}}
 
 
+def _start(trace: Trace) -> float:
+    """When the run began (its loop's own start when one iteration was replayed after it)."""
+    return trace.sampled.started_at if trace.sampled is not None and trace.sampled.started_at else trace.started_at
+
+
 def _other(trace: Trace) -> dict[str, Any]:
-    return {"ops": len(trace.ops), "op_count": trace.op_count, "peak_bytes": trace.memory.peak_bytes,
+    return {"ops": len(trace.ops), "sampled_ops": len(trace.sampled.ops) if trace.sampled is not None else 0,
+            "op_count": trace.op_count, "peak_bytes": trace.memory.peak_bytes,
             "engine": trace.engine, "torch": trace.torch_version}
 
 

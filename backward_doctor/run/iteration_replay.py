@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..trace.records import Trace
+from ..trace.records import SampledRun, Trace
 from ..util.loops import loop_names, one_iteration, training_loop
 from ..capture.state import cuda_in_use
 from .snapshot import Bindings, Snapshot, take_if_it_fits
@@ -341,6 +341,8 @@ def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = F
                 () if failed else ("exception",))  # (the watches saw every iteration of the run: theirs stand)
     for name in kept:
         setattr(detailed, name, getattr(first, name))
+    if not whole and first.ops:  # (the loop's own recorded iterations, for the exports: not only the replay)
+        detailed.sampled = SampledRun(ops=first.ops, started_at=first.started_at)
     if whole:
         first_run = ("with the recorder asleep (always on records only what fits its cost budget)"
                      if "recorder off" in ran else ran.replace("which ran ", ""))

@@ -258,6 +258,22 @@ class ParamInfo:
 
 
 @dataclass
+class SampledRun:
+    """The loop's own run, kept when :attr:`Trace.ops` are one iteration replayed after it
+    (``iterations.replayed``: ``run/iteration_replay.py``): the ops of the iterations that run recorded
+    (``iterations.recorded``, beginning at the op indices ``iterations.starts``), so that an export shows
+    every iteration recorded, not only the replay.
+
+    >>> t = Trace(sampled=SampledRun(started_at=1.5))
+    >>> Trace.from_dict(t.to_dict()).sampled
+    SampledRun(ops=[], started_at=1.5)
+    """
+
+    ops: list[OpRecord] = field(default_factory=list)
+    started_at: float = 0.0  # that run's start, seconds since the epoch (the replay's is ``Trace.started_at``)
+
+
+@dataclass
 class Trace:
     """Everything captured while one cell ran (see module docstring)."""
 
@@ -312,6 +328,8 @@ class Trace:
     #: the lines around each place outside the cell the trace names, copied at record time (renderers and
     #: rules read source only from here and from ``source``, never from the disk of whoever reads the report)
     excerpts: list[SourceExcerpt] = field(default_factory=list)
+    #: a loop's iteration replayed in detail: the run's own recorded iterations (``SampledRun``)
+    sampled: SampledRun | None = None
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""
