@@ -120,6 +120,21 @@ def test_on_off_status_and_bad_arguments(shell):
     assert current(shell) is None and "run_cell" not in vars(shell)
 
 
+def test_on_while_on_changes_the_options_and_keeps_the_count(shell):
+    """``%backward_doctor on --quiet`` while on changes the options; the cells watched so far and the latest
+    report stay (issue 47, item 7: it used to say "0 cells watched" again)."""
+    _on(shell)
+    _run(shell, SETUP)
+    _run(shell, TRAIN)
+    assert current(shell).watched == 1
+    last = current(shell).last
+    result, cap = _run(shell, "%backward_doctor on --quiet")
+    assert result.success and "quiet); 1 cell watched" in cap.stdout, cap.stdout
+    assert current(shell).watched == 1 and current(shell).last is last
+    _run(shell, "%backward_doctor off")
+    assert "0 cells watched" in _on(shell)  # (off, then on: a new count)
+
+
 def test_cells_that_train_fine_show_nothing_and_compute_the_same(shell):
     ns_plain: dict = {}
     exec(SETUP, ns_plain)

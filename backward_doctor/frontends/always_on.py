@@ -332,9 +332,13 @@ class AlwaysOn:
 
 
 def turn_on(shell: Any, options: Options) -> AlwaysOn:
-    """Wrap ``shell.run_cell`` (replacing an earlier ``on``'s options)."""
+    """Wrap ``shell.run_cell`` (replacing an earlier ``on``'s options; the cells it watched and its latest report
+    stay: ``on`` while on changes the options, ``off`` then ``on`` starts anew)."""
+    before = current(shell)
     turn_off(shell)
     on = AlwaysOn(shell, options)
+    if before is not None:
+        on.watched, on.last = before.watched, before.last
     on.install()
     return on
 
