@@ -79,3 +79,21 @@ def test_a_learning_rate_typed_in_a_cell_is_named_there(shell, engine: str) -> N
     assert "`model = LitClassifier(lr=2e5)`" in f.message and "`lr=2e-5`" in f.message, f.message
     _cell(shell, SETUP.format(steps=8, model="LitClassifier(lr=0.1)"))
     assert _fit(shell, engine).findings == []
+
+
+def test_the_lightning_callback_in_a_notebook_names_cells_as_the_magic_does(shell, engine: str) -> None:
+    """``DoctorLightningCallback`` on a ``fit()`` in a cell names the code of an earlier cell ``Cell In[N]``, as
+    the magic does, never by IPython's temporary file (issue 47, item 4: ``1925881619.py:21``)."""
+    from backward_doctor.integrations import DoctorLightningCallback
+
+    defined = _cell(shell, LIT_INPLACE)
+    shell.user_ns["doctor_cb"] = DoctorLightningCallback(engine=engine, quiet=True)
+    _cell(shell, SETUP.format(steps=4, model="LitModel()").replace(
+        "ll.lit_trainer(4)", "ll.lit_trainer(4, callbacks=[doctor_cb])") + "trainer.fit(model, loader)\n")
+    report = shell.user_ns["doctor_cb"].doctor.report
+    assert report is not None and report.findings, report
+    f = report.findings[0]
+    assert f.kind == "inplace"
+    assert f.location().startswith(f"Cell In[{defined}], line {_line(LIT_INPLACE)}, in LitModel.training_step"), \
+        f.location()
+    assert ".py" not in str(report).split("\n")[0], str(report).split("\n")[0]

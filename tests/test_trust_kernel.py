@@ -75,6 +75,8 @@ def test_late_nan_in_library_loops_is_located_under_always_on_and_the_magic(tmp_
         assert " OK - " not in shown
     callback = _ANSI.sub("", _shown(cells[14]))
     assert "global step 75" in callback, callback[-3000:]  # (stopped at the end of the step that went NaN)
+    # (named as the magic names it, not by ipykernel's temporary file: issue 47, item 4)
+    assert f"at Cell In[2], line {TRAINER_LINE}, in LabeledMeanTrainer.compute_loss" in callback, callback[-3000:]
     report = (tmp_path / "backward_doctor-report.json").read_text()
     assert "LabeledMeanTrainer.compute_loss" in report and '"kind": "nonfinite"' in report
 

@@ -87,7 +87,7 @@ class LoopDoctor:
         try:
             watch = Watch(namespace, cell_file=cell_file or _main_file(), timeout=self.timeout,
                           memory_limit=self.memory_limit, engine=self.engine, every_iteration=self.every_iteration,
-                          build=True, stall=True, find_body=find_body, library=library)
+                          build=True, stall=True, find_body=find_body, library=library, places=_cell_names())
             watch.begin()
         except Exception as exc:  # noqa: BLE001 - never the reason training fails: it runs unwatched
             self._undo_cleanup()
@@ -233,6 +233,25 @@ def _main_file() -> str | None:
     """The script being run (``python train.py``): its lines are the "cell" of the report."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
     return os.path.abspath(path) if isinstance(path, str) and path.endswith(".py") else None
+
+
+def _cell_names() -> Callable[[str | None], str | None] | None:
+    """In IPython (a callback on a notebook's training): code of a cell is named as IPython's tracebacks and the
+    magic name it (``Cell In[2]``), not by its temporary file; None elsewhere (a script names its own file).
+
+    >>> _cell_names() is None or callable(_cell_names())
+    True
+    """
+    ipython = sys.modules.get("IPython")  # (never imported here: a script without IPython stays without it)
+    shell = ipython.get_ipython() if ipython is not None else None
+    code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if code_name is None:
+        return None
+
+    def name(file: str | None) -> str | None:
+        label = code_name(file) if file is not None else None
+        return f"{label[0]} {label[1]}" if label else None
+    return name
 
 
 @atexit.register
