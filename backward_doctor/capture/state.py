@@ -188,7 +188,11 @@ class CaptureState:
         if id(p) in self._params:
             return
         self._params[id(p)] = weakref.ref(p)
-        self._ledger.track(p, "parameters")
+        if not self._ledger.track(p, "parameters") or self._t0:
+            # A model the cell builds itself: the ops that made its weights counted them as "other" until its first
+            # forward registers it here (the natively recorded ones too); without this, a fix's before column
+            # said "parameters 0 B" (issue 47, item 7).
+            self._ledger.reclassify(p, "parameters")
         grad = grad_of(p)
         if grad is not None:
             self._ledger.track(grad, "gradients")

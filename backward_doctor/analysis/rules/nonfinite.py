@@ -9,6 +9,7 @@ that softmax turns into zeros) is intended, not a bug, and is not reported.
 """
 from __future__ import annotations
 
+from ..arg_names import input_labels
 from ..findings import Finding, at, forward_where, source_line
 from ..trends import history_before, lr_change, nan_pattern
 from .amp import low_precision, low_precision_origin
@@ -205,10 +206,16 @@ def _nonfinite(trace: Trace) -> list[Finding]:
     reached = [k for k, v in trace.nonfinite_reached.items() if v]
     rec = trace.op(ev.index)
     where = forward_where(trace, rec) if rec is not None else ev.where
-    evidence = {"output": format_stats(ev.output.stats if ev.output else None),
-                "inputs": [f"{m.short()} {format_stats(m.stats)}" for m in ev.inputs],
-                "phase": ev.phase, "reached": reached, "op": ev.op, "op_index": ev.index}
     code = source_line(trace, where.line, where.file)
+    # Each input's statistics after its name: two tensors' numbers under one name read as that tensor's
+    # (`F.mse_loss(pred, yb)` with NaN in `yb` showed the prediction's too; issue 47, item 7).
+    bad = next((i for i, m in enumerate(ev.inputs) if m.stats and m.stats.nan + m.stats.posinf + m.stats.neginf),
+               None)
+    labels = input_labels(code, ev.op, len(ev.inputs), ev.variable, bad)
+    evidence = {"output": format_stats(ev.output.stats if ev.output else None),
+                "inputs": [f"{lab}: {m.short()} {format_stats(m.stats)}" for lab, m in zip(labels, ev.inputs)],
+                "input_names": [lab.strip("`") for lab in labels],
+                "phase": ev.phase, "reached": reached, "op": ev.op, "op_index": ev.index}
     # Weights already bad when a recorded iteration began went bad in the unrecorded ones before it (a
     # bad *input* is that iteration's own batch).
     gap = trace.iterations.unrecorded_before(ev.index) if ev.kind == "weights" else None
