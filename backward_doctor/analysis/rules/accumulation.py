@@ -67,7 +67,8 @@ def _library(trace: Trace, w: StepWindow) -> str:
         return "trainer"
     if any("accumulate_grad_batches" in s for s in trace.accumulation.settings):
         return "lightning"
-    return ""
+    # a Trainer the namespace does not hold (a ``DoctorCallback`` in a script): its loop still says so
+    return "trainer" if trace.iterations.library == "transformers" else ""
 
 
 def _scope(tree: ast.AST, line: int | None) -> ast.AST | None:
@@ -193,20 +194,27 @@ def _zeroed_inside(trace: Trace) -> list[Finding]:
 _SCALING = ("aten::div", "aten::mul", "aten::div_", "aten::mul_", "aten::_to_copy", "aten::clone", "aten::alias")
 
 
+_CALLS_BACKWARD = re.compile(r"\b(?:manual_)?backward\s*\(")
+
+
 def _loss_place(trace: Trace, w: StepWindow) -> Where:
     """Where to fix the scaling: the backward() call, or (when backward() ran in a library called from the
-    cell) the user's own function that computed the loss (a Trainer's ``compute_loss``): the forward op
-    behind backward()'s first node, followed back through the library's scalings (``loss / 1``)."""
+    user's line, ``trainer.train()``) the user's own function that computed the loss (a Trainer's
+    ``compute_loss``, in a file or in the cell itself): the forward op behind backward()'s first node,
+    followed back through the library's scalings (``loss / 1``)."""
     c = w.calls[0]
     where = placed(c)
-    if c.file is not None:
-        return where
+    code = code_at(trace, c.line, c.file)
+    if _CALLS_BACKWARD.search(code) or (c.file is not None and not code):
+        return where  # the user's own backward() call (or a file line not kept): the fix divides its loss there
     root = next((op for op in trace.ops if op.phase == "backward" and op.fwd_index is not None), None)
     fwd = trace.op(root.fwd_index) if root is not None else None
     for _ in range(8):
         if fwd is None:
             break
-        if fwd.where.file is not None and fwd.where.line is not None:
+        # Another user frame than the library call's: a file of the user's, or a function the cell defines
+        # (its ops have ``file`` None like the call's line, but their own function)
+        if fwd.where.line is not None and (fwd.where.file, fwd.where.function) != (c.file, c.function):
             return fwd.where
         if fwd.op not in _SCALING or not fwd.in_keys:
             break
