@@ -24,7 +24,7 @@ from ..api import check_engine, check_fix, check_timeout
 from ..capture.process import doctors_own, one_run_at_a_time
 from ..capture.runner import running_progress
 from ..run.engine import ENGINES, choose_engine, python_tier_reason
-from ..report.places import name_places
+from ..report.places import cell_code_names, name_places
 from ..run.step import remember, run_step
 from ..util.units import parse_size
 from .running import RunningNotice, doctor_frames_hidden
@@ -201,11 +201,12 @@ def ipython_places(shell: Any, filename: str, number: int) -> Callable[[str | No
     >>> name(None), name("/t/5.py"), name("/t/2.py"), name("/lib/models.py")
     ('Cell In[5]', 'Cell In[5]', 'Cell In[2]', None)
     """
+    others = cell_code_names(shell)
+
     def name(file: str | None) -> str | None:
         if file is None or file == filename:
             return f"Cell In[{number}]"
-        label = shell.compile.format_code_name(file) if hasattr(shell.compile, "format_code_name") else None
-        return f"{label[0]} {label[1]}" if label else None
+        return others(file) if others is not None else None
     return name
 
 

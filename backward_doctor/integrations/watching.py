@@ -30,6 +30,7 @@ from ..capture.process import doctors_own
 from ..capture.runner import current_capture
 from ..frontends.cell_watch import failed, quiet_line, write_report
 from ..report import Report
+from ..report.places import Namer, cell_code_names
 from ..run.engine import check_engine
 from ..run.step import remember
 from ..run.watch import Watch, active
@@ -235,23 +236,14 @@ def _main_file() -> str | None:
     return os.path.abspath(path) if isinstance(path, str) and path.endswith(".py") else None
 
 
-def _cell_names() -> Callable[[str | None], str | None] | None:
+def _cell_names() -> Namer | None:
     """In IPython (a callback on a notebook's training): code of a cell is named as IPython's tracebacks and the
     magic name it (``Cell In[2]``), not by its temporary file; None elsewhere (a script names its own file).
 
     >>> _cell_names() is None or callable(_cell_names())
     True
     """
-    ipython = sys.modules.get("IPython")  # (never imported here: a script without IPython stays without it)
-    shell = ipython.get_ipython() if ipython is not None else None
-    code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
-    if code_name is None:
-        return None
-
-    def name(file: str | None) -> str | None:
-        label = code_name(file) if file is not None else None
-        return f"{label[0]} {label[1]}" if label else None
-    return name
+    return cell_code_names(_ipython())
 
 
 @atexit.register

@@ -119,3 +119,25 @@ def file_label(places: dict[str, str], file: str | None) -> str:
     if name:
         return name
     return "the cell" if file is None else os.path.basename(file)
+
+
+def cell_code_names(shell: Any) -> Namer | None:
+    """The namer of a running IPython ``shell``: a file IPython compiled a cell into is named as its tracebacks
+    name it (``Cell In[2]``), any other file is left as it is; None when ``shell`` is not one (no IPython
+    compiler to ask). The cell itself (``None``) is left to the caller, who may know which cell runs.
+
+    >>> class Compile:
+    ...     def format_code_name(self, name): return ("Cell", "In[2]") if name == "/t/2.py" else None
+    >>> name = cell_code_names(type("Shell", (), {"compile": Compile()})())
+    >>> name("/t/2.py"), name("/lib/models.py"), name(None), cell_code_names(None)
+    ('Cell In[2]', None, None, None)
+    """
+    code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if code_name is None:
+        return None
+
+    def name(file: Optional[str]) -> Optional[str]:
+        label = code_name(file) if file is not None else None
+        return f"{label[0]} {label[1]}" if label else None
+    return name
+
