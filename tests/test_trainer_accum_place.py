@@ -21,18 +21,10 @@ import torch.nn.functional as F
 import backward_doctor as bd
 
 import library_loops as ll
+from test_accumulation_libraries import MEAN_LOSS  # (compute_loss: the mean over its own micro-batch only)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-#: ``compute_loss`` returning the mean over its own micro-batch only (``num_items_in_batch`` ignored)
-MEAN_LOSS = """\
-class MyTrainer(Trainer):
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        labels = inputs.pop("labels")
-        logits = model(**inputs).logits[:, :-1]
-        loss = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())  # <-- mean over this micro-batch
-        return (loss, None) if return_outputs else loss
-"""
 #: the cell that defines the subclass and trains with it
 TRAIN_CELL = MEAN_LOSS + """\
 trainer = MyTrainer(model=model, args=args, train_dataset=train_ds)
