@@ -102,9 +102,7 @@ class Watch:
         try:
             trace = self._run.close(exc)
         finally:
-            if self._claimed:
-                self._claimed = False
-                release_run()
+            self._release()
         if self.rollback is not None and self.rollback.iteration is not None:
             trace = replay_iteration(trace, self.rollback, self.namespace, timeout=self.timeout, engine=self.engine)
         self.rollback = None
@@ -123,9 +121,13 @@ class Watch:
             log.warning("backward_doctor: the watch could not be uninstalled cleanly", exc_info=True)
         finally:
             self.rollback = None
-            if self._claimed:
-                self._claimed = False
-                release_run()
+            self._release()
+
+    def _release(self) -> None:
+        """Let another diagnosis run (once: ``end`` and ``abandon`` may both come)."""
+        if self._claimed:
+            self._claimed = False
+            release_run()
 
     # ---------------------------------------------------------------- while it runs
     @property
