@@ -28,7 +28,7 @@ KIND_WORDS = {
     "orphan_params": "Parameters without gradient", "shape_mismatch": "Shapes do not fit",
     "stale_grad": "Gradients never zeroed", "grad_accumulation": "Gradient accumulation", "amp_misuse":
     "Mixed precision misused", "timeout": "Time limit reached", "dataloader_worker": "DataLoader worker",
-    "compile_divergence": "Compiled differs from eager",
+    "compile_divergence": "Compiled differs from eager", "loss_on_probabilities": "Loss fed the wrong scores",
 }
 
 

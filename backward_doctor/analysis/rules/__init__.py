@@ -22,6 +22,7 @@ from .failures import generic_exception, index_out_of_range, mismatch
 from .functions import invalid_gradient
 from .hang import hang
 from .loop_memory import loop_leak
+from .loss_inputs import loss_on_probabilities
 from .memory import oom
 from .nonfinite import nonfinite
 from .params import left_frozen, orphan_params
@@ -38,7 +39,7 @@ EXCEPTION_RULES: list[Rule] = [dataloader_worker, compile_failure, hang, eval_wi
 RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped,
                          nonleaf_param, grad_accumulation, amp_misuse]
 #: Rules for a run that completed without an exception.
-SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast]
+SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities]
 
 
 def analyze(trace: Trace) -> list[Finding]:
