@@ -54,17 +54,19 @@ def _nan_key(r: RankRecord) -> tuple[float, int]:
     tr = r.trace
     if tr is None:
         return (float("inf"), 2)
+    its = tr.iterations
+    # Only the per-iteration series saw it (a sampled iteration): its iteration, unless a recorded op came first
+    # (the ops of a later, recorded iteration are its aftermath: NaN weights from the unrecorded step).
+    seen = ((float(its.first_nonfinite), 0 if its.first_nonfinite_in == "loss" else 1)
+            if its.first_nonfinite is not None else (float("inf"), 2))
     origins = [e for e in tr.nonfinite if e.is_origin]
     if origins:
         ev = next((e for e in origins if e.reached), origins[0])
         it = tr.iterations.iteration_of(ev.index)
         at_collective = {(c.line, c.file) for c in r.collectives}
         received = ev.op.startswith("c10d::") or (ev.where.line, ev.where.file) in at_collective
-        return (float(it) if it is not None else 0.0, 1 if received else 0)
-    its = tr.iterations
-    if its.first_nonfinite is not None:  # only the per-iteration series saw it (sampled iterations)
-        return (float(its.first_nonfinite), 0 if its.first_nonfinite_in == "loss" else 1)
-    return (float("inf"), 2)
+        return min((float(it) if it is not None else 0.0, 1 if received else 0), seen)
+    return seen
 
 
 def first_nonfinite(ranks: list[RankRecord], own: dict[int, list[Finding]]) -> list[Finding]:
@@ -85,7 +87,8 @@ def first_nonfinite(ranks: list[RankRecord], own: dict[int, list[Finding]]) -> l
     # Ranks whose own data or ops made NaN/Inf in that same iteration made it too; the rest received it.
     made = [r.rank for r in bad if _nan_key(r) == _nan_key(first)]
     others = [r.rank for r in bad if r.rank not in made]
-    spread = (f" The gradient all-reduce then carried it to rank{'s' if len(others) > 1 else ''} "
+    spread = (f" The gradients' collective (DDP's all-reduce, FSDP's reduce-scatter) then carried it to "
+              f"rank{'s' if len(others) > 1 else ''} "
               f"{', '.join(map(str, others))}, whose own data were finite: every rank's gradients and "
               "weights are NaN/Inf after the step." if others else "")
     step = f" in iteration {it:g}" if it != float("inf") else ""

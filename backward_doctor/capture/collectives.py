@@ -42,7 +42,8 @@ from ..trace.distributed import DDP_BACKWARD, DDP_FORWARD, Collective, UnusedPar
 NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
          "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather",
          "scatter", "send", "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list",
-         "gather_object", "scatter_object_list", "all_reduce_coalesced")
+         "gather_object", "scatter_object_list", "all_reduce_coalesced",
+         "all_gather_single", "reduce_scatter_single")  # (FSDP2's, torch >= 2.12: absent ones are skipped)
 # Frames in these are not the user's: torch, the doctor, the standard library, installed packages.
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
               os.path.dirname(os.__file__), sysconfig.get_paths()["purelib"])

@@ -22,6 +22,7 @@ from array import array
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..trace.parts import STORAGE_EVENTS_CAP, StorageEvents
 from ..trace.records import CATEGORIES
@@ -30,10 +31,30 @@ from .process import doctors_own
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s memory in this process: ``t`` itself, or for a wrapper subclass
+    with one inner tensor its inner tensor (a ``DTensor``'s local shard: FSDP2's parameters). A wrapper's own
+    storage is empty bookkeeping whose data pointer PyTorch refuses to read, and its size is the global one.
+
+    >>> t = torch.zeros(2)
+    >>> local_tensor(t) is t
+    True
+    """
+    while type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
+        inner = [x for x in (getattr(t, n, None) for n in t.__tensor_flatten__()[0]) if isinstance(x, torch.Tensor)]
+        if len(inner) != 1:  # (several inner tensors: counted as the wrapper says. DTensor's mesh is no tensor)
+            break
+        t = inner[0]
+    return t
+
+
 def storage_key(t: torch.Tensor) -> int | None:
     """A stable identity for ``t``'s storage while it is alive (None if it has none)."""
     try:
-        return t.untyped_storage()._cdata
+        return local_tensor(t).untyped_storage()._cdata
     except Exception as exc:  # sparse/nested/subclass tensors without a plain storage
         if not doctors_own(exc):  # (a signal handler's exception: the user's, it goes on)
             raise
@@ -69,7 +90,7 @@ def grad_of(t: torch.Tensor) -> torch.Tensor | None:
 def storage_nbytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s storage (0 for sparse/nested tensors, which have no plain one)."""
     try:
-        return t.untyped_storage().nbytes()
+        return local_tensor(t).untyped_storage().nbytes()
     except Exception as exc:
         if not doctors_own(exc):
             raise
@@ -166,7 +187,7 @@ class MemoryLedger:
         if self._dead:
             self.drain()
         try:
-            st = t.untyped_storage()
+            st = local_tensor(t).untyped_storage()
         except Exception as exc:
             if not doctors_own(exc):
                 raise

@@ -39,7 +39,7 @@ from .record import _tensors
 from .loop_watch import LoopWatch, groups_sumsq
 from .context import Capture
 from .guard import nothing
-from .memory import MemoryLedger
+from .memory import MemoryLedger, local_tensor
 from .process import doctors_own, patch
 from ..trace.records import CATEGORIES, FailedOp, Where
 
@@ -63,7 +63,7 @@ class _NativeLedger(MemoryLedger):
     def track(self, t: torch.Tensor, category: str, producer: int | None = None) -> bool:
         new = super().track(t, category, producer)
         if new:
-            st = t.untyped_storage()
+            st = local_tensor(t).untyped_storage()
             key = st._cdata
             self._data[key] = st.data_ptr()
             if self.ext is not None:
@@ -87,7 +87,7 @@ class _NativeLedger(MemoryLedger):
         if self._dead:
             self.drain()
         try:
-            st = t.untyped_storage()
+            st = local_tensor(t).untyped_storage()
         except Exception as exc:  # sparse/nested tensors have no plain storage: not counted
             if not doctors_own(exc):
                 raise

@@ -334,6 +334,11 @@ class OpRecorder(CaptureState):
     def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, written) -> None:
         if name in _UNINITIALISED:  # fresh memory holds whatever bits were there: not values (DDP's buckets)
             return
+        if (name.startswith("c10d::") or name == "fsdp::all_gather_copy_in") and not any(
+                ik in self._nf_origin for ik in in_keys):
+            # What a collective returns is filled by the peers, possibly after it returns (gloo's async work),
+            # and FSDP's all-gather buffer holds old bits until then: screened only to carry an origin on.
+            return
         first, origin, kind, variable = None, None, "op", None
         for o, k in zip(outs, out_keys):
             if not screen_nonfinite(o):

@@ -310,7 +310,11 @@ OpInfo& info_for(const at::RecordFunction& fn) {
       }
       if (info.mutated.empty())
         for (const auto& r : schema.returns()) info.view = info.view || r.alias_info() != nullptr;
-      info.keeps_finite = kKeepsFinite.count(fn.name()) > 0;
+      // Collectives and FSDP's all-gather buffer: what they return is filled by the peers, possibly after
+      // the op returns (gloo's async work), and until then holds whatever bits the memory had.
+      const std::string name = fn.name();
+      info.keeps_finite = kKeepsFinite.count(name) > 0 || name.rfind("c10d::", 0) == 0 ||
+                          name == "fsdp::all_gather_copy_in";
     }
   }
   info.name_id = (int64_t)S->names.size();

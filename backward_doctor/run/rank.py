@@ -125,12 +125,20 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
             threading.Thread(target=_progress, args=(rec, done), name="backward_doctor-rank-progress",
                              daemon=True).start()
             try:
+                # No replay here (rollback=False): replaying an iteration re-issues its collectives (FSDP's
+                # all-gathers, DDP's all-reduces) on this rank alone, which its peers never join.
                 report = run_step(source, namespace, cell_file=cell_file, engine=engine,
-                                  every_iteration=every_iteration, build=build)
+                                  every_iteration=every_iteration, build=build, rollback=False)
             finally:
                 done.set()
         fill_from_flight_recorder(rec.collectives)
     report.trace.notes.extend(rec.notes)  # (the collective log's own failure, if it stopped)
+    its = report.trace.iterations
+    if its.first_nonfinite is not None and its.first_nonfinite not in its.recorded and its.recorded:
+        report.trace.notes.append(
+            f"NaN/Inf first showed in iteration {its.first_nonfinite}, which ran with the recorder off; a rank "
+            "does not replay it (the replay would issue collectives its peers never join): `--every-iteration` "
+            "records every iteration of every rank and names the op that made it.")
     keep_excerpts(report.trace, [(c.file, c.line) for c in rec.collectives]
                   + [(u.forward_file, u.forward_line) for u in rec.unused])
     record = RankRecord(rank=rank, world_size=world, script=cell_file, wrote_report=True,

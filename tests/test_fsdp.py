@@ -1,0 +1,122 @@
+"""FSDP2 (issue 49): models sharded with ``torch.distributed.fsdp.fully_shard`` on 2 local ranks (gloo, CPU),
+through ``python -m backward_doctor --nproc 2``, on both engines.
+
+A correct FSDP run must never fail or change because of the doctor: the parameters are ``DTensor``s whose own
+storage has no data (the ledger counts each rank's local shard), FSDP frees and re-allocates the unsharded
+parameters every step, and its all-gathers and reduce-scatters go through ``dist.all_gather_single`` /
+``reduce_scatter_single``. Every run is bounded (the process group's timeout, ``--timeout``, the subprocess's).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_distributed import HEAD, _doctor, _line, _plain, _script
+
+pytestmark = pytest.mark.distributed
+
+MODEL = """\
+from torch.distributed.fsdp import fully_shard
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+for layer in model:
+    if isinstance(layer, nn.Linear):
+        fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+g = torch.Generator().manual_seed(rank)
+"""
+
+LOOP = """\
+for step in range(6):
+    xb = torch.randn(8, 16, generator=g); yb = torch.randn(8, 1, generator=g)
+    if BAD and rank == 1 and step == 3:
+        xb[0, 0] = float("inf")
+    loss = ((model(xb) - yb) ** 2).mean()
+    loss.backward()
+    opt.step(); opt.zero_grad()
+state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+if rank == 0:
+    torch.save(state, os.path.join(os.path.dirname(__file__), f"{os.environ.get('TAG', 'doctor')}.pt"))
+"""
+
+ENGINES = ["auto", "python"]  # the native recorder and the Python tier
+
+
+def _fsdp(tmp_path, name: str, bad: bool) -> str:
+    return _script(tmp_path, name, prefix=f"BAD = {bad}\n" + MODEL, body=LOOP)
+
+
+def _sharded_bytes() -> int:
+    """One rank's share of the model's parameters: each of the 4 tensors split in 2 along dim 0 (float32)."""
+    return 4 * sum((n + 1) // 2 * (numel // n) for n, numel in [(32, 32 * 16), (32, 32), (1, 32), (1, 1)])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_correct_fsdp_loop_is_silent_and_bit_identical(tmp_path, engine):
+    path = _fsdp(tmp_path, "correct", bad=False)
+    proc, data = _doctor(path, "--timeout", "240", "--engine", engine)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert data["ok"] is True and data["findings"] == [], data["findings"]
+    for r in data["ranks"]:
+        trace = r["trace"]
+        # Nothing the doctor installs was switched off by an error (before: DTensor storages stopped the
+        # module and optimizer hooks on the native tier, and its iterations went uncounted).
+        assert not [n for n in trace["notes"] if "doctor's own error" in n], trace["notes"]
+        assert len(trace["optimizer_steps"]) == 6 or trace["iterations"]["steps"] == 6
+        # FSDP's own collectives are in the log, the same sequence on both ranks.
+        ops = [c["op"] for c in r["collectives"]]
+        assert ops.count("reduce_scatter_single") == 6 * 2 and ops.count("all_gather_single") >= 6 * 2, ops
+    assert [c["op"] for c in data["ranks"][0]["collectives"]] == [c["op"] for c in data["ranks"][1]["collectives"]]
+    _plain(path, "plain")
+    doctored, plain = torch.load(tmp_path / "doctor.pt"), torch.load(tmp_path / "plain.pt")
+    assert all(torch.equal(doctored[n], plain[n]) for n in plain), "FSDP weights differ with the doctor"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_ledger_counts_each_ranks_shard_as_parameters(tmp_path, engine):
+    """Before the loop the model's parameters are each rank's local shards (``DTensor``'s global size would
+    count the whole model on every rank)."""
+    path = _script(tmp_path, "ledger", prefix="BAD = False\n" + MODEL, body="""\
+        xb = torch.randn(8, 16, generator=g)
+        loss = model(xb).sum()
+        loss.backward()
+        opt.step(); opt.zero_grad()
+    """)
+    proc, data = _doctor(path, "--timeout", "240", "--engine", engine)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in data["ranks"]:
+        params = r["trace"]["memory"]["by_category"]["parameters"]
+        print(r["rank"], max(params), params[-1], r["trace"]["memory"]["peak_by_category"])
+        assert params[-1] == _sharded_bytes(), params
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("every", [False, True])
+def test_inf_in_one_ranks_batch_is_named_at_that_rank_and_iteration(tmp_path, engine, every):
+    path = _fsdp(tmp_path, "inf", bad=True)
+    args = ["--every-iteration"] if every else []
+    proc, data = _doctor(path, "--timeout", "240", "--engine", engine, *args)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    f = data["findings"][0]
+    assert (f["kind"], f["rank"], f["iteration"]) == ("nonfinite", 1, 3), f
+    assert f["evidence"]["spread_to"] == [0]
+    assert [(g["kind"], g["rank"]) for g in data["findings"][1:]] == [("consequence", 0)]
+    if engine == "python" or every:  # every op of iteration 3 recorded: the line that put the Inf in
+        assert f["line"] == _line(path, 'float("inf")'), f
+    else:  # iteration 3 ran with the native recorder off (0, 1, 2, 4 are recorded) and a rank never replays
+        assert f["evidence"]["located"] is False and f["line"] == _line(path, "loss.backward()")
+        notes = data["ranks"][1]["trace"]["notes"]
+        assert any("does not replay" in n and "--every-iteration" in n for n in notes), notes
+    # No rank issued a collective of its own (a replay would): both logs are the loop's, call for call.
+    logs = [[(c["op"], c["sizes"]) for c in r["collectives"]] for r in data["ranks"]]
+    assert logs[0] == logs[1] and sum(op == "reduce_scatter_single" for op, _ in logs[0]) == 12
+
+
+def test_fsdp_record_round_trips(tmp_path):
+    """The combined report of an FSDP run is plain JSON the ``combine``/``render`` tools read back."""
+    from backward_doctor.report.combined import CombinedReport
+    path = _fsdp(tmp_path, "rt", bad=False)
+    _, data = _doctor(path, "--timeout", "240")
+    assert CombinedReport.from_dict(json.loads(json.dumps(data))).to_dict() == data
