@@ -120,3 +120,19 @@ def test_fsdp_record_round_trips(tmp_path):
     path = _fsdp(tmp_path, "rt", bad=False)
     _, data = _doctor(path, "--timeout", "240")
     assert CombinedReport.from_dict(json.loads(json.dumps(data))).to_dict() == data
+
+
+def test_a_watch_the_doctor_switched_off_on_a_rank_is_said_in_the_combined_text():
+    """A rank whose watch failed (the doctor's own error) ran on as without it; the combined report says what
+    was not seen, once for the ranks that share the note (before: only inside each rank's JSON)."""
+    from backward_doctor.analysis.distributed import analyze_ranks
+    from backward_doctor.report.combined import CombinedReport
+    from backward_doctor.trace.distributed import RankRecord
+    from backward_doctor.trace.records import Trace
+    note = ("the module hooks stopped: at memory.py, line 46: NameError: x (the doctor's own error: the step ran "
+            "on as it would without the doctor). Please report it.")
+    ranks = [RankRecord(k, 2, exitcode=0, wrote_report=True, trace=Trace(notes=[note, "training loop: 6 steps"]))
+             for k in range(2)]
+    text = str(CombinedReport(findings=analyze_ranks(ranks), ranks=ranks, script="/x/train.py", nproc=2))
+    assert text.count("the module hooks stopped") == 1 and "note (ranks 0, 1): the module hooks stopped" in text
+    assert "training loop: 6 steps" not in text

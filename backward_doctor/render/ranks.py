@@ -93,7 +93,19 @@ def ranks_text(report: "CombinedReport") -> str:
             frames = [fi for fi in main.frames[:-1] if fi.user] + main.frames[-1:]
             out += [f"    {fi.file.rsplit('/', 1)[-1]}:{fi.line} in {fi.function}: {fi.code}" for fi in frames[-6:]]
     out += [f"  note: {n}" for n in report.notes]
+    out += _own_errors(report)
     return lines(out)
+
+
+def _own_errors(report: "CombinedReport") -> list[str]:
+    """The notes of ranks where a watch of the doctor's failed and switched off: what was not seen (the same
+    note on several ranks once, with their numbers)."""
+    by_note: dict[str, list[int]] = {}
+    for r in report.ranks:
+        for n in r.trace.notes if r.trace is not None else []:
+            if "doctor's own error" in n:
+                by_note.setdefault(n, []).append(r.rank)
+    return [f"  note (rank{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}): {n}" for n, ks in by_note.items()]
 
 
 def _trace_for(report: "CombinedReport", rank: int | None) -> Trace:
