@@ -136,3 +136,40 @@ def test_a_watch_the_doctor_switched_off_on_a_rank_is_said_in_the_combined_text(
     text = str(CombinedReport(findings=analyze_ranks(ranks), ranks=ranks, script="/x/train.py", nproc=2))
     assert text.count("the module hooks stopped") == 1 and "note (ranks 0, 1): the module hooks stopped" in text
     assert "training loop: 6 steps" not in text
+
+
+def test_a_sharded_module_one_rank_skips_is_a_desync_at_that_rank(tmp_path):
+    """Rank 1's forward skips module ``b`` in step 2: its next all-gather (the head's) meets rank 0's all-gather
+    of ``b``; gloo aborts rank 1 on the size check. The root cause is the desync, at rank 1 and step 2, with
+    both ranks' lines; the abort and rank 0's lost connection come after it."""
+    path = _script(tmp_path, "skip", prefix="from torch.distributed.fsdp import fully_shard\n", body="""\
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(16, 16); self.b = nn.Linear(16, 16); self.head = nn.Linear(16, 1)
+            def forward(self, x, skip=False):
+                h = torch.relu(self.a(x))
+                if not skip:
+                    h = torch.relu(self.b(h))
+                return self.head(h)
+        model = Net()
+        for m in (model.a, model.b, model.head):
+            fully_shard(m)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(4):
+            xb = torch.randn(8, 16, generator=g); yb = torch.randn(8, 1, generator=g)
+            out = model(xb, skip=(rank == 1 and step == 2))
+            loss = ((out - yb) ** 2).mean()
+            loss.backward()
+            opt.step(); opt.zero_grad()
+    """)
+    proc, data = _doctor(path, "--timeout", "120")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    f = data["findings"][0]
+    assert (f["kind"], f["rank"], f["line"]) == ("desync", 1, _line(path, "return self.head(h)")), f
+    each = f["evidence"]["ranks"]
+    assert each["0"]["line"] == _line(path, "h = torch.relu(self.b(h))") and each["1"]["loop"] == {"step": 2}
+    assert "Under FSDP" in f["message"]
+    assert {(g["kind"], g["rank"]) for g in data["findings"][1:]} <= {("crash", 1), ("consequence", 0), ("hang", None)}

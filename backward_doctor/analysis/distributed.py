@@ -31,8 +31,10 @@ _TIMED_OUT = re.compile(r"Timed out waiting|timed out|Socket Timeout|Watchdog ca
 _UNUSED_ERROR = "Expected to have finished reduction in the prior iteration"
 #: Collectives whose tensors must have the same shapes on every rank.
 _SIZED = frozenset({"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                    "reduce_scatter_tensor", "reduce", "all_reduce_coalesced", DDP_BACKWARD})
+                    "reduce_scatter_tensor", "reduce", "all_reduce_coalesced", DDP_BACKWARD,
+                    "all_gather_single", "reduce_scatter_single"})  # (the last two: FSDP2's)
 _P2P = frozenset({"send", "recv", "isend", "irecv"})
+_FSDP = frozenset({"all_gather_single", "reduce_scatter_single"})
 
 
 _NOISE = re.compile(r"\[(enforce fail at )?/[^\]]*\]\s*|what\(\):\s*")  # C++ source paths: not the user's
@@ -137,6 +139,11 @@ def desync(ranks: list[RankRecord], timeout: float | None = None) -> list[Findin
                "other until the timeout. Make the collectives (and the steps that issue them, `backward()` under "
                "DDP included) the same on every rank: pad or split uneven shards equally, and skip a step on "
                "all ranks or none (decide it from a value all-reduced first).")
+        if any(x.op in _FSDP for x in calls.values()):
+            msg += (" Under FSDP each sharded module's forward all-gathers its parameters and its backward "
+                    "reduce-scatters their gradients: a module one rank's forward skipped (an `if` on the rank or "
+                    "on its batch) leaves the others' call unmatched. Run every sharded module on every rank (scale "
+                    "its output by 0 where it must not count).")
         evidence = {"seq": seq, "ranks": {str(rank): {"op": x.op, "sizes": x.sizes, "line": x.line, "file": x.file,
                                                        "loop": x.loop} for rank, x in sorted(calls.items())}}
         return [Finding(kind="desync", message=msg, line=c.line, file=c.file, op=c.op, rank=culprit,
