@@ -220,7 +220,7 @@ def test_nan_from_one_ranks_batch(tmp_path, engine):
 
 # ---------------------------------------------------------------- no processes: arguments, rules, records
 
-@pytest.mark.parametrize("args", [["--nproc", "2", "--fix", "amp"], ["--nproc", "2", "--memory-limit", "1GB"],
+@pytest.mark.parametrize("args", [["--nproc", "2", "--fix", "amp"], ["--nproc", "2", "--memory-limit", "lots"],
                                   ["--nproc", "x"], ["--nproc", "2", "--timeout", "0"]])
 def test_cli_nproc_bad_combinations_exit_2(tmp_path, args):
     script = tmp_path / "s.py"

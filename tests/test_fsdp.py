@@ -173,3 +173,30 @@ def test_a_sharded_module_one_rank_skips_is_a_desync_at_that_rank(tmp_path):
     assert each["0"]["line"] == _line(path, "h = torch.relu(self.b(h))") and each["1"]["loop"] == {"step": 2}
     assert "Under FSDP" in f["message"]
     assert {(g["kind"], g["rank"]) for g in data["findings"][1:]} <= {("crash", 1), ("consequence", 0), ("hang", None)}
+
+
+def test_one_rank_out_of_memory_on_a_simulated_device_is_named_with_its_memory(tmp_path):
+    """``--memory-limit`` under ``--nproc`` is each rank's simulated device. Rank 1's batch is 64x rank 0's:
+    rank 1 runs out in its forward, with the memory by category at that point (its parameters are its shard,
+    not the whole model); rank 0's lost connection is the consequence."""
+    path = _script(tmp_path, "oom", prefix="from torch.distributed.fsdp import fully_shard\n", body="""\
+        model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 1))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batch = 64 if rank == 0 else 4096
+        for step in range(3):
+            xb = torch.randn(batch, 256); yb = torch.randn(batch, 1)
+            loss = ((model(xb) - yb) ** 2).mean()
+            loss.backward()
+            opt.step(); opt.zero_grad()
+    """)
+    proc, data = _doctor(path, "--timeout", "120", "--memory-limit", "16MiB")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    f = data["findings"][0]
+    assert (f["kind"], f["rank"], f["line"], f["iteration"]) == ("oom", 1, _line(path, "loss = ((model"), 0), f
+    whole = 4 * (256 * 1024 + 1024 + 1024 * 256 + 256 + 256 + 1)
+    assert "parameters 1.0 MiB" in f["message"] and whole > 2 * 1024 ** 2  # (the whole model: 2.0 MiB)
+    assert [(g["kind"], g["rank"]) for g in data["findings"][1:]] == [("consequence", 0)]

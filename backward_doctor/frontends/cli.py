@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog=DIAGNOSIS_STATUS + " With --fix: the fixed run's status.")
     p.add_argument("file", help="Python file with the training step")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds before it counts as a hang")
-    p.add_argument("--memory-limit", default=None, metavar="SIZE", help="simulated device capacity, e.g. 2GiB")
+    p.add_argument("--memory-limit", default=None, metavar="SIZE",
+                   help="simulated device capacity, e.g. 2GiB (each rank's, with --nproc)")
     p.add_argument("--fix", default=None, metavar="NAME", help="re-run with a fix (accumulate[:k], amp, sync, checkpoint)")
     p.add_argument("--no-rollback", action="store_true",
                    help="with --fix: do not restore the training state between the original and the fixed run")
@@ -167,10 +168,10 @@ def _distributed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         check_nproc(args.nproc)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.fix or args.memory_limit:
-        parser.error("--nproc runs the script as it is: --fix and --memory-limit apply to one process")
+    if args.fix:
+        parser.error("--nproc runs the script as it is: --fix applies to one process")
     report = launch(args.file, args.nproc, timeout=args.timeout, engine=args.engine,
-                    every_iteration=args.every_iteration)
+                    every_iteration=args.every_iteration, memory_limit=parse_size(args.memory_limit))
     _emit(report, args)
     return 0 if report.ok else 1
 

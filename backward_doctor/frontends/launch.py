@@ -154,9 +154,9 @@ def _failed(r: _Rank, out_dir: str) -> bool:
 
 
 def launch(script: str, nproc: int, *, timeout: float | None = None, engine: str = "auto",
-           every_iteration: bool = False, echo: bool = True) -> CombinedReport:
+           every_iteration: bool = False, echo: bool = True, memory_limit: int | None = None) -> CombinedReport:
     """Run the file ``script`` on ``nproc`` local ranks (fresh processes) under the doctor; the combined
-    report. ``ValueError`` before anything runs for a bad ``nproc`` or ``timeout`` or a missing script.
+    report. ``memory_limit``: each rank's simulated device capacity in bytes. ``ValueError`` before anything runs for a bad ``nproc`` or ``timeout`` or a missing script.
 
     >>> launch("no_such_script.py", 2)
     Traceback (most recent call last):
@@ -177,7 +177,8 @@ def launch(script: str, nproc: int, *, timeout: float | None = None, engine: str
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env[PARENT_ENV] = str(os.getpid())  # the rank dies with the launcher, whatever kills it
         argv = [sys.executable, "-m", "backward_doctor.run.rank", script, out_dir, engine]
-        proc = subprocess.Popen(argv + (["every"] if every_iteration else []), env=env, text=True,
+        argv += (["every"] if every_iteration else []) + ([f"limit={memory_limit}"] if memory_limit else [])
+        proc = subprocess.Popen(argv, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                 start_new_session=True, errors="replace")
         return _Rank(k, proc, echo)

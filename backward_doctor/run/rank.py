@@ -49,7 +49,8 @@ def paths(out_dir: str, rank: int) -> dict[str, str]:
     return {"record": base + ".json", "log": base + ".log", "fault": base + ".fault"}
 
 
-def run_rank(script: str, out_dir: str, *, engine: str = "auto", every_iteration: bool = False) -> int:
+def run_rank(script: str, out_dir: str, *, engine: str = "auto", every_iteration: bool = False,
+             memory_limit: int | None = None) -> int:
     """Run the file ``script`` as this rank (RANK/WORLD_SIZE from the environment): see
     :func:`run_rank_source`. What the launcher runs in each rank process::
 
@@ -61,7 +62,8 @@ def run_rank(script: str, out_dir: str, *, engine: str = "auto", every_iteration
     namespace: dict[str, Any] = {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}
     sys.path.insert(0, os.path.dirname(path))
     sys.argv = [path]
-    return run_rank_source(source, path, out_dir, namespace, engine=engine, every_iteration=every_iteration)
+    return run_rank_source(source, path, out_dir, namespace, engine=engine, every_iteration=every_iteration,
+                           memory_limit=memory_limit)
 
 
 def run_identity() -> str:
@@ -93,7 +95,7 @@ def _progress(rec: CollectiveRecorder, done: threading.Event) -> None:
 
 
 def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[str, Any], *, engine: str = "auto",
-                    every_iteration: bool = False, build: bool = True) -> int:
+                    every_iteration: bool = False, build: bool = True, memory_limit: int | None = None) -> int:
     """Run ``source`` (compiled as ``cell_file``) in ``namespace`` as this rank under the capture and the
     collective log; write the record; 0 when the run completed without an exception, else 1.
     It turns ``faulthandler`` on for the whole process (a rank is a process of its own: a forked child
@@ -128,7 +130,8 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
                 # No replay here (rollback=False): replaying an iteration re-issues its collectives (FSDP's
                 # all-gathers, DDP's all-reduces) on this rank alone, which its peers never join.
                 report = run_step(source, namespace, cell_file=cell_file, engine=engine,
-                                  every_iteration=every_iteration, build=build, rollback=False)
+                                  every_iteration=every_iteration, build=build, rollback=False,
+                                  memory_limit=memory_limit)
             finally:
                 done.set()
         fill_from_flight_recorder(rec.collectives)
@@ -305,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     if parent.isdigit():
         die_with_parent(int(parent))
     engine = argv[2] if len(argv) > 2 else "auto"
-    return run_rank(argv[0], argv[1], engine=engine, every_iteration="every" in argv[3:])
+    limit = next((int(a[6:]) for a in argv[3:] if a.startswith("limit=")), None)
+    return run_rank(argv[0], argv[1], engine=engine, every_iteration="every" in argv[3:], memory_limit=limit)
 
 
 if __name__ == "__main__":
