@@ -111,13 +111,18 @@ class BackwardDoctorMagics(Magics):
         self._cell_ran = False
         # In Jupyter the report's place is taken before the cell runs, so it ends above the traceback.
         notice = RunningNotice(display, running_progress) if _in_kernel(shell) else None
+        tracebacks: list[int] = []  # one entry per traceback IPython drew while the cell ran
+
+        def before_traceback() -> None:
+            tracebacks.append(1)
+            _number_cell(shell, filename, number)
         try:
             with contextlib.ExitStack() as stack:
                 if notice is not None:
                     stack.enter_context(notice)
                 number = _cell_number(shell)
                 filename = shell.compile.get_code_name(cell, shell.transform_cell(cell), shell.execution_count)
-                stack.enter_context(doctor_frames_hidden(shell, before=lambda: _number_cell(shell, filename, number)))
+                stack.enter_context(doctor_frames_hidden(shell, before=before_traceback))
                 if args.fix is not None:
                     report = _run_with_fix(shell, cell, args.fix, timeout, limit, not args.no_rollback)
                     name_places(report, shell.user_ns, ipython_places(shell, filename, number))
@@ -139,6 +144,12 @@ class BackwardDoctorMagics(Magics):
             if notice is not None:
                 notice.say("")  # --quiet: the placeholder goes, nothing takes its place
             return None
+        if notice is not None and not tracebacks:
+            # No traceback to stay above: the report follows what the cell printed, as always on shows it
+            # (replacing the placeholder would put the panel above the cell's own output). A kernel cannot
+            # remove one output of a cell, so the placeholder is left empty.
+            notice.say("")
+            notice = None
         _show(shell, report, cell, limit, timeout, notice)
         return None
 

@@ -33,6 +33,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TABS = ("Memory", "Root cause", "Autograd graph", "Ops")
+#: An HTML widget's content is a flex item, and a flex item is never narrower than its longest unbreakable
+#: line by default: a diff's long line widened the after-view past the cell's right edge (its headline cut
+#: off). At min-width 0 it takes the cell's width: text wraps, the diff scrolls in its own box.
+_PANEL_CSS = (".backward-doctor-panel .widget-html-content,.backward-doctor-panel .jupyter-widget-html-content"
+              "{min-width:0}.backward-doctor-panel .bd .verdict>div{min-width:0;overflow-wrap:anywhere}")
+#: A button keeps its whole text (a flex item shrinks by default: the Export buttons became "Memory sna…" beside
+#: the line saying where a file went, and a fix button grows once a slowdown is measured); a row wraps instead.
+_BUTTON = {"width": "auto", "flex": "0 0 auto"}
 
 def _wrap(body: str) -> str:
     return f'<div class="bd">{body}</div>'
@@ -70,23 +78,23 @@ class Panel:
         self._built: set[int] = set()
         self._rows: dict[str, list[view.OpRow]] = {}
 
-        self.style = W.HTML(f"<style>{style.CSS}</style>")
+        self.style = W.HTML(f"<style>{style.CSS}{_PANEL_CSS}</style>")
         self.summary = W.HTML(_wrap(S.summary_html(report)))
         # Fixes: one button per fix that applies, progress and cancel, the after-view.
         self.fix_options = view.applicable_fixes(report)
         self.fix_buttons: dict[str, W.Button] = {}
         for opt in self.fix_options:
             b = W.Button(description=f"Try {opt.arg}", tooltip=f"{opt.title}: {opt.description}",
-                         button_style="primary", icon="wrench", layout=W.Layout(width="auto"))
+                         button_style="primary", icon="wrench", layout=W.Layout(**_BUTTON))
             b.on_click(lambda _b, o=opt: self.start_fix(o.arg))
             self.fix_buttons[opt.arg] = b
         self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout=W.Layout(width="260px"))
         self.progress_text = W.HTML("")
         self.cancel_button = W.Button(description="Cancel", icon="stop", button_style="warning",
-                                      layout=W.Layout(width="auto"))
+                                      layout=W.Layout(**_BUTTON))
         self.cancel_button.on_click(lambda _b: self.cancel())
         self.progress_box = W.HBox([self.progress, self.cancel_button, self.progress_text],
-                                   layout=W.Layout(display="none", align_items="center"))
+                                   layout=W.Layout(display="none", align_items="center", flex_flow="row wrap"))
         self.status = W.HTML("")
         self.after = W.HTML("")
         self.after_plot = W.HTML(layout=W.Layout(display="none", max_width="1000px"))
@@ -99,7 +107,8 @@ class Panel:
         refused = refused_html(report)  # the fixes this cell does not allow, and why: no button that refuses
         self.refused = W.HTML(_wrap(refused) if refused else "")
         self.after_caption = W.HTML("")
-        self.fix_box = W.VBox([fix_label, W.HBox(list(self.fix_buttons.values())), self.refused, self.progress_box,
+        buttons = W.HBox(list(self.fix_buttons.values()), layout=W.Layout(flex_flow="row wrap"))
+        self.fix_box = W.VBox([fix_label, buttons, self.refused, self.progress_box,
                                self.status, self.after, self.keep, self.after_caption, self.after_plot],
                               layout=W.Layout(display="flex" if self.fix_options or refused else "none"))
         self.fix_box.add_class("bd-fix-box")
@@ -113,7 +122,7 @@ class Panel:
         self.findings = W.HTML("")
         self.graph_open = W.Dropdown(description="Open", options=[], layout=W.Layout(width="320px"))
         self.graph_close = W.Dropdown(description="Close", options=[], layout=W.Layout(width="320px"))
-        self.graph_reset = W.Button(description="Reset view", layout=W.Layout(width="auto"))
+        self.graph_reset = W.Button(description="Reset view", layout=W.Layout(**_BUTTON))
         self.graph_html = W.HTML("")
         self.graph_open.observe(self._on_open, names="value")
         self.graph_close.observe(self._on_close, names="value")
@@ -128,7 +137,8 @@ class Panel:
         self.ops_sort.observe(lambda _c: self._show_ops(), names="value")
         pages = [W.VBox([self.memory_toggle, self.memory_plot, self.memory_note]),
                  W.VBox([self.findings]),
-                 W.VBox([W.HBox([self.graph_open, self.graph_close, self.graph_reset]), self.graph_html]),
+                 W.VBox([W.HBox([self.graph_open, self.graph_close, self.graph_reset],
+                                layout=W.Layout(flex_flow="row wrap")), self.graph_html]),
                  W.VBox([self.ops_group, self.ops_sort, self.ops_html])]
         self.tabs = W.Tab(children=pages, titles=_TABS)
         top = report.root_cause
@@ -372,7 +382,7 @@ class Panel:
         if nxt is None or nxt in self.fix_buttons:
             return
         b = W.Button(description=f"Try {nxt}", tooltip=wording.fix_next_step(result), button_style="primary",
-                     icon="wrench", layout=W.Layout(width="auto"))
+                     icon="wrench", layout=W.Layout(**_BUTTON))
         b.on_click(lambda _b, arg=nxt: self.start_fix(arg))
         self.fix_buttons[nxt] = b
         row = self.fix_box.children[1]

@@ -36,15 +36,20 @@ class ExportRow:
     def __init__(self, report: Any, folder: str | None = None) -> None:
         self.report = report
         self.folder = folder
-        self.status = W.HTML("")
+        # The line saying what was written takes the room that is left, and the next line when too little is:
+        # as a flex item beside the buttons it squeezed them ("Memory sna…", "Tr…") once it had text.
+        self.status = W.HTML("", layout=W.Layout(flex="1 1 260px", min_width="0"))
         self.buttons: dict[str, W.Button] = {}
         for kind, (text, _, _, viewer) in EXPORTS.items():
             b = W.Button(description=text, icon="download", tooltip=f"write a file to open in {viewer}",
-                         layout=W.Layout(width="auto"))
+                         layout=W.Layout(width="auto", flex="0 0 auto"))
             b.on_click(lambda _b, k=kind: self.save(k))
             self.buttons[kind] = b
-        label = W.HTML('<div class="bd"><b>Export</b> <span class="sub">(open in other tools)</span></div>')
-        self.widget = W.HBox([label, *self.buttons.values(), self.status], layout=W.Layout(align_items="center"))
+        label = W.HTML('<div class="bd"><b>Export</b> <span class="sub">(open in other tools)</span></div>',
+                       layout=W.Layout(flex="0 0 auto"))
+        self.widget = W.HBox([label, *self.buttons.values(), self.status],
+                             layout=W.Layout(align_items="center", flex_flow="row wrap"))
+        self.widget.add_class("bd-export")
 
     def save(self, kind: str) -> str | None:
         """Write the ``kind`` export (what its button does); its path, or None when it could not be written."""
