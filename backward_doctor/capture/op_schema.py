@@ -70,3 +70,14 @@ def _tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
             elif isinstance(a, (list, tuple)):
                 out.extend(x for x in a if isinstance(x, torch.Tensor))
     return out
+
+
+def filled_by_peers(name: str) -> bool:
+    """Whether what the op returns is filled by the other ranks, possibly after it returns (gloo's async work):
+    a collective's output, and FSDP's all-gather buffer (old bits until the all-gather lands). The recorder
+    screens these only to carry an origin on (``recorder.cpp`` does the same).
+
+    >>> filled_by_peers("c10d::allreduce_"), filled_by_peers("fsdp::all_gather_copy_in"), filled_by_peers("aten::add")
+    (True, True, False)
+    """
+    return name.startswith("c10d::") or name == "fsdp::all_gather_copy_in"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import checks
-from .op_schema import _FUNCS, _bump_versions, _func_info, _tensors, passed_on
+from .op_schema import _FUNCS, _bump_versions, _func_info, _tensors, filled_by_peers, passed_on
 from .memory import shape_of, storage_key
 from .process import doctors_own
 from .state import _NODE_BUDGET, PHASES, CaptureState
@@ -332,13 +332,8 @@ class OpRecorder(CaptureState):
             self._nf_scalars[index] = NonFiniteScalar(index=index, line=where.line, file=where.file)
 
     def _screen(self, index, name, phase, ins, in_keys, outs, out_keys, where, fwd_index, written) -> None:
-        if name in _UNINITIALISED:  # fresh memory holds whatever bits were there: not values (DDP's buckets)
-            return
-        if (name.startswith("c10d::") or name == "fsdp::all_gather_copy_in") and not any(
-                ik in self._nf_origin for ik in in_keys):
-            # What a collective returns is filled by the peers, possibly after it returns (gloo's async work),
-            # and FSDP's all-gather buffer holds old bits until then: screened only to carry an origin on.
-            return
+        if name in _UNINITIALISED or (filled_by_peers(name) and not any(k in self._nf_origin for k in in_keys)):
+            return  # fresh memory's bits are not values (DDP's buckets); what peers fill only carries an origin on
         first, origin, kind, variable = None, None, "op", None
         for o, k in zip(outs, out_keys):
             if not screen_nonfinite(o):

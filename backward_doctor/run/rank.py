@@ -31,6 +31,7 @@ from typing import Any, Callable
 from ..capture.collectives import _SKIP_DIRS, CollectiveRecorder, fill_from_flight_recorder
 from ..capture.excerpts import keep_excerpts
 from ..capture.process import one_run_at_a_time
+from .engine import ENGINES
 from ..report.schema import ReportError, loads, validate
 from ..trace.distributed import Collective, RankRecord
 from ..trace.records import FrameInfo, ThreadStack
@@ -302,14 +303,47 @@ def parse_fault(text: str, script: str = "", code: Callable[[str, int], str] | N
 PARENT_ENV = "BACKWARD_DOCTOR_LAUNCHER_PID"
 
 
+USAGE = "usage: python -m backward_doctor.run.rank FILE.py FOLDER [auto|native|python] [every] [limit=BYTES]"
+
+
+def parse_args(argv: list[str]) -> dict[str, Any]:
+    """The rank runner's arguments (what ``torchrun -m backward_doctor.run.rank`` is given after the module):
+    the script, the folder, then in any order the engine, ``every`` (record every iteration) and
+    ``limit=BYTES`` (the simulated device); ``ValueError`` for anything else, before anything runs.
+
+    >>> parse_args(["train.py", "ranks", "every", "limit=1024"])["memory_limit"]
+    1024
+    >>> parse_args(["train.py", "ranks", "evry"])
+    Traceback (most recent call last):
+    ValueError: unknown argument 'evry'
+    """
+    if len(argv) < 2:
+        raise ValueError("FILE.py and FOLDER are required")
+    out: dict[str, Any] = {"script": argv[0], "out_dir": argv[1], "engine": "auto", "every_iteration": False,
+                           "memory_limit": None}
+    for a in argv[2:]:
+        if a in ENGINES:
+            out["engine"] = a
+        elif a == "every":
+            out["every_iteration"] = True
+        elif a.startswith("limit=") and a[6:].isdigit() and int(a[6:]) > 0:
+            out["memory_limit"] = int(a[6:])
+        else:
+            raise ValueError(f"unknown argument {a!r}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:
+        print(f"{USAGE}\nbackward_doctor.run.rank: error: {exc}", file=sys.stderr)
+        return 2
     parent = os.environ.pop(PARENT_ENV, "")
     if parent.isdigit():
         die_with_parent(int(parent))
-    engine = argv[2] if len(argv) > 2 else "auto"
-    limit = next((int(a[6:]) for a in argv[3:] if a.startswith("limit=")), None)
-    return run_rank(argv[0], argv[1], engine=engine, every_iteration="every" in argv[3:], memory_limit=limit)
+    return run_rank(args.pop("script"), args.pop("out_dir"), **args)
 
 
 if __name__ == "__main__":
