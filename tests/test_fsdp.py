@@ -200,3 +200,49 @@ def test_one_rank_out_of_memory_on_a_simulated_device_is_named_with_its_memory(t
     whole = 4 * (256 * 1024 + 1024 + 1024 * 256 + 256 + 256 + 1)
     assert "parameters 1.0 MiB" in f["message"] and whole > 2 * 1024 ** 2  # (the whole model: 2.0 MiB)
     assert [(g["kind"], g["rank"]) for g in data["findings"][1:]] == [("consequence", 0)]
+
+
+def test_two_torchrun_nodes_combined_into_one_report(tmp_path):
+    """``torchrun --nnodes 2 --rdzv-backend c10d`` started twice on this machine (two "nodes" of 2 ranks), each
+    node's ranks writing into that node's folder; the folders copied together and combined: rank 3's NaN is
+    named at its line and iteration, the other three ranks received it."""
+    import shutil
+    import subprocess
+    import sys
+
+    from backward_doctor.frontends.launch import free_port
+    from test_distributed import ENV
+    path = _script(tmp_path, "nodes", prefix="BAD = False\n" + MODEL, body="""\
+        for step in range(4):
+            xb = torch.randn(8, 16, generator=g); yb = torch.randn(8, 1, generator=g)
+            if rank == 3 and step == 2:
+                xb[0, 0] = float("nan")
+            loss = ((model(xb) - yb) ** 2).mean()
+            loss.backward()
+            opt.step(); opt.zero_grad()
+    """)
+    port, nodes = free_port(), [tmp_path / "node0", tmp_path / "node1"]
+    procs = []
+    for k, folder in enumerate(nodes):
+        folder.mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+             "--node-rank", str(k), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+             "--rdzv-conf", "join_timeout=300", "-m", "backward_doctor.run.rank", path, str(folder)],
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    gathered = tmp_path / "gathered"
+    gathered.mkdir()
+    for folder in nodes:
+        assert len(list(folder.glob("rank*.json"))) == 2, outs
+        for f in folder.iterdir():
+            shutil.copy(f, gathered / f.name)
+    out = tmp_path / "combined.json"
+    proc = subprocess.run([sys.executable, "-m", "backward_doctor", "combine", str(gathered), "--json", str(out)],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3] and data["nproc"] == 4
+    f = data["findings"][0]
+    assert (f["kind"], f["rank"], f["iteration"]) == ("nonfinite", 3, 2), f
+    assert sorted(f["evidence"]["spread_to"]) == [0, 1, 2]
