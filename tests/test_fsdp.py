@@ -246,3 +246,8 @@ def test_two_torchrun_nodes_combined_into_one_report(tmp_path):
     f = data["findings"][0]
     assert (f["kind"], f["rank"], f["iteration"]) == ("nonfinite", 3, 2), f
     assert sorted(f["evidence"]["spread_to"]) == [0, 1, 2]
+    # Each rank says where torchrun placed it: 2 nodes, local ranks 0 and 1 on each; the text names them.
+    placed = {r["rank"]: (r["node"], r["local_rank"]) for r in data["ranks"]}
+    assert sorted(placed.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)], placed
+    node, local = placed[3]
+    assert f"rank 3 (node {node}, local rank {local}, on " in proc.stdout, proc.stdout

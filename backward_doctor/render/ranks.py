@@ -74,7 +74,7 @@ def ranks_text(report: "CombinedReport") -> str:
     took = f" in {report.duration_s:.1f} s" if report.duration_s else ""
     out = [_verdict(report), f"  {_n(report.nproc)} of {report.script or 'the script'}{took}"
            + (f" (timeout {report.timeout_s:g} s)" if report.timeout_s else "")]
-    out += [f"  rank {r.rank}: {_rank_line(r)}" for r in report.ranks]
+    out += [f"  rank {r.rank}{_placed(report, r)}: {_rank_line(r)}" for r in report.ranks]
     for i, f in enumerate(report.findings, 1):
         out.append("")
         out.append(f"[{i}] {f.kind} ({f.severity}) at {f.location()}{' - ' + f.title if f.title else ''}")
@@ -95,6 +95,12 @@ def ranks_text(report: "CombinedReport") -> str:
     out += [f"  note: {n}" for n in report.notes]
     out += _own_errors(report)
     return lines(out)
+
+
+def _placed(report: "CombinedReport", r: RankRecord) -> str:
+    """`` (node 1, local rank 0, on b)`` when the run spanned several nodes (one node's ranks need no such name)."""
+    several = len({x.node for x in report.ranks if x.node is not None}) > 1
+    return f" ({r.where_ran()})" if several else ""
 
 
 def _own_errors(report: "CombinedReport") -> list[str]:
@@ -144,7 +150,7 @@ def ranks_html(report: "CombinedReport") -> str:
         issued = sum(c.count or (1 if c.pending else 0) for c in r.collectives)
         where = position(r)[0] if (r.waiting_in is not None or r.stopped or not r.collectives) else \
             f"last: {r.collectives[-1].label()}"
-        out.append(f'<tr><td class="num">{esc(r.rank)}</td><td>{esc(r.ended())}</td><td class="num">{esc(issued)}</td>'
+        out.append(f'<tr><td class="num">{esc(r.rank)}{esc(_placed(report, r))}</td><td>{esc(r.ended())}</td><td class="num">{esc(issued)}</td>'
                    f'<td class="mono">{esc(where)}</td><td class="mono">{esc(rank_error(r)[:300])}</td></tr>')
     out.append("</table>")
     out.append("<h3>Root cause</h3>" if report.findings else '<div class="sub">No findings.</div>')

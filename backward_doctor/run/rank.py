@@ -21,6 +21,7 @@ import linecache
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -95,6 +96,14 @@ def _progress(rec: CollectiveRecorder, done: threading.Event) -> None:
             last = steps
 
 
+def placement() -> dict[str, Any]:
+    """Where torchrun placed this rank: node (``GROUP_RANK``), ``LOCAL_RANK``, the machine's name."""
+    def number(name: str) -> int | None:
+        value = os.environ.get(name, "")
+        return int(value) if value.isdigit() else None
+    return {"node": number("GROUP_RANK"), "local_rank": number("LOCAL_RANK"), "host": socket.gethostname()[:200]}
+
+
 def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[str, Any], *, engine: str = "auto",
                     every_iteration: bool = False, build: bool = True, memory_limit: int | None = None) -> int:
     """Run ``source`` (compiled as ``cell_file``) in ``namespace`` as this rank under the capture and the
@@ -123,7 +132,7 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
     done = threading.Event()
     # Inside the diagnosis's Ctrl-C hold: the recorder's patches go on and come off whole.
     with one_run_at_a_time():
-        header = {"run": run, "started": started, "rank": rank, "world_size": world}
+        header = {"run": run, "started": started, "rank": rank, "world_size": world, **placement()}
         with CollectiveRecorder(cell_file=cell_file, source=source, log_path=files["log"], header=header) as rec:
             threading.Thread(target=_progress, args=(rec, done), name="backward_doctor-rank-progress",
                              daemon=True).start()
@@ -145,7 +154,7 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
             "records every iteration of every rank and names the op that made it.")
     keep_excerpts(report.trace, [(c.file, c.line) for c in rec.collectives]
                   + [(u.forward_file, u.forward_line) for u in rec.unused])
-    record = RankRecord(rank=rank, world_size=world, script=cell_file, wrote_report=True,
+    record = RankRecord(rank=rank, world_size=world, script=cell_file, wrote_report=True, **placement(),
                         collectives=rec.collectives, unused=rec.unused, trace=report.trace,
                         duration_s=time.perf_counter() - start, run=run, started=started,
                         steps=report.trace.iterations.steps)
@@ -188,7 +197,8 @@ def load_rank(out_dir: str, rank: int, world: int, script: str = "", *, local: b
         record = RankRecord.from_dict(data)
     else:
         record = RankRecord(rank=rank, world_size=log.world_size or world, script=script,
-                            collectives=log.collectives, run=log.run, started=log.started, steps=log.steps)
+                            collectives=log.collectives, run=log.run, started=log.started, steps=log.steps,
+                            **log.placement)
     record.fault = _read(files["fault"], _FAULT_BYTES, tail=True) or ""
     source = (record.trace.source if record.trace is not None else "").splitlines()
     main_file = record.script or script
@@ -218,6 +228,7 @@ class RankLog:
     run: str = ""
     started: float = 0.0
     world_size: int = 0
+    placement: dict[str, Any] = field(default_factory=dict)  # node, local_rank, host (the header's)
     steps: int = 0
 
 
@@ -252,9 +263,11 @@ def read_log(path: str) -> RankLog:
             elif "steps" in e and type(e["steps"]) is int:
                 out.steps = e["steps"]
             elif "started" in e:  # the header (the same fields as a record's)
-                head = {"rank": 0, "world_size": e.get("world_size"), "run": e.get("run"), "started": e["started"]}
+                head = {"rank": 0, "world_size": e.get("world_size"), "run": e.get("run"), "started": e["started"],
+                        **{k: e[k] for k in ("node", "local_rank", "host") if k in e}}
                 validate(head, "RankRecord")
                 out.run, out.started, out.world_size = head["run"], head["started"], head["world_size"]
+                out.placement = {k: head[k] for k in ("node", "local_rank", "host") if k in head}
         except (ValueError, TypeError):  # not JSON, not an entry (ReportError is a ValueError)
             continue
     out.collectives = [entries[k] for k in sorted(entries)]

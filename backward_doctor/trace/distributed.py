@@ -135,6 +135,22 @@ class RankRecord:
     #: seconds between the rank's last sign of progress (a collective or an iteration logged) and the
     #: moment the launcher stopped it; None when it was not stopped or that is unknown
     progress_s: float | None = None
+    #: where it ran under torchrun: its node (``GROUP_RANK``), its rank on that node (``LOCAL_RANK``), the
+    #: machine's name; None/'' when not known (a record from before these were kept)
+    node: int | None = None
+    local_rank: int | None = None
+    host: str = ""
+
+    def where_ran(self) -> str:
+        """``node 1, local rank 0, on gpu-7``: where torchrun placed the rank ('' when unknown).
+
+        >>> RankRecord(3, 4, node=1, local_rank=1, host="b").where_ran()
+        'node 1, local rank 1, on b'
+        """
+        parts = [f"node {self.node}" if self.node is not None else "",
+                 f"local rank {self.local_rank}" if self.local_rank is not None else "",
+                 f"on {self.host}" if self.host else ""]
+        return ", ".join(p for p in parts if p)
 
     @property
     def waiting_in(self) -> Collective | None:
