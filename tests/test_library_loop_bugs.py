@@ -210,8 +210,9 @@ def _item_rebuilt(f: Any, ns: dict) -> None:
 
 # ----------------------------------------------------------------------------- Accelerate (a cell loop)
 _ACC_LOSS = "        loss = torch.nn.functional.cross_entropy(model(x), y)\n"  # (the line of ll.ACCEL_LOOP each bug edits)
+# (tanh saves its output for backward as a sigmoid does; a sigmoid before cross_entropy is a bug of its own)
 ACC_INPLACE = ll.ACCEL_LOOP.replace(_ACC_LOSS, """\
-        h = torch.sigmoid(model(x))
+        h = torch.tanh(model(x))
         if step == 5:
             h += 1  # <-- bug
         loss = torch.nn.functional.cross_entropy(h, y)

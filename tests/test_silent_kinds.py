@@ -4,6 +4,9 @@ own, as a notebook's cell defines them) on both engines; one library loop each w
 
 ``loss_on_probabilities``: a loss that takes logits fed a softmax/sigmoid output (a double softmax), and the
 mirror mistakes (``nll_loss`` on raw logits or on probabilities, ``binary_cross_entropy`` on raw logits).
+
+``train_eval_mode``: an evaluation under ``torch.no_grad()`` on a model left in ``train()`` mode (dropout active,
+batch-norm statistics updated), and training steps on a model left in ``eval()`` mode.
 """
 from __future__ import annotations
 
@@ -214,3 +217,163 @@ def test_lightning_training_step_with_softmax_before_cross_entropy(engine):
     assert f.evidence["fix_code"] == "probs = logits  # logits: the loss applies log_softmax itself"
 
     _silent(bd.diagnose(ll.LIT_FIT, ll.lit_fit(steps=3), engine=engine))
+
+
+# ----------------------------------------------------------------------------- train() / eval() mode
+def _bn_ns() -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
+    return {"torch": torch, "nn": nn, "F": F, "model": model, "x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,)),
+            "xv": torch.randn(5, 8), "yv": torch.randint(0, 4, (5,)),
+            "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+EVAL_IN_TRAIN_MODE = """\
+for step in range(3):
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        acc = (model(xv).argmax(1) == yv).float().mean()
+"""
+EVAL_IN_EVAL_MODE = EVAL_IN_TRAIN_MODE.replace(
+    "    with torch.no_grad():\n", "    model.eval()\n    with torch.no_grad():\n") + "    model.train()\n"
+
+
+def test_evaluation_under_no_grad_in_training_mode(engine):
+    ns = _bn_ns()
+    running_mean = ns["model"][1].running_mean.clone()
+    report = bd.diagnose(EVAL_IN_TRAIN_MODE, ns, engine=engine)
+    f = _only(report, "train_eval_mode")
+    assert (f.line, f.file, f.iteration, f.severity) == (7, None, 0, "warning"), _describe(report)
+    assert f.evidence["problem"] == "eval_in_train_mode" and f.evidence["module"] == "model"
+    assert (f.evidence["dropout_active"], f.evidence["batchnorm_training"]) == (1, 1)
+    assert f.evidence["fix_code"] == ("model.eval()  # dropout off, batch norm on its running statistics\n"
+                                      "with torch.no_grad():\n"
+                                      "    acc = (model(xv).argmax(1) == yv).float().mean()\n"
+                                      "model.train()  # back to training mode before the next step")
+    assert "1 dropout module(s) and 1 batch-norm module(s) were in training mode" in f.message
+    assert "running mean and variance from the evaluation data" in f.message
+    assert not torch.equal(ns["model"][1].running_mean, running_mean)  # (what the message says happened)
+
+    _silent(bd.diagnose(EVAL_IN_EVAL_MODE, _bn_ns(), engine=engine))
+
+
+def test_a_validation_cell_without_eval(engine):
+    cell = "with torch.no_grad():\n    val_loss = F.cross_entropy(model(xv), yv)\n"
+    report = bd.diagnose(cell, _bn_ns(), engine=engine)
+    f = _only(report, "train_eval_mode")
+    assert (f.line, f.iteration, f.evidence["problem"]) == (2, None, "eval_in_train_mode"), _describe(report)
+    assert "model.train()" not in f.evidence["fix_code"]  # nothing trains after it in this cell
+
+    ns = _bn_ns()
+    ns["model"].eval()
+    _silent(bd.diagnose(cell, ns, engine=engine))
+
+
+TRAIN_IN_EVAL_MODE = """\
+for epoch in range(3):
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        acc = (model(xv).argmax(1) == yv).float().mean()
+"""
+TRAIN_IN_TRAIN_MODE = "for epoch in range(3):\n    model.train()\n" + TRAIN_IN_EVAL_MODE.split("\n", 1)[1]
+
+
+def test_training_steps_after_an_evaluation_that_left_the_model_in_eval_mode(engine):
+    report = bd.diagnose(TRAIN_IN_EVAL_MODE, _bn_ns(), engine=engine)
+    f = _only(report, "train_eval_mode")
+    assert (f.line, f.iteration, f.evidence["problem"]) == (2, 1, "train_in_eval_mode"), _describe(report)
+    assert "`model.eval()` at line 6 was never undone by `model.train()`" in f.message
+    assert "1 dropout module(s) and 1 batch-norm module(s) in eval mode" in f.message
+    assert f.evidence["fix_code"] == ("model.train()  # dropout and batch norm back in training mode\n"
+                                      "loss = F.cross_entropy(model(x), y)")
+    assert f.location() == "cell line 2, in iteration 1 of the loop at line 1 (epoch = 1)"
+
+    _silent(bd.diagnose(TRAIN_IN_TRAIN_MODE, _bn_ns(), engine=engine))
+
+
+FROZEN_BN = _loop("model.train()\nmodel[1].eval()  # batch norm frozen on purpose\nloss = F.cross_entropy(model(x), y)")
+ADVERSARIAL = """\
+for step in range(3):
+    model.eval()
+    delta = torch.zeros_like(x, requires_grad=True)
+    grad, = torch.autograd.grad(F.cross_entropy(model(x + delta), y), delta)
+    x_adv = (x + 0.1 * grad.sign()).detach()
+    model.train()
+    loss = F.cross_entropy(model(x_adv), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+MEAN_TEACHER = _loop("""\
+with torch.no_grad():
+    target = teacher(x).softmax(dim=-1)  # the teacher in train mode, its output a target
+loss = F.cross_entropy(model(x), target)""")
+
+
+def test_no_grad_and_eval_mode_forwards_that_are_part_of_training_stay_silent(engine):
+    _silent(bd.diagnose(FROZEN_BN, _bn_ns(), engine=engine))
+    _silent(bd.diagnose(ADVERSARIAL, _bn_ns(), engine=engine))
+    ns = _bn_ns()
+    ns["teacher"] = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.2), nn.Linear(16, 4))
+    _silent(bd.diagnose(MEAN_TEACHER, ns, engine=engine))
+
+
+# ----------------------------------------------------------------------------- a library loop: Lightning fit
+LIT_PROBE = """\
+import torch
+import pytorch_lightning as pl
+import torch.nn.functional as F
+
+
+class LitProbe(pl.LightningModule):
+    def __init__(self, probe_in_eval_mode=False):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                       torch.nn.Dropout(0.2), torch.nn.Linear(32, 5))
+        self.x_probe = torch.randn(8, 16)
+        self.probe_in_eval_mode = probe_in_eval_mode
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        if self.probe_in_eval_mode:
+            self.net.eval()
+        with torch.no_grad():
+            self.probe = self.net(self.x_probe).softmax(-1).max(-1).values.mean()  # <-- a quick probe
+        self.net.train()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+
+def test_lightning_probe_in_training_mode_and_lightnings_own_validation(engine):
+    cell = "trainer.fit(model, loader, val_loader)\n"
+    fit = dict(module_source=LIT_PROBE, module_name="LitProbe", steps=4,
+               trainer_kwargs={"limit_val_batches": 2, "val_check_interval": 2})
+    ns = ll.lit_fit(**fit)
+    ns["val_loader"] = ll.xy_loader(n=16)
+    report = bd.diagnose(cell, ns, engine=engine)
+    f = _only(report, "train_eval_mode")
+    assert f.line == ll.marked_line(ns, "LitProbe", "# <-- a quick probe"), _describe(report)
+    assert f.function == "LitProbe.training_step" and f.iteration == 0 and f.evidence["module"] == "model.net"
+    assert f.evidence["problem"] == "eval_in_train_mode"
+
+    # the probe in eval mode, and Lightning's validation (eval() and no gradients): silent
+    ns = ll.lit_fit(**fit | {"module_kwargs": {"probe_in_eval_mode": True}})
+    ns["val_loader"] = ll.xy_loader(n=16)
+    report = bd.diagnose(cell, ns, engine=engine)
+    _silent(report)
+    assert any(not m.training and not m.grad_enabled for m in report.trace.module_modes), report.trace.module_modes

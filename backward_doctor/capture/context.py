@@ -31,6 +31,7 @@ from .compile_watch import CompileWatch
 from .guard import nothing
 from .worker_watch import WorkerWatch
 from .loop_hooks import LoopHooks
+from .module_modes import ModeWatch
 from .optim_hooks import OptimizerHooks
 from .process import complete, doctors_own, interrupts_deferred
 from .mode import _DoctorMode, take_off
@@ -99,6 +100,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
                                            lambda: self._guarded("compile", self._compile_ended))
         self._workers = WorkerWatch(self)
         self._mode: _DoctorMode | None = None
+        self._modes = ModeWatch()  # each model's train()/eval() and gradient mode at its first calls
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> "Capture":
@@ -303,6 +305,8 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         try:
             if id(module) not in self._modules:
                 self._register_module(module)
+            if not self._module_stack:  # (a model called from user code: once per forward, not per op)
+                self._modes.entered(self, module)
             self._module_stack.append(id(module))
             self._stack_key = tuple(self._module_stack)
         except Exception as exc:  # (the watch's own failure: it stops, the module runs, ``guard.py``)
@@ -319,6 +323,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
             elif id(module) in stack:  # an exception skipped inner post-hooks
                 del stack[stack.index(id(module)):]
             self._stack_key = tuple(stack)
+            self._modes.left(self)  # (the outermost call's end)
         except Exception as exc:
             if not self.guards.failed("modules", exc):
                 raise

@@ -338,6 +338,8 @@ def finish(cap: "OpRecorder") -> Trace:
         trace.notes.append(f"{trace.ops_dropped} ops {'in the middle of' if tail else 'later in'} the step are "
                            f"only counted in the op totals (kept {kept} one by one)")
     _resolve_modules(cap)
+    modes = getattr(cap, "_modes", None)  # (each model's train()/eval() at its first calls: capture/module_modes.py)
+    trace.module_modes = modes.resolve(module_paths(cap.namespace)) if modes is not None else []
     _compiled_notes(trace)
     _timeline(cap)
     _nonfinite_reach(cap)

@@ -258,6 +258,31 @@ class ParamInfo:
 
 
 @dataclass
+class ModuleMode:
+    """A model (an outermost module call) as it ran: its ``training`` flag and the gradient mode, with its
+    dropout (p > 0) and batch-norm modules and how many of those were in training mode; the op range of that
+    forward pass (``start`` to ``end``, op indices) and the optimizer steps completed before it
+    (``capture/module_modes.py``: the first calls of each combination only).
+
+    >>> t = Trace(module_modes=[ModuleMode("model", training=True, grad_enabled=False, start=54, end=66, dropout=1)])
+    >>> Trace.from_dict(t.to_dict()).module_modes == t.module_modes
+    True
+    """
+
+    module: str
+    training: bool
+    grad_enabled: bool
+    start: int = 0
+    end: int = 0
+    where: Where = field(default_factory=Where)
+    dropout: int = 0
+    dropout_active: int = 0
+    batchnorm: int = 0
+    batchnorm_training: int = 0
+    iteration: int = 0
+
+
+@dataclass
 class SampledRun:
     """The loop's own run, kept when :attr:`Trace.ops` are one iteration replayed after it
     (``iterations.replayed``: ``run/iteration_replay.py``): the ops of the iterations that run recorded
@@ -330,6 +355,8 @@ class Trace:
     excerpts: list[SourceExcerpt] = field(default_factory=list)
     #: a loop's iteration replayed in detail: the run's own recorded iterations (``SampledRun``)
     sampled: SampledRun | None = None
+    #: each model's ``train()``/``eval()`` and gradient mode at its first calls (``ModuleMode``)
+    module_modes: list[ModuleMode] = field(default_factory=list)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

@@ -27,6 +27,7 @@ from .memory import oom
 from .nonfinite import nonfinite
 from .params import left_frozen, orphan_params
 from .saved_writes import unseen_write
+from .train_eval import train_eval_mode
 from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param, stale_grad
 
 Rule = Callable[[Trace], list[Finding]]
@@ -39,7 +40,8 @@ EXCEPTION_RULES: list[Rule] = [dataloader_worker, compile_failure, hang, eval_wi
 RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped,
                          nonleaf_param, grad_accumulation, amp_misuse]
 #: Rules for a run that completed without an exception.
-SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities]
+SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities,
+                            train_eval_mode]
 
 
 def analyze(trace: Trace) -> list[Finding]:
