@@ -251,3 +251,32 @@ def test_two_torchrun_nodes_combined_into_one_report(tmp_path):
     assert sorted(placed.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)], placed
     node, local = placed[3]
     assert f"rank 3 (node {node}, local rank {local}, on " in proc.stdout, proc.stdout
+
+
+def test_a_sharded_module_whose_output_never_reaches_the_loss_is_not_blamed_on_fsdp(tmp_path):
+    """``model.aux`` (its own FSDP unit) runs in the forward and its output is dropped: its parameters get no
+    gradient on any rank and FSDP2 raises nothing. FSDP reads every parameter under no_grad (to shard and
+    all-gather it): before, that was reported as "line 18 (`fully_shard(m)`) runs it under torch.no_grad()"
+    on each rank. It stays silent, as the same model does without FSDP (an output kept for a metric)."""
+    path = _script(tmp_path, "unused", prefix="from torch.distributed.fsdp import fully_shard\n", body="""\
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Linear(16, 16); self.aux = nn.Linear(16, 16); self.head = nn.Linear(16, 1)
+            def forward(self, x):
+                h = torch.relu(self.body(x))
+                extra = self.aux(h)
+                return self.head(h)
+        model = Net()
+        for m in (model.body, model.aux, model.head):
+            fully_shard(m)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(3):
+            xb = torch.randn(8, 16); yb = torch.randn(8, 1)
+            loss = ((model(xb) - yb) ** 2).mean()
+            loss.backward()
+            opt.step(); opt.zero_grad()
+    """)
+    proc, data = _doctor(path, "--timeout", "120")
+    assert proc.returncode == 0 and data["findings"] == [], proc.stdout

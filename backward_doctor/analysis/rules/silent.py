@@ -125,7 +125,9 @@ def _cut_from(trace: Trace, keys: set[int]) -> tuple[OpRecord, str] | None:
         if not hits:
             derived.difference_update(k for k in op.out_keys if k not in keys)  # key reused by a new tensor
             continue
-        if not op.grad_enabled and any(k in keys for k, _ in hits):
+        if not op.grad_enabled and any(k in keys and k not in op.out_keys for k, _ in hits):
+            # (an op writing into the parameter itself under no_grad, ``nn.init``'s ``uniform_`` in a model the
+            # cell builds, is its initialisation, not a use whose output was cut off)
             return op, "no_grad"
         if op.op == "aten::_local_scalar_dense":
             return op, "item"
@@ -152,6 +154,11 @@ def detached(trace: Trace) -> list[Finding]:
     """Trainable parameters the forward used that got no gradient: the graph was cut."""
     if not any(p.got_grad for p in trace.params):
         return []  # no backward reached any parameter: not this rule's case
+    if any(op.op.startswith("fsdp::") for op in trace.ops):
+        # FSDP2 reads every sharded parameter under no_grad (to shard it, to all-gather it) and the forward uses
+        # the unsharded copy: a cut cannot be told from its machinery here (an output that never reaches the
+        # loss stays silent, as it does without FSDP).
+        return []
     used = {k for op in trace.ops if op.phase == "forward" for k in op.in_keys}
     replaced = {id(p) for p in orphans(trace)[0]}  # orphan_params explains those: no module uses them
     starved = [p for p in trace.params if p.requires_grad and p.stepped and not p.got_grad and p.key in used
