@@ -280,3 +280,29 @@ def test_a_sharded_module_whose_output_never_reaches_the_loss_is_not_blamed_on_f
     """)
     proc, data = _doctor(path, "--timeout", "120")
     assert proc.returncode == 0 and data["findings"] == [], proc.stdout
+
+
+def test_a_step_one_rank_skips_is_a_desync_then_a_bounded_hang(tmp_path):
+    """Rank 1 skips step 2 (`continue`): its all-gathers run one step ahead of rank 0's (the same sizes, so
+    gloo pairs them silently) and at the end rank 0 waits in an all-gather while rank 1 waits in the final
+    barrier, until the launcher's time limit. The desync is named at rank 1 with both ranks' steps, and the
+    hang says where each rank waited."""
+    path = _script(tmp_path, "skip_step", prefix=MODEL, body="""\
+        for step in range(4):
+            xb = torch.randn(8, 16, generator=g); yb = torch.randn(8, 1, generator=g)
+            if rank == 1 and step == 2:
+                continue
+            loss = ((model(xb) - yb) ** 2).mean()
+            loss.backward()
+            opt.step(); opt.zero_grad()
+        dist.barrier()
+    """)
+    proc, data = _doctor(path, "--timeout", "40")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    f = data["findings"][0]
+    assert (f["kind"], f["rank"]) == ("desync", 1), f
+    steps = {k: v["loop"] for k, v in f["evidence"]["ranks"].items()}
+    assert steps == {"0": {"step": 2}, "1": {"step": 3}}, steps
+    hang = next((g for g in data["findings"] if g["kind"] == "hang"), None)
+    assert hang is not None, proc.stdout
+    assert "waiting in barrier" in hang["message"] and "waiting in all_gather_single" in hang["message"]
