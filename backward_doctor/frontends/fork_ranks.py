@@ -49,7 +49,8 @@ class _Forked:
 
 
 def _child(rank: int, nproc: int, port: int, out_dir: str, source: str, cell_file: str, namespace: dict[str, Any],
-           engine: str, every_iteration: bool, out_fd: int, err_fd: int, parent: int) -> None:
+           engine: str, every_iteration: bool, out_fd: int, err_fd: int, parent: int,
+           memory_limit: int | None = None) -> None:
     """The rank's whole life in the forked child; never returns (``os._exit``). It dies with the kernel
     (a kernel restarted meanwhile leaves no rank running) and holds none of the kernel's sockets (the
     restarted kernel binds the same ports)."""
@@ -71,7 +72,7 @@ def _child(rank: int, nproc: int, port: int, out_dir: str, source: str, cell_fil
         from ..run.rank import run_rank_source
 
         code = run_rank_source(source, cell_file, out_dir, namespace, engine=engine,
-                               every_iteration=every_iteration, build=False)
+                               every_iteration=every_iteration, build=False, memory_limit=memory_limit)
     except BaseException:  # noqa: BLE001 - the child must reach os._exit whatever happened
         traceback.print_exc()
     finally:
@@ -83,9 +84,11 @@ def _child(rank: int, nproc: int, port: int, out_dir: str, source: str, cell_fil
 
 
 def launch_cell(source: str, namespace: dict[str, Any], nproc: int, *, timeout: float | None = None,
-                engine: str = "python", every_iteration: bool = False, echo: bool = True) -> CombinedReport:
+                engine: str = "python", every_iteration: bool = False, echo: bool = True,
+                memory_limit: int | None = None) -> CombinedReport:
     """Run the cell ``source`` on ``nproc`` ranks forked from this process (``namespace``: the
-    kernel's variables, as the cell sees them); the combined report. This process never joins the
+    kernel's variables, as the cell sees them); the combined report (``memory_limit``: each rank's
+    simulated device, in bytes). This process never joins the
     process group. ``ValueError`` before anything runs for bad arguments or an initialised CUDA."""
     from ..api import check_timeout
     from ..capture.runner import cell_filename
@@ -112,7 +115,7 @@ def launch_cell(source: str, namespace: dict[str, Any], nproc: int, *, timeout: 
             os.close(r_out)
             os.close(r_err)
             _child(k, nproc, port, out_dir, source, cell_file, namespace, engine, every_iteration, w_out, w_err,
-                   parent)
+                   parent, memory_limit)
         os.close(w_out)
         os.close(w_err)
         return _Rank(k, _Forked(pid, r_out, r_err), echo)  # type: ignore[arg-type]

@@ -81,24 +81,25 @@ class BackwardDoctorMagics(Magics):
                 from .launch import check_nproc
 
                 check_nproc(args.nproc)
-                if args.fix or limit:
-                    raise ValueError("--nproc runs the cell as it is: --fix and --memory-limit apply to one process")
+                if args.fix:
+                    raise ValueError("--nproc runs the cell as it is: --fix applies to one process")
             check_export_paths(args.memory_snapshot, args.trace)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         with _exclusive():
             if args.nproc is not None:
-                self._run_ranks(args, cell, timeout, engine)
+                self._run_ranks(args, cell, timeout, engine, limit)
             else:
                 self._run(args, cell, timeout, limit, engine)
 
-    def _run_ranks(self, args: Any, cell: str, timeout: float | None, engine: str) -> None:
-        """``--nproc N``: the cell on N ranks forked from the kernel (``fork_ranks.py``); the combined report."""
+    def _run_ranks(self, args: Any, cell: str, timeout: float | None, engine: str, limit: int | None) -> None:
+        """``--nproc N``: the cell on N ranks forked from the kernel (``fork_ranks.py``); the combined report
+        (``--memory-limit``: each rank's simulated device)."""
         from .fork_ranks import launch_cell
 
         try:
             report = launch_cell(cell, self.shell.user_ns, args.nproc, timeout=timeout, engine=engine,
-                                 every_iteration=args.every_iteration)
+                                 every_iteration=args.every_iteration, memory_limit=limit)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         remember(report)  # type: ignore[arg-type]  (bd.last_report(): the combined report)
