@@ -92,3 +92,25 @@ def test_fix_from_scratch_counts_the_cell_s_model_in_both_columns():
     # The parameters moved out of "other", not counted twice: each column still adds up to its peak.
     for side in ("before", "after"):
         assert sum(cmp[side]["peak_by_category"].values()) == cmp[side]["peak_bytes"]
+
+
+def test_the_loop_position_is_the_training_loops_not_a_setup_loops(engine):
+    """A setup loop before the training loop (`for m in model: ...`) is over when training runs: its variable's
+    last value is no position. Before, the place read "(m = Linear(...), step = 2)" (seen with FSDP2's
+    `for layer in model: fully_shard(layer)`)."""
+    cell = ("model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))\n"
+            "for m in model:\n"
+            "    if isinstance(m, nn.Linear):\n"
+            "        nn.init.zeros_(m.bias)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "for step in range(3):\n"
+            "    x = torch.randn(8, 4)\n"
+            "    if step == 2:\n"
+            "        x[0, 0] = float('nan')\n"
+            "    loss = model(x).pow(2).mean()\n"
+            "    loss.backward()\n"
+            "    opt.step(); opt.zero_grad()\n")
+    report = bd.diagnose(cell, {"torch": torch, "nn": nn}, engine=engine)
+    f = report.findings[0]
+    assert (f.kind, f.line, f.iteration) == ("nonfinite", 9, 2), f
+    assert report.trace.iterations.values["2"] == "step = 2" and "m = " not in str(report)

@@ -216,9 +216,13 @@ class LoopHooks:
                 self.trace.iterations.values[str(iteration)] = text
             return
         if self._loop_names is None:
-            from ..util.loops import outer_loops
+            from ..util.loops import outer_loops, steps_in
 
-            self._loop_names = sorted({n for _, _, names in outer_loops(self.trace.source) for n in names})
+            # The loops that step an optimizer: a setup loop before them (`for m in model: fully_shard(m)`) is
+            # over, and its variable's last value is no position of the training loop.
+            loops = outer_loops(self.trace.source)
+            loops = [lp for lp in loops if steps_in(self.trace.source, lp[0])] or loops
+            self._loop_names = sorted({n for _, _, names in loops for n in names})
         if self._loop_names:
             try:
                 text = ns_mod.loop_values(self.namespace, self._loop_names)
