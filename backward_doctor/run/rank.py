@@ -148,10 +148,12 @@ def run_rank_source(source: str, cell_file: str, out_dir: str, namespace: dict[s
     report.trace.notes.extend(rec.notes)  # (the collective log's own failure, if it stopped)
     its = report.trace.iterations
     if its.first_nonfinite is not None and its.first_nonfinite not in its.recorded and its.recorded:
+        how = ("`--every-iteration` records every iteration of every rank and names the op that made it"
+               if not report.trace.device.startswith("cuda") else "on CUDA ops are screened only in a replay: "
+               "run that rank's batch in one process under the doctor to name the op")
         report.trace.notes.append(
             f"NaN/Inf first showed in iteration {its.first_nonfinite}, which ran with the recorder off; a rank "
-            "does not replay it (the replay would issue collectives its peers never join): `--every-iteration` "
-            "records every iteration of every rank and names the op that made it.")
+            f"does not replay it (the replay would issue collectives its peers never join): {how}.")
     keep_excerpts(report.trace, [(c.file, c.line) for c in rec.collectives]
                   + [(u.forward_file, u.forward_line) for u in rec.unused])
     record = RankRecord(rank=rank, world_size=world, script=cell_file, wrote_report=True, **placement(),
