@@ -89,7 +89,9 @@ def test_trainer_amp_and_checkpointing_are_training_arguments_measured(tmp_path,
         assert "The fixed step did not complete: OutOfMemoryError" in fr.message and fr.rolled_back
 
 
-def test_trainer_built_in_another_cell_offers_no_button_and_says_what_to_set(tmp_path):
+def test_trainer_built_in_another_cell_is_fixed_on_the_live_trainer_and_put_back(tmp_path):
+    """Outside IPython there is no input history: the fix is set on the live trainer for the run, the report
+    says where the arguments would be (not found) and gives the assignment; the trainer is put back after."""
     pytest.importorskip("ipywidgets")
     from backward_doctor.frontends.panel import Panel
 
@@ -97,19 +99,23 @@ def test_trainer_built_in_another_cell_offers_no_button_and_says_what_to_set(tmp
     exec(HF_CELL.replace("trainer.train()\n", ""), ns)                          # an earlier cell built them
     report = bd.diagnose("trainer.train()", ns, memory_limit=HF_LIMIT)
     assert report.findings[0].kind == "oom"
-    offers = report.fix_offers
-    assert set(offers) == {"accumulate", "amp", "checkpoint"} and all(offers.values())
-    assert "`per_device_train_batch_size=16, gradient_accumulation_steps=2` in `TrainingArguments`" in \
-        offers["accumulate"]
-    assert "`bf16=True` in `TrainingArguments`" in offers["amp"]
-    assert applicable_fixes(report) == []
+    assert report.fix_offers == {"accumulate": "", "amp": "", "checkpoint": ""}
     panel = Panel(report, "trainer.train()", ns)
-    assert panel.fix_buttons == {}                                             # no button that would refuse
-    assert "Not offered for this cell" in panel.refused.value and "gradient_accumulation_steps=2" in \
-        panel.refused.value
-    assert "not offered for this cell: accumulate - transformers runs this loop" in str(report)
-    asked = run_fix("trainer.train()", ns, "accumulate", original=report, memory_limit=HF_LIMIT)
-    assert not asked.fix_result.applied and "where those arguments are built" in asked.fix_result.message
+    assert set(panel.fix_buttons) == {"accumulate:2", "amp", "checkpoint"} and not panel.refused.value
+    trainer, args = ns["trainer"], ns["trainer"].args
+    weights = _weights(ns["model"])
+    fixed = run_fix("trainer.train()", ns, "accumulate:2", original=report, memory_limit=HF_LIMIT)
+    fr = fixed.fix_result
+    assert fr.applied and fr.fits, fr.message
+    assert fr.elsewhere["place"] is None and "not found in this kernel's input history" in fr.message
+    assert fr.elsewhere["live"] == ("trainer.args = dataclasses.replace(trainer.args, per_device_train_batch_size=16, "
+                                    "gradient_accumulation_steps=2)") and fr.elsewhere["live"] in fr.code
+    assert fr.comparison["after"]["peak_bytes"] <= 5e6 and abs(fixed.trace.accumulation.check.factor - 1) < 1e-5
+    assert ns["trainer"] is trainer and trainer.args is args and args.per_device_train_batch_size == 32
+    assert _same(_weights(ns["model"]), weights)                                 # the fix is not kept: put back
+    text = str(fixed)
+    assert "set them on the live object: trainer.args = dataclasses.replace(" in text.replace("\n    ", " ")
+    assert "cannot be applied" not in text
 
 
 # --------------------------------------------------------------------------- Lightning

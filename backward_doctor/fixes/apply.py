@@ -22,6 +22,7 @@ from .compare import GradProbe, Watch, grad_max_rel_err, loss_value, run_numbers
 from ..report.fix_result import FixResult
 from ..run.snapshot import Snapshot, take_if_it_fits
 from ..run.step import check_cell, check_timeout, remember, run_step
+from .live_knobs import LiveObjects, touched
 from .spec import FixSpec, parse_fix
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         say(1.0, "done (fix not applicable)")
         return _as_last(dataclasses.replace(original, fix=spec.name, fix_result=result))  # the caller's stays as it was
     result.warnings.extend(rw.warnings)
+    # Arguments an earlier cell built are set on the live objects for the run: their attributes go back after it.
+    live = LiveObjects(touched(ns[rw.details["live_var"]])) if rw.details.get("live_var") in ns else None
 
     # 4. Restore, then run the rewritten cell. Plain "accumulate" (no k) doubles k while the
     #    step still runs out of memory, restoring the state before each try.
@@ -154,6 +157,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     while True:
         name = f"accumulate:{rw.details['k']}" if spec.kind == "accumulate" else spec.name
         result.name, result.code, result.diff = name, rw.code, _diff(source, rw.code)
+        result.elsewhere = rw.details.get("elsewhere")
         result.comparison.pop("predicted_peak", None)
         predicted, lower = _predicted(original, name)
         if predicted is not None:
@@ -179,7 +183,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         if told is not None:  # (at most once: the follow-up clears what asks for it)
             tried.append(f"{name} as first written left each micro-batch's loss undivided (the gradients "
                          f"{rw.details['k']}x one full batch's)")
-            _restore(snap, ns, result)
+            _restore(snap, ns, result, live)
             rw = told
             continue
         oom = trace.exception is not None and trace.exception.type == "OutOfMemoryError"
@@ -199,6 +203,8 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
                                    f"({format_bytes(signature[1])} in {signature[0]})")
             break
         last_failure = signature
+        if live is not None:  # the next rewrite reads the live arguments as the user set them
+            live.restore()
         try:  # before restoring: batch tensors the cell makes itself exist now
             made = (_safe(lambda: stored_names(Cell(rw.code).stmts)) or set()) - rebinds
             following = rewrite_for(FixSpec("accumulate", min(2 * k, rw.details["batch_size"])), source, ns,
@@ -206,7 +212,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         except NotApplicable:
             break
         tried.append(f"{name} still ran out of memory (peak {format_bytes(trace.memory.peak_bytes)})")
-        _restore(snap, ns, result)
+        _restore(snap, ns, result, live)
         say(hi, f"{name} ran out of memory; trying {following.details['k']} micro-batches")
         rw = following
     report = fixed
@@ -223,6 +229,14 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         _restore(snap, ns, result)
         result.rolled_back = True
         result.message += " The training state was rolled back to before the fix."
+    if live is not None:  # nothing the live fix changed stays unless the user keeps it
+        if snap is not None and result.fits:
+            _restore(snap, ns, result)
+            result.rolled_back = True
+        live.restore()
+        back = f"`{rw.details['live_var']}` was put back as it was (its arguments, its Accelerator)"
+        result.message += (f" Then {back}" + (" and the training state rolled back" if snap is not None else "")
+                           + ": run the code to keep to train with the fix." if result.fits else f" {back}.")
     report.fix_result = result
     say(1.0, "done")
     return report
@@ -233,7 +247,9 @@ def _as_last(report: Report) -> Report:
     return remember(report)
 
 
-def _restore(snap: Snapshot, ns: dict[str, Any], result: FixResult) -> None:
+def _restore(snap: Snapshot, ns: dict[str, Any], result: FixResult, live: LiveObjects | None = None) -> None:
+    if live is not None:
+        live.restore()
     try:
         snap.restore(ns)
     except Exception as exc:  # say so: the state may be partly restored

@@ -17,7 +17,8 @@ checkpoint    ``activation_checkpointing=True`` (a model that has   the modules 
 Accelerate: ``Accelerator(gradient_accumulation_steps=...)`` and the ``DataLoader``'s ``batch_size``
 (its mixed precision is fixed once per process, so ``amp`` is not offered there). The same examples make
 each optimizer step; only their split changes. Where the cell does not build those arguments (they were
-built in another cell) the fix cannot be applied here and says what to write by hand.
+built in another cell), a ``Trainer``'s are set on the live object for the run (``live_knobs.py``); Lightning's
+and Accelerate's cannot be applied here and say what to write by hand.
 
 >>> import ast
 >>> set_keyword(Cell("args = make(a=1, b=2)\\n"), ast.parse("make(a=1, b=2)").body[0].value, "b", "4")[2]
@@ -33,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..util.cell import Cell, NotApplicable, check_compiles, resolve
-from . import checkpoint
+from . import checkpoint, live_knobs
 from .accumulate import Rewrite, _default_k
+from .live_knobs import _keyword, set_keyword
 from .spec import FixSpec
 
 #: library -> (its name in words, the call that runs its loop)
@@ -103,24 +105,6 @@ def find_library_loop(cell: Cell, namespace: dict[str, Any]) -> LibraryLoop | No
 
 
 # --------------------------------------------------------------------------- editing a call's keywords
-def _keyword(call: ast.Call, name: str) -> ast.keyword | None:
-    return next((k for k in call.keywords if k.arg == name), None)
-
-
-def set_keyword(cell: Cell, call: ast.Call, name: str, value: str) -> tuple[int, int, str]:
-    """The edit that makes ``call`` pass ``name=value``: its value replaced, or the keyword added last."""
-    kw = _keyword(call, name)
-    if kw is not None:
-        return (*cell.span(kw.value), value)
-    args = [*call.args, *call.keywords]
-    if args:
-        last = max(args, key=lambda n: (n.end_lineno, n.end_col_offset))
-        end = cell.span(last.value if isinstance(last, ast.keyword) else last)[1]
-        return (end, end, f", {name}={value}")
-    end = cell.span(call)[1] - 1  # just inside the closing parenthesis
-    return (end, end, f"{name}={value}")
-
-
 def _int_value(call: ast.Call, name: str, position: int | None, default: int | None, what: str) -> int:
     """The whole number ``call`` passes as ``name`` (or at ``position``), the default when it passes none."""
     node = _keyword(call, name)
@@ -348,7 +332,12 @@ def _checkpoint(cell: Cell, namespace: dict[str, Any], loop: LibraryLoop, origin
 
 def rewrite(spec: FixSpec, cell: Cell, namespace: dict[str, Any], original: Any, loop: LibraryLoop) -> Rewrite:
     """``spec`` as the library's own knob, in ``cell`` (where :func:`find_library_loop` found ``loop``);
-    ``NotApplicable`` with the reason when it cannot be set here."""
+    ``NotApplicable`` with the reason when it cannot be set here. Arguments built in an earlier cell are set on
+    the live objects for the run (``live_knobs``)."""
+    if loop.knobs is None:
+        live = live_knobs.rewrite(spec, cell, namespace, original, loop)
+        if live is not None:
+            return live
     if spec.kind == "accumulate":
         return _accumulate(cell, namespace, loop, spec.arg if isinstance(spec.arg, int) else None, original)
     if spec.kind == "amp":

@@ -136,12 +136,32 @@ def fix_after_html(result: "FixResult", with_code: bool = True) -> str:
            f'<div style="flex:0 0 auto">{table}</div><div style="flex:1 1 380px;max-width:600px">{plot}</div></div>']
     for w in result.warnings or []:
         out.append(f'<div class="sub">⚠ {esc(w)}</div>')
-    if diff:
+    elsewhere = result.elsewhere or {}
+    if elsewhere and result.applied:  # knobs an earlier cell built: the edit is there, the run set them live
+        out.append(elsewhere_html(elsewhere))
+    elif diff:
         out.append("<div><b>The change</b></div>" + diff)
     code = result.code
     if code and with_code and result.applied and result.fits:  # a fix that did not work is no code to keep
         out.append(f'<div><b>Code to keep</b></div><div class="src"><pre style="padding:6px 8px">{esc(code)}</pre></div>')
     return "".join(out)
+
+
+def elsewhere_html(elsewhere: dict) -> str:
+    """Where a library's knobs were built (an earlier cell): the edit there, as a diff named as IPython names
+    the cell, or, where that cell was not found, the assignment on the live object.
+
+    >>> "Cell In[3], line 5" in elsewhere_html({"place": "Cell In[3], line 5", "setting": "bf16=True", "diff": ""})
+    True
+    """
+    if not elsewhere.get("place"):
+        return (f'<div><b>The change</b> <span class="sub">the cell that built these arguments is not in this '
+                f'kernel\'s input history: set them on the live object</span></div><div class="src"><pre '
+                f'style="padding:6px 8px">{esc(elsewhere.get("live") or "")}</pre></div>')
+    return (f'<div><b>The change, where the arguments are built</b> <code>{esc(elsewhere["place"])}</code>: '
+            f'<code>{esc(elsewhere.get("setting") or "")}</code></div>' + S.diff_html(elsewhere.get("diff") or "")
+            + '<div class="sub">Or insert the code below as a new cell: it sets them on the live objects and '
+              "runs the cell again, as the doctor measured it.</div>")
 
 
 def render_html(report: "Report") -> str:

@@ -149,9 +149,18 @@ def _fix_lines(fr: "FixResult") -> list[str]:
         out.extend(_wrap("; ".join(numbers), "    "))
     if fix_failed(fr):
         out.extend(_wrap("Next: " + fix_next_step(fr).replace("`", ""), "    "))
+    ew = fr.elsewhere or {}
+    if ew and fr.applied:  # knobs an earlier cell built: the edit is there; the run set them on the live objects
+        if ew.get("place"):
+            out.extend(_wrap(f"where the arguments are built: {ew['place']}: {ew['setting']}", "    "))
+            out.extend("      " + ln for ln in (ew.get("diff") or "").splitlines())
+        else:
+            out.extend(_wrap("where the arguments are built: not in this kernel's input history; set them on the "
+                             f"live object: {ew.get('live')}", "    "))
     if fr.code and fr.applied and fr.fits:
         # Printed as it is, between two rulers, so it pastes into a cell or a file unchanged.
-        out.append("    code to keep (between the lines):")
+        out.append("    code to keep (between the lines):" if not ew else
+                   "    or as a new cell, setting them on the live objects (between the lines):")
         out.append("-" * 40 + " 8< " + "-" * 40)
         out.extend(fr.code.rstrip("\n").splitlines())
         out.append("-" * 40 + " >8 " + "-" * 40)

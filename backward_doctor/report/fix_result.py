@@ -38,6 +38,10 @@ class FixResult:
     #: the op the fix made slowest took this many times as long per call as in the original run (set only when
     #: much slower: it fits, at a price; ``fixes.apply.slowdown``)
     slowdown: float | None = None
+    #: a library's knobs built in an earlier cell and set on the live objects for the run: where they are built
+    #: (``place``: ``Cell In[3], line 5``, None when not found), ``setting``, that cell's number, ``code`` and
+    #: ``diff`` edited, and ``live`` (the assignment on the live object); ``fixes.live_knobs.elsewhere``
+    elsewhere: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
