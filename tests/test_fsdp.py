@@ -199,6 +199,8 @@ def test_one_rank_out_of_memory_on_a_simulated_device_is_named_with_its_memory(t
     assert (f["kind"], f["rank"], f["line"], f["iteration"]) == ("oom", 1, _line(path, "loss = ((model"), 0), f
     whole = 4 * (256 * 1024 + 1024 + 1024 * 256 + 256 + 256 + 1)
     assert "parameters 1.0 MiB" in f["message"] and whole > 2 * 1024 ** 2  # (the whole model: 2.0 MiB)
+    # What FSDP2 offers, the largest share first: here the activations of rank 1's large batch.
+    assert "Under FSDP2, activations are most of it: activation checkpointing" in f["message"]
     assert [(g["kind"], g["rank"]) for g in data["findings"][1:]] == [("consequence", 0)]
 
 

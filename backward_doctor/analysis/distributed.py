@@ -21,6 +21,7 @@ from .findings import Finding
 from .rules import analyze
 from .rank_rules import crashed, first_nonfinite, hang, still_progressing, unused_parameters
 from ..trace.distributed import DDP_BACKWARD, Collective, RankRecord, loop_text
+from ..trace.records import Trace
 
 #: What a rank sees when a peer failed or went missing: a consequence, never the root cause.
 CONSEQUENCE = re.compile(r"Connection (closed|reset) by peer|Timed out waiting|Socket Timeout|Broken pipe|"
@@ -163,7 +164,8 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
     """All findings of a distributed run, root cause first, each with its ``rank`` (None: all ranks);
     ``timeout``: the launcher's, in seconds (for the hang's message)."""
     ranks = sorted(ranks, key=lambda r: r.rank)
-    own = {r.rank: [_tag(f, r.rank) for f in analyze(r.trace)] if r.trace is not None else [] for r in ranks}
+    own = {r.rank: [_tag(f, r.rank, r.trace) for f in analyze(r.trace)] if r.trace is not None else []
+           for r in ranks}
     roots = unused_parameters(ranks)
     if not roots:  # unused parameters explain the missing DDP all-reduce on their rank
         roots += desync(ranks, timeout)
@@ -192,9 +194,31 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
     return roots + rest + after
 
 
-def _tag(f: Finding, rank: int) -> Finding:
+def _tag(f: Finding, rank: int, trace: Trace | None = None) -> Finding:
     f.rank = rank
+    oom = trace.exception.oom if trace is not None and trace.exception is not None else None
+    if f.kind == "oom" and oom is not None and any(op.op.startswith("fsdp::") for op in trace.ops):
+        f.message += " " + _fsdp_memory(oom.by_category, oom.requested or 0)
     return f
+
+
+def _fsdp_memory(by_category: dict[str, int], requested: int) -> str:
+    """What FSDP2 offers against this rank's out-of-memory, the largest share first: a rank's parameters,
+    gradients and optimizer state shrink with more ranks (each holds 1/N of them); activations do not.
+
+    >>> _fsdp_memory({"parameters": 1, "gradients": 1, "optimizer": 2, "activations": 9, "other": 0}, 0)[:41]
+    'Under FSDP2, activations are most of it: '
+    """
+    state = sum(by_category.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
+    acts = by_category.get("activations", 0) + by_category.get("other", 0) + requested
+    shard = ("more ranks shard the parameters, gradients and optimizer state further (each rank holds 1/N of "
+             "them), and `fully_shard(module, reshard_after_forward=True)` (the default) frees each layer's "
+             "all-gathered parameters after its forward")
+    act = ("activation checkpointing on each sharded block (`torch.utils.checkpoint.checkpoint` in its forward) "
+           "or a smaller per-rank batch with gradient accumulation (more ranks do not shrink them)")
+    if acts >= state:
+        return f"Under FSDP2, activations are most of it: {act}; then {shard}."
+    return f"Under FSDP2, the sharded training state is most of it: {shard}; then {act}."
 
 
 def _consequence(r: RankRecord, root: Finding | None, own: list[Finding]) -> Finding:
