@@ -723,3 +723,16 @@ def test_a_device_side_assert_while_the_python_recorder_slept_says_how_to_find_t
     assert isinstance(result.error_in_exec, RuntimeError)
     notes = bd.last_report().trace.notes
     assert any("run the cell under `%%backward_doctor`, which checks the indices of every op" in n for n in notes)
+
+
+def test_out_of_memory_offers_only_the_fixes_that_apply_to_the_cell(shell):
+    """Always on shows the panel (or the report) with a fix button only where the fix can be applied (issue 45):
+    checkpointing cannot lower this peak, so it is advice text with the reason, not a button that refuses."""
+    _on(shell, "--memory-limit 100KB")
+    _run(shell, SETUP)
+    result, cap = _run(shell, "big = model(x[:5].repeat(500, 1))\nbig.sum().backward()")
+    report = bd.last_report()
+    assert report.fix_offers is not None and report.fix_offers["accumulate"] == report.fix_offers["amp"] == ""
+    assert report.fix_offers["checkpoint"].startswith("checkpointing would not lower the peak")
+    text = cap.outputs[-1].data["text/plain"]
+    assert "fixes: accumulate, amp  (" in text and "not offered for this cell: checkpoint - checkpointing" in text

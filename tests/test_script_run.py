@@ -126,3 +126,16 @@ def test_the_trainer_callback_in_a_plain_python_script(tmp_path):
     assert "RuntimeError" in trace
     saved = json.loads((tmp_path / "out" / "backward_doctor-report.json").read_text(encoding="utf-8"))
     assert saved["findings"][0]["kind"] == "shape_mismatch" and saved["trace"]["iterations"]["steps"] == 3
+
+
+def test_out_of_memory_advice_names_only_the_fixes_that_apply_to_the_script(tmp_path):
+    """The `run` path's report says which fixes `--fix` can apply to the script and why not the others (issue 45)."""
+    path = tmp_path / "big.py"
+    path.write_text("import torch, torch.nn as nn\ntorch.manual_seed(0)\n"
+                    "model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))\nx = torch.randn(16, 4)\n"
+                    "big = model(x[:5].repeat(500, 1))\nbig.sum().backward()\n", encoding="utf-8")
+    done = _run(
+        [sys.executable, "-m", "backward_doctor", "run", "--memory-limit", "100KB", str(path)], tmp_path)
+    assert done.returncode == 1 and "OutOfMemoryError" in done.stderr
+    assert "fixes: accumulate, amp  (" in done.stderr, done.stderr
+    assert "not offered for this cell: checkpoint - checkpointing would not lower the peak" in done.stderr

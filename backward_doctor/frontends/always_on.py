@@ -309,6 +309,9 @@ class AlwaysOn:
         opts = self.options
         try:
             if failed(report):
+                from ..fixes.offers import check_offers
+
+                check_offers(report, source, self.shell.user_ns)  # a fix button only where it can be applied
                 _show(self.shell, report, source, opts.memory_limit, opts.timeout)
             elif not opts.quiet and quiet_line(report):
                 print(quiet_line(report))

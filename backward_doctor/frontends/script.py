@@ -124,6 +124,7 @@ def main(argv: list[str]) -> int:
         if exc is None or isinstance(exc, SystemExit):  # (the script chose to exit: its own business)
             return _exit_code(exc) if exc is not None else 0
     elif failed(report):
+        _offers(report, source, namespace)
         _tell(report, out)
     elif not args.quiet and quiet_line(report):
         print(quiet_line(report), file=sys.stderr, flush=True)
@@ -132,6 +133,17 @@ def main(argv: list[str]) -> int:
     if isinstance(exc, SystemExit):
         return _exit_code(exc)
     return _uncaught(exc)
+
+
+def _offers(report: Any, source: str, namespace: dict) -> None:
+    """Which fixes ``--fix`` can apply to the script, and why not the others (the report's advice says so)."""
+    try:
+        from ..fixes.offers import check_offers
+
+        check_offers(report, source, namespace)
+    except Exception as own:  # noqa: BLE001 - the doctor's own: the report is told without them
+        if not doctors_own(own):
+            raise
 
 
 def _tell(report: Any, out: str) -> None:
