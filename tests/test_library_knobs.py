@@ -273,3 +273,41 @@ def test_accelerate_loop_is_fixed_with_gradient_accumulation_steps_and_amp_is_no
     plain = _acc()
     exec(fr.code, plain)
     assert _same(_weights(plain["model"]), doctored)
+
+
+CALLBACK_SCRIPT = """\
+import os, sys
+os.environ["HF_HUB_OFFLINE"] = "1"
+import library_loops as ll
+from backward_doctor.integrations import DoctorCallback
+tf = ll._transformers()
+callback = DoctorCallback(memory_limit="5MB")
+args = tf.TrainingArguments(output_dir=sys.argv[1], max_steps=2, per_device_train_batch_size=32, use_cpu=True,
+                            report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0)
+trainer = tf.Trainer(model=ll.tiny_bert_classifier(), args=args, train_dataset=ll.TokenDataset(n=64, seq=32),
+                     callbacks=[callback])
+trainer.train()
+"""
+
+
+def test_the_callbacks_advice_names_the_training_arguments_and_where_the_script_builds_them(tmp_path):
+    """A callback cannot re-run the training, so its report offers no fix to run: its advice names the knobs to
+    set, with the numbers of this run, and the script's line that builds the TrainingArguments (issue 45)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "train_hf.py"
+    script.write_text(CALLBACK_SCRIPT, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env=env)
+    assert done.returncode == 1 and "OutOfMemoryError" in done.stderr, done.stderr[-2000:]
+    offers = json.loads((tmp_path / "out" / "backward_doctor-report.json").read_text())["fix_offers"]
+    assert offers["accumulate"].startswith("set `per_device_train_batch_size=16, gradient_accumulation_steps=2` "
+                                           "in `TrainingArguments` where they are built (train_hf.py, line 7)")
+    assert offers["amp"].startswith("set `bf16=True` in `TrainingArguments` where they are built (train_hf.py, line 7)")
+    assert "not offered for this cell: accumulate - set `per_device_train_batch_size=16" in \
+        done.stderr.replace("\n    ", " ")

@@ -212,3 +212,49 @@ def rewrite(spec: FixSpec, cell: Cell, namespace: dict[str, Any], original: Any,
            + (f"{where['place']}." if where["place"] else "not found in this kernel's input history "
               f"(assign `{where['live']}` before `{var}.train()`)."))
     return Rewrite(code=code, message=msg, details={**details, "live_var": var, "elsewhere": where})
+
+
+def built_at(cls: type, namespace: dict[str, Any] | None, path: str | None) -> str | None:
+    """Where ``cls`` (the arguments' class) is called: a notebook cell in IPython's input history
+    (``Cell In[3], line 5``), else the script's line (``train.py, line 12``), else None.
+
+    >>> built_at(int, {"In": ["", "n = int(3)\\n"], "int": int}, None)
+    'Cell In[1], line 1'
+    """
+    found = building_cell(namespace, cls) if namespace is not None else None
+    if found is not None:
+        return place_name(found[0], found[2].lineno)
+    try:
+        with open(path or "", encoding="utf-8") as f:  # (the script a callback runs in, as its report reads it)
+            tree = ast.parse(f.read(1 << 22))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if isinstance(node, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) == cls.__name__:
+            return f"{path.rsplit('/', 1)[-1]}, line {node.lineno}"
+    return None
+
+
+def advice(report: Any, trainer: Any, where: str | None) -> dict[str, str]:
+    """A callback's report (``report.fix_offers``): for each fix the findings name, the ``TrainingArguments``
+    to set and where they are built; a callback cannot re-run the training, so none is a button."""
+    from .spec import parse_fix
+
+    offers: dict[str, str] = {}
+    for name in dict.fromkeys(n for f in report.findings for n in f.fixes):
+        spec = parse_fix(name)
+        if spec.kind not in ("accumulate", "amp", "checkpoint") or not dataclasses.is_dataclass(
+                getattr(trainer, "args", None)):
+            offers[name] = "a callback cannot re-run the training: try it on the cell with `%%backward_doctor --fix`"
+            continue
+        try:
+            changes, _, _ = _transformers(spec, "trainer", trainer, report)
+        except NotApplicable as exc:
+            offers[name] = str(exc)
+            continue
+        at = f" ({where})" if where else ""
+        offers[name] = (f"set `{settings(changes)}` in `TrainingArguments` where they are built{at}; a callback "
+                        "cannot re-run the training (in a notebook, `%%backward_doctor` on the cell that trains gives "
+                        "a button that measures it)")
+    return offers

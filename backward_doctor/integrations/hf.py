@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
@@ -50,6 +51,8 @@ class DoctorCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         namespace = {k: kwargs[k] for k in ("model", "optimizer", "lr_scheduler") if kwargs.get(k) is not None}
         trainer = _calling_trainer()
+        if trainer is not None:  # the advice names the TrainingArguments to set, and where they are built
+            self.doctor.advise = functools.partial(_advice, weakref.ref(trainer))
         steps = StepArguments(trainer, keep_last=True) if trainer is not None else None
         self.doctor.begin(namespace, output_dir=getattr(args, "output_dir", None),
                           find_body=steps.body if steps is not None else None,
@@ -67,6 +70,19 @@ class DoctorCallback(TrainerCallback):
     def report(self) -> Any:
         """The latest training run's report (None before one ended, or when the callback stood aside)."""
         return self.doctor.report
+
+
+def _advice(trainer_ref: Any, report: Any) -> dict[str, str]:
+    """The fixes' advice for a Trainer's run: its arguments' knobs, where the script or a cell builds them."""
+    from ..fixes.live_knobs import advice, built_at
+    from .watching import _main_file
+
+    trainer = trainer_ref()
+    if trainer is None:
+        return {}
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    where = built_at(type(trainer.args), getattr(shell, "user_ns", None), _main_file())
+    return advice(report, trainer, where)
 
 
 def _calling_trainer() -> Trainer | None:

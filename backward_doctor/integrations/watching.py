@@ -65,6 +65,8 @@ class LoopDoctor:
         self._folder: str | None = None
         self._hooks: list[Any] = []
         self._cleanup: Callable[[], None] | None = None
+        #: the report's advice on the fixes its findings name (the library's knobs and where they are built)
+        self.advise: Callable[[Report], dict[str, str]] | None = None
 
     # ---------------------------------------------------------------- the library's events
     def begin(self, namespace: dict[str, Any], output_dir: str | None = None, cell_file: str | None = None,
@@ -142,6 +144,8 @@ class LoopDoctor:
                                       f"exception was caught, or it was abandoned): the watch was closed "
                                       f"{unannounced}")
         try:
+            if self.advise is not None and report.findings:
+                report.fix_offers = self.advise(report)
             self._tell(report)
         except Exception:  # noqa: BLE001 - the training's own outcome must not be lost to the report
             log.warning("backward_doctor: the report could not be written", exc_info=True)
