@@ -99,3 +99,18 @@ def test_the_bytecode_count_names_the_hooks_an_asleep_iteration_runs():
         assert re.search(rf"^\s+[\d.]+\s+\S+\.py:\d+ {fn}$", out.stdout, re.M), (fn, out.stdout)
     if native_available(build=False):  # (the script builds it: the loop watch's Python is not what runs)
         assert not re.search(r"loop_watch\.py:\d+ ", out.stdout), out.stdout
+
+
+@pytest.mark.distributed
+def test_the_fsdp_benchmark_runs(tmp_path):
+    """``distributed.py --rounds 1 --steps 5``: ``--nproc 2`` on an FSDP2 loop against plain processes; every
+    figure printed and written (not judged: the numbers are in RESULTS.md)."""
+    script = os.path.join(ROOT, "benchmarks", "distributed.py")
+    out_json = tmp_path / "fsdp.json"
+    out = subprocess.run([sys.executable, script, "--rounds", "1", "--steps", "5", "--json", str(out_json)],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert re.search(r"^median CPU time: whole command [\d.]+x .* loop [\d.]+x", out.stdout, re.M), out.stdout
+    import json
+    data = json.loads(out_json.read_text())
+    assert data["rounds"][0]["doctor"]["loop_cpu_s"] > 0 and data["rounds"][0]["plain"]["cpu_s"] > 0
