@@ -255,11 +255,12 @@ def test_two_torchrun_nodes_combined_into_one_report(tmp_path):
     assert f"rank 3 (node {node}, local rank {local}, on " in proc.stdout, proc.stdout
 
 
-def test_a_sharded_module_whose_output_never_reaches_the_loss_is_not_blamed_on_fsdp(tmp_path):
+def test_a_sharded_module_whose_output_never_reaches_the_loss_is_named_on_every_rank(tmp_path):
     """``model.aux`` (its own FSDP unit) runs in the forward and its output is dropped: its parameters get no
-    gradient on any rank and FSDP2 raises nothing. FSDP reads every parameter under no_grad (to shard and
-    all-gather it): before, that was reported as "line 18 (`fully_shard(m)`) runs it under torch.no_grad()"
-    on each rank. It stays silent, as the same model does without FSDP (an output kept for a metric)."""
+    gradient on any rank and FSDP2 raises nothing (DDP would), so they never train. Named once for every rank
+    at the line that ran it, as a warning. FSDP reads every parameter under no_grad (to shard and all-gather
+    it): before, that was reported as a cut, "line 18 (`fully_shard(m)`) runs it under torch.no_grad()",
+    once per rank."""
     path = _script(tmp_path, "unused", prefix="from torch.distributed.fsdp import fully_shard\n", body="""\
         class Net(nn.Module):
             def __init__(self):
@@ -281,7 +282,12 @@ def test_a_sharded_module_whose_output_never_reaches_the_loss_is_not_blamed_on_f
             opt.step(); opt.zero_grad()
     """)
     proc, data = _doctor(path, "--timeout", "120")
-    assert proc.returncode == 0 and data["findings"] == [], proc.stdout
+    assert [(f["kind"], f["rank"], f["severity"]) for f in data["findings"]] == \
+        [("unused_parameters", None, "warning")], proc.stdout
+    f = data["findings"][0]
+    assert f["line"] == _line(path, "extra = self.aux(h)") and f["module"] == "model.aux", f
+    assert f["evidence"]["parameters"] == ["model.aux.weight", "model.aux.bias"] and f["iteration"] == 0
+    assert "FSDP2 raises nothing" in f["message"] and "no_grad" not in f["message"]
 
 
 def test_a_step_one_rank_skips_is_a_desync_then_a_bounded_hang(tmp_path):

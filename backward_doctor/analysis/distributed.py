@@ -19,7 +19,7 @@ import re
 
 from .findings import Finding
 from .rules import analyze
-from .rank_rules import crashed, first_nonfinite, hang, still_progressing, unused_parameters
+from .rank_rules import crashed, first_nonfinite, hang, sharded_unused, still_progressing, unused_parameters
 from ..trace.distributed import DDP_BACKWARD, Collective, RankRecord, loop_text
 from ..trace.records import Trace
 
@@ -175,7 +175,7 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
     timed_out = tuple(r.rank for r in ranks if _TIMED_OUT.search(rank_error(r)))
     roots += hang(ranks, culprit=roots[0].rank if roots else None, explained=bool(roots), timeout=timeout,
                   timed_out=timed_out)
-    rest: list[Finding] = []
+    rest: list[Finding] = sharded_unused(ranks)
     for r in ranks:  # each rank's own findings, less what the findings across ranks already say
         for f in own[r.rank]:
             if f.kind == "hang" or (nan and f.kind == "nonfinite"):

@@ -47,6 +47,46 @@ def unused_parameters(ranks: list[RankRecord]) -> list[Finding]:
                     evidence=ev)]
 
 
+def sharded_unused(ranks: list[RankRecord]) -> list[Finding]:
+    """FSDP2 parameters that got no gradient in any step the rank recorded: FSDP raises nothing (unlike DDP),
+    and the optimizer skips a parameter without a gradient, so they never train. Named at the line that ran
+    their module, on every rank or by rank.
+
+    >>> sharded_unused([RankRecord(0, 2), RankRecord(1, 2)])
+    []
+    """
+    starved: dict[int, list] = {}
+    for r in ranks:
+        tr = r.trace
+        if tr is None or not any(op.op.startswith("fsdp::") for op in tr.ops) or \
+                not any(p.got_grad for p in tr.params):
+            continue
+        params = [p for p in tr.params if p.requires_grad and p.stepped and not p.got_grad]
+        if params:
+            starved[r.rank] = params
+    if not starved:
+        return []
+    rank = min(starved)
+    tr = next(r.trace for r in ranks if r.rank == rank)
+    names = [p.name for p in starved[rank]]
+    module = ".".join(names[0].split(".")[:-1])
+    run = next((op for op in tr.ops if op.phase == "forward" and op.where.module == module), None)
+    same = len(starved) == len(ranks) and len({tuple(p.name for p in v) for v in starved.values()}) == 1
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    where = f" Its forward ran at {place(run.where.line, run.where.file)}, and its" if run is not None else " Its"
+    who = "on every rank" if same else f"on rank{'s' if len(starved) > 1 else ''} {', '.join(map(str, starved))}"
+    msg = (f"{len(names)} sharded parameter tensor(s) of `{module or 'the model'}` ({shown}) got no gradient in any "
+           f"recorded step {who}: FSDP2 raises nothing (DDP would) and the optimizer skips a parameter without a "
+           f"gradient, so they never train.{where} output never reaches the loss. Use it in the loss, or "
+           "remove the module (or freeze it with `requires_grad_(False)` if it is kept for a metric).")
+    it = tr.iterations.iteration_of(run.index) if run is not None else None
+    return [Finding(kind="unused_parameters", message=msg, line=run.where.line if run else None,
+                    file=run.where.file if run else None, module=module or None, rank=None if same else rank,
+                    severity="warning", title="Sharded parameters without a gradient", iteration=it,
+                    evidence={"parameters": names, "same_on_all_ranks": same, "fsdp": True,
+                              "by_rank": {str(k): [p.name for p in v] for k, v in starved.items()}})]
+
+
 def _nan_key(r: RankRecord) -> tuple[float, int]:
     """(iteration, received) of the rank's first NaN/Inf: a rank that made it itself (from its batch, an
     op of its own) sorts before one that received it, in the same iteration, through a collective (the
