@@ -222,7 +222,8 @@ def _fsdp_memory(by_category: dict[str, int], requested: int) -> str:
 
 
 def _consequence(r: RankRecord, root: Finding | None, own: list[Finding]) -> Finding:
-    err = rank_error(r) or (f"its gradients turned NaN/Inf after the gradients' collective" if r.trace is not None else r.ended())
+    err = rank_error(r) or ("its gradients turned NaN/Inf after the gradients' collective" if r.trace is not None
+                            else r.ended())
     where = r.waiting_in or next((c for c in reversed(r.collectives) if c.error), None)
     exc = r.trace.exception.where if r.trace is not None and r.trace.exception is not None else None
     seen = next((f for f in own if f.kind == "nonfinite"), None)  # where the received NaN showed on this rank
