@@ -73,7 +73,7 @@ KEEP = """\
 doctored = ended[-1]
 get_ipython().run_cell(fr.code)
 print(json.dumps({"kept_same": all(torch.equal(v, doctored[k]) for k, v in ended[-1].items()) and ended[-1] is not doctored,
-                  "kept_args": trainer.args.per_device_train_batch_size}))"""
+                  "kept_args": getattr(getattr(trainer, "args", None), "per_device_train_batch_size", None)}))"""
 
 
 def _execute(cells: list[str], tmp_path: Path) -> list:
@@ -129,3 +129,76 @@ def test_trainer_arguments_built_in_an_earlier_cell_are_fixed_on_the_live_traine
     assert "trainer.loss_is_scaled_for_ga = False" in acc["code"]
     keep = _json(out[8])                                                      # the code to keep, run as a new cell
     assert keep == {"kept_same": True, "kept_args": 16}
+
+
+# --------------------------------------------------------------------------- Lightning
+LIT_SETUP = """\
+%load_ext backward_doctor
+import json, torch
+torch.set_num_threads(1)
+import test_library_knobs as T
+globals().update(T._lit())                  # pl, torch, DataLoader, LitClassifier, model (seeded), ds"""
+LIT_KNOBS = """\
+loader = DataLoader(ds, batch_size=256)
+trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)"""
+LIT_GRAB = """\
+ended = []
+class Grab(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        ended.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+trainer.callbacks.append(Grab())"""
+LIT_LIMIT = "1.3MB"  # batch 256 needs 1.7 MB; 2 x 128 with accumulate_grad_batches=2 0.96 MB; bf16-mixed 0.94 MB
+LIT_CLICK = """\
+from backward_doctor.fixes import run_fix
+from backward_doctor.frontends.panel import Panel
+got = []
+def runner(*a, **k):
+    got.append(run_fix(*a, **k))
+    return got[-1]
+panel = Panel(original, "trainer.fit(model, loader)\\n", get_ipython().user_ns, memory_limit="{limit}", run_fix=runner)
+name = next(n for n in panel.fix_buttons if n.split(":")[0] == "{fix}")
+def state():
+    return {{"acc": trainer.accumulate_grad_batches, "bs": loader.batch_sampler.batch_size, "gs": trainer.global_step,
+            "plugin": trainer.strategy.precision_plugin, "strategy": trainer.strategy, "sampler": loader.batch_sampler}}
+before, w = state(), {{k: v.detach().clone() for k, v in model.state_dict().items()}}
+n_ended = len(ended)
+panel.fix_buttons[name].click()
+panel.wait(300)
+fixed = got[-1]
+fr = fixed.fix_result
+check = fixed.trace.accumulation.check
+print(json.dumps({{"name": name, "applied": fr.applied, "fits": fr.fits, "message": fr.message, "code": fr.code,
+    "elsewhere": fr.elsewhere, "after": fr.comparison["after"]["peak_bytes"],
+    "check": None if check is None else [check.micro_batches, check.factor],
+    "restored": all(state()[k] is v if k in ("plugin", "strategy", "sampler") else state()[k] == v for k, v in before.items()),
+    "weights_back": all(torch.equal(v, w[k]) for k, v in model.state_dict().items()),
+    "trained": len(ended) > n_ended and not all(torch.equal(v, w[k]) for k, v in ended[-1].items()),
+    "refused": panel.refused.value}}))"""
+
+
+def test_lightning_trainer_and_loader_built_in_an_earlier_cell_are_fixed_on_the_live_objects(tmp_path, engine):
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("pytorch_lightning")
+    run = f"%%backward_doctor --memory-limit {LIT_LIMIT} --engine {engine}\ntrainer.fit(model, loader)"
+    cells = [LIT_SETUP, LIT_KNOBS, LIT_GRAB, run, ORIGINAL]
+    cells += [LIT_CLICK.format(limit=LIT_LIMIT, fix=fix) for fix in ("amp", "accumulate")] + [KEEP]
+    out = _execute(cells, tmp_path)
+    exc, offers = _json(out[4])
+    assert exc == "OutOfMemoryError" and offers["accumulate"] == offers["amp"] == "", offers
+    amp, acc = _json(out[5]), _json(out[6])
+    for r, knob in ((amp, "precision='bf16-mixed'"), (acc, "accumulate_grad_batches=2")):
+        assert r["applied"] and r["fits"] and r["after"] < 1.3e6, r["message"]
+        # Checkpointing cannot lower this peak (one Linear makes it): advice text with the reason, not a button.
+        assert "cannot be applied" not in r["message"] and "<code>checkpoint</code>: checkpointing would not" in \
+            r["refused"] and "<code>accumulate" not in r["refused"] and "<code>amp" not in r["refused"]
+        where = r["elsewhere"]                                                # In[2]: the cell that built them
+        assert where["place"] == ("Cell In[2], line 3" if r is amp else "Cell In[2], line 1"), where
+        assert f"+                     enable_progress_bar=False, enable_model_summary=False, {knob})" in where["diff"]
+        assert where["place"] in r["code"] and r["code"].rstrip().endswith("trainer.fit(model, loader)")
+        assert r["restored"] and r["weights_back"] and r["trained"], r       # the objects as they were
+    assert "+loader = DataLoader(ds, batch_size=128)" in acc["elsewhere"]["diff"]
+    assert "trainer.strategy.precision_plugin = MixedPrecision('bf16-mixed', 'cpu')" in amp["code"]
+    assert acc["name"] == "accumulate:2" and acc["check"][0] == 2 and abs(acc["check"][1] - 1.0) < 1e-5, acc["check"]
+    keep = _json(out[7])                                                      # the code to keep, run as a new cell
+    assert keep["kept_same"], keep

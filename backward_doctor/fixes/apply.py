@@ -143,7 +143,8 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         return _as_last(dataclasses.replace(original, fix=spec.name, fix_result=result))  # the caller's stays as it was
     result.warnings.extend(rw.warnings)
     # Arguments an earlier cell built are set on the live objects for the run: their attributes go back after it.
-    live = LiveObjects(touched(ns[rw.details["live_var"]])) if rw.details.get("live_var") in ns else None
+    live = (LiveObjects(*rw.details["live_objects"]) if "live_objects" in rw.details else
+            LiveObjects(touched(ns[rw.details["live_var"]])) if rw.details.get("live_var") in ns else None)
 
     # 4. Restore, then run the rewritten cell. Plain "accumulate" (no k) doubles k while the
     #    step still runs out of memory, restoring the state before each try.
@@ -234,7 +235,8 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
             _restore(snap, ns, result)
             result.rolled_back = True
         live.restore()
-        back = f"`{rw.details['live_var']}` was put back as it was (its arguments, its Accelerator)"
+        what = rw.details.get("live_what", "its arguments, its Accelerator")
+        back = f"`{rw.details['live_var']}` was put back as it was ({what})"
         result.message += (f" Then {back}" + (" and the training state rolled back" if snap is not None else "")
                            + ": run the code to keep to train with the fix." if result.fits else f" {back}.")
     report.fix_result = result

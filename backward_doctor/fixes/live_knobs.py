@@ -60,8 +60,12 @@ class LiveObjects:
     (True, False)
     """
 
-    def __init__(self, objects: list[Any]) -> None:
+    def __init__(self, objects: list[Any], loops: list[Any] = ()) -> None:
+        import copy
+
         self._attrs = [(obj, dict(vars(obj))) for obj in objects if hasattr(obj, "__dict__")]
+        # A library's loop mutates its progress in place (Lightning's fit_loop): its own state_dict puts it back.
+        self._loops = [(loop, copy.deepcopy(loop.state_dict())) for loop in loops]
         module = sys.modules.get("accelerate.state")  # never imported here: only a process that uses it has it
         shared = [getattr(getattr(module, name, None), "_shared_state", None) for name in _SHARED]
         self._shared = [(d, dict(d)) for d in shared if isinstance(d, dict)]
@@ -74,6 +78,15 @@ class LiveObjects:
         for d, items in self._shared:
             d.clear()
             d.update(items)
+        for loop, state in self._loops:
+            loop.load_state_dict(state)
+
+
+def comment_lines(text: str, place: str | None) -> str:
+    """``text`` as comment lines of at most 100 characters, ``place`` never broken across two of them."""
+    keep = place or ""
+    return "".join(f"# {part}\n".replace("\0", " ") for part in
+                   textwrap.wrap(text.lstrip("# ").strip().replace(keep, keep.replace(" ", "\0")), 98))
 
 
 def _keyword(call: ast.Call, name: str) -> ast.keyword | None:
@@ -114,25 +127,32 @@ def building_cell(namespace: dict[str, Any], cls: type) -> tuple[int, Cell, ast.
     return None
 
 
-def elsewhere(namespace: dict[str, Any], cls: type, changes: dict[str, Any], live: str) -> dict[str, Any]:
-    """Where the knobs live and the edit there: ``place`` (``Cell In[3], line 5``, None when the building cell
-    was not found), ``setting``, ``cell`` (its number), ``code`` (that cell edited) and ``diff``; ``live``: the
+def elsewhere(namespace: dict[str, Any], pairs: list[tuple[type, dict[str, Any]]], live: str) -> dict[str, Any]:
+    """Where the knobs live and the edit there, for each (class of a live object, its keywords to set):
+    ``place`` (``Cell In[3], line 5``: the first found, None when no building cell was found), ``setting``,
+    ``cell`` (its number), ``code`` (that cell edited) and ``diff`` (every cell edited); ``live``: the
     assignment on the live object, which is what to write where the cell is not found."""
-    out: dict[str, Any] = {"place": None, "setting": settings(changes), "cell": None, "code": "", "diff": "",
-                           "live": live}
-    found = building_cell(namespace, cls)
-    if found is None:
-        return out
-    number, cell, call = found
-    edits = sorted((set_keyword(cell, call, k, repr(v)) for k, v in changes.items()), reverse=True)
-    raw = cell._raw
-    for lo, hi, text in edits:
-        raw = raw[:lo] + text.encode("utf-8") + raw[hi:]
-    code = raw.decode("utf-8")
-    line = cell._raw[:min(lo for lo, _, _ in edits)].count(b"\n") + 1
-    diff = "".join(difflib.unified_diff(cell.source.splitlines(True), code.splitlines(True),
-                                        fromfile=f"In[{number}]", tofile=f"In[{number}] with the fix"))
-    out.update(place=place_name(number, line), cell=number, code=code, diff=diff)
+    out: dict[str, Any] = {"place": None, "setting": "; ".join(settings(c) for _, c in pairs), "cell": None,
+                           "code": "", "diff": "", "live": live}
+    cells: dict[int, tuple[Cell, list[tuple[int, int, str]]]] = {}
+    for cls, changes in pairs:
+        found = building_cell(namespace, cls)
+        if found is None:
+            continue
+        number, cell, call = found
+        cell, edits = cells.setdefault(number, (cell, []))
+        edits.extend(set_keyword(cell, call, k, repr(v)) for k, v in changes.items())
+        if out["place"] is None:
+            line = cell._raw[:min(lo for lo, _, _ in edits)].count(b"\n") + 1
+            out.update(place=place_name(number, line), cell=number)
+    for number, (cell, edits) in cells.items():
+        raw = cell._raw
+        for lo, hi, text in sorted(edits, reverse=True):
+            raw = raw[:lo] + text.encode("utf-8") + raw[hi:]
+        code = raw.decode("utf-8")
+        out["code"] = out["code"] or code
+        out["diff"] += "".join(difflib.unified_diff(cell.source.splitlines(True), code.splitlines(True),
+                                                    fromfile=f"In[{number}]", tofile=f"In[{number}] with the fix"))
     return out
 
 
@@ -197,14 +217,12 @@ def rewrite(spec: FixSpec, cell: Cell, namespace: dict[str, Any], original: Any,
     if spec.kind == "amp" and getattr(getattr(trainer, "model", None), "_is_accelerate_prepared", False):
         # An Accelerator prepares a model once: the first run's (no autocast) would stay in place.
         lines.append(f"{var}.model._is_accelerate_prepared = False\n")
-    where = elsewhere(namespace, type(args), changes, lines[1].strip())
+    where = elsewhere(namespace, [(type(args), changes)], lines[1].strip())
     at = (f"the TrainingArguments built in {where['place']}" if where["place"] else
           f"`{var}.args` (the cell that built them is not in this kernel's input history)")
     head = (f"# backward_doctor fix {spec.name} - {what}. Set on the live `{var}` for this run; to keep it, set "
             f"`{settings(changes)}` in {at}, or run this cell.\n")
-    keep = where["place"] or ""  # never broken across two comment lines, so it can be searched for
-    comment = "".join(f"# {part}\n".replace("\0", " ") for part in
-                      textwrap.wrap(head[2:].strip().replace(keep, keep.replace(" ", "\0")), 98))
+    comment = comment_lines(head, where["place"])
     code = comment + "".join(lines) + cell.source + ("" if cell.source.endswith("\n") else "\n")
     kind = {"accumulate": "gradient accumulation", "amp": "mixed precision"}.get(spec.kind, "activation checkpointing")
     msg = (f"transformers' own {kind}, `{settings(changes)}` "
