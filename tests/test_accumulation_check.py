@@ -162,3 +162,29 @@ for i, (xb, yb) in enumerate(loader):
     general = accumulation()
     assert fast == general
     assert fast["per_step"][1] > accum_watch._DETAILED, fast["per_step"]  # (the fast path had steps to count)
+
+
+ADVERSARIAL = """\
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x = torch.randn(16, 8); y = torch.randint(0, 3, (16,))
+    x.requires_grad_(True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    x_adv = (x + 0.1 * x.grad.sign()).detach()
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x_adv), y)
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_an_adversarial_step_is_not_accumulation(engine):
+    """FGSM adversarial training: a backward() for the input's gradient, zero_grad() to drop what it left in
+    the parameters, then the step's own backward(). Two backward() calls from two lines feed one step, but they
+    are not micro-batches: before, the measured check called it "gradient accumulation written wrong" (1.04x
+    the full batch's gradient)."""
+    report = bd.diagnose(ADVERSARIAL, {"torch": torch, "nn": nn, "F": F}, engine=engine)
+    assert report.findings == [], [(f.kind, f.evidence.get("problem"), f.line) for f in report.findings]

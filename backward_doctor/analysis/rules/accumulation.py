@@ -306,7 +306,10 @@ def _check_disagrees(trace: Trace) -> list[Finding]:
     check = trace.accumulation.check
     if check is None or check.sum_rel_diff is None or check.sum_rel_diff < 0.1:
         return []  # (a loss divided by the wrong number is _not_divided's; this is what happened to .grad)
-    w = next((x for x in trace.accumulation.windows if x.iteration == check.iteration and x.backward >= 2), None)
+    # Only micro-batches of one call site are accumulation: backward() calls from different lines that feed
+    # one step are different losses (an adversarial step's input gradient thrown away by a zero_grad(), a
+    # multi-task sum), whose gradients no "one full batch" equals.
+    w = next((x for x in _accumulating(trace.accumulation) if x.iteration == check.iteration), None)
     if w is None:
         return []
     where = placed(w)
