@@ -35,6 +35,8 @@ args = TrainingArguments(output_dir=out_dir, max_steps=2, per_device_train_batch
 trainer = Trainer(model=model, args=args, train_dataset=train_ds)"""
 # The weights each finished train() left (the doctor's measured run, then the code to keep), read by the test.
 GRAB = """\
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 ended = []
 class Grab(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kw):
@@ -72,8 +74,9 @@ print(json.dumps({{"name": name, "applied": fr.applied, "fits": fr.fits, "messag
 KEEP = """\
 doctored = ended[-1]
 get_ipython().run_cell(fr.code)
-print(json.dumps({"kept_same": all(torch.equal(v, doctored[k]) for k, v in ended[-1].items()) and ended[-1] is not doctored,
-                  "kept_args": getattr(getattr(trainer, "args", None), "per_device_train_batch_size", None)}))"""
+print(json.dumps({"kept_same": same(ended[-1], doctored) and ended[-1] is not doctored,
+                  "kept_args": getattr(getattr(globals().get("trainer"), "args", None),
+                                       "per_device_train_batch_size", None)}))"""
 
 
 def _execute(cells: list[str], tmp_path: Path) -> list:
@@ -143,6 +146,10 @@ loader = DataLoader(ds, batch_size=256)
 trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False)"""
 LIT_GRAB = """\
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+def snap(m):
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
 ended = []
 class Grab(pl.Callback):
     def on_train_end(self, trainer, pl_module):
@@ -161,7 +168,7 @@ name = next(n for n in panel.fix_buttons if n.split(":")[0] == "{fix}")
 def state():
     return {{"acc": trainer.accumulate_grad_batches, "bs": loader.batch_sampler.batch_size, "gs": trainer.global_step,
             "plugin": trainer.strategy.precision_plugin, "strategy": trainer.strategy, "sampler": loader.batch_sampler}}
-before, w = state(), {{k: v.detach().clone() for k, v in model.state_dict().items()}}
+before, w = state(), snap(model)
 n_ended = len(ended)
 panel.fix_buttons[name].click()
 panel.wait(300)
@@ -172,8 +179,7 @@ print(json.dumps({{"name": name, "applied": fr.applied, "fits": fr.fits, "messag
     "elsewhere": fr.elsewhere, "after": fr.comparison["after"]["peak_bytes"],
     "check": None if check is None else [check.micro_batches, check.factor],
     "restored": all(state()[k] is v if k in ("plugin", "strategy", "sampler") else state()[k] == v for k, v in before.items()),
-    "weights_back": all(torch.equal(v, w[k]) for k, v in model.state_dict().items()),
-    "trained": len(ended) > n_ended and not all(torch.equal(v, w[k]) for k, v in ended[-1].items()),
+    "weights_back": same(snap(model), w), "trained": len(ended) > n_ended and not same(ended[-1], w),
     "refused": panel.refused.value}}))"""
 
 
@@ -201,4 +207,56 @@ def test_lightning_trainer_and_loader_built_in_an_earlier_cell_are_fixed_on_the_
     assert "trainer.strategy.precision_plugin = MixedPrecision('bf16-mixed', 'cpu')" in amp["code"]
     assert acc["name"] == "accumulate:2" and acc["check"][0] == 2 and abs(acc["check"][1] - 1.0) < 1e-5, acc["check"]
     keep = _json(out[7])                                                      # the code to keep, run as a new cell
+    assert keep["kept_same"], keep
+
+
+# --------------------------------------------------------------------------- Accelerate
+ACC_SETUP = LIT_SETUP.replace("globals().update(T._lit())                  # pl, torch, DataLoader, LitClassifier, "
+                              "model (seeded), ds", "globals().update(T._acc())  # Accelerator, DataLoader, model, "
+                              "optimizer, ds (seeded)")
+ACC_KNOBS = """\
+accelerator = Accelerator(cpu=True)
+loader = DataLoader(ds, batch_size=128)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)"""
+# The weights as bytes (numpy's copy, no tensor allocated): a clone would count on the simulated device.
+ACC_GRAB = """\
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+def snap(m):
+    return {k: v.detach().numpy().tobytes() for k, v in m.state_dict().items()}
+ended = []
+optimizer.optimizer.register_step_post_hook(lambda o, a, k: ended.append(snap(model)))"""
+ACC_LIMIT = "700KB"  # batch 128 needs 0.9 MB, 2 x 64 with gradient_accumulation_steps=2 0.53 MB
+ACC_CLICK = (LIT_CLICK.replace('"trainer.fit(model, loader)\\n"', "LOOP")
+             .replace('''    return {{"acc": trainer.accumulate_grad_batches, "bs": loader.batch_sampler.batch_size, "gs": trainer.global_step,
+            "plugin": trainer.strategy.precision_plugin, "strategy": trainer.strategy, "sampler": loader.batch_sampler}}''',
+                      '''    return {{"acc": accelerator.gradient_accumulation_steps, "bs": loader.batch_sampler.batch_size,
+            "gs": accelerator.step, "sampler": loader.batch_sampler, "plugin": accelerator.gradient_state.plugin_kwargs,
+            "strategy": accelerator.state}}'''))
+
+
+def test_accelerate_loop_with_the_accelerator_built_in_an_earlier_cell_is_fixed_on_the_live_objects(tmp_path, engine):
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("accelerate")
+    import library_loops as ll
+
+    assert "LOOP" in ACC_CLICK and "accelerator.step" in ACC_CLICK
+    run = f"%%backward_doctor --memory-limit {ACC_LIMIT} --engine {engine}\n{ll.ACCEL_LOOP}"
+    cells = [ACC_SETUP, ACC_KNOBS, ACC_GRAB, run, ORIGINAL, f"LOOP = {ll.ACCEL_LOOP!r}\n"
+             + ACC_CLICK.format(limit=ACC_LIMIT, fix="accumulate"), KEEP]
+    out = _execute(cells, tmp_path)
+    exc, offers = _json(out[4])
+    assert exc == "OutOfMemoryError" and offers["accumulate"] == "", offers
+    assert "once per process" in offers["amp"]                                # advice text with its reason
+    acc = _json(out[5])
+    assert acc["applied"] and acc["fits"] and acc["after"] < 700e3, acc["message"]
+    assert "cannot be applied" not in acc["message"] and "<code>accumulate" not in acc["refused"]
+    where = acc["elsewhere"]
+    assert where["place"] == "Cell In[2], line 2" and where["setting"] == "batch_size=64; gradient_accumulation_steps=2"
+    assert "+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)" in where["diff"]
+    assert "+loader = DataLoader(ds, batch_size=64)" in where["diff"] and where["place"] in acc["code"]
+    assert "accelerator.gradient_accumulation_steps = 2\nloader.batch_sampler.batch_size = 64" in acc["code"]
+    assert acc["restored"] and acc["weights_back"] and acc["trained"], acc
+    assert acc["name"] == "accumulate:2" and acc["check"][0] == 2 and abs(acc["check"][1] - 1.0) < 1e-5, acc["check"]
+    keep = _json(out[6])                                                      # the code to keep, run as a new cell
     assert keep["kept_same"], keep

@@ -17,9 +17,9 @@ checkpoint    ``activation_checkpointing=True`` (a model that has   the modules 
 Accelerate: ``Accelerator(gradient_accumulation_steps=...)`` and the ``DataLoader``'s ``batch_size``
 (its mixed precision is fixed once per process, so ``amp`` is not offered there). The same examples make
 each optimizer step; only their split changes. Where the cell does not build those arguments (they were
-built in another cell), a ``Trainer``'s are set on the live object for the run (``live_knobs.py``), and so are
-Lightning's ``Trainer`` and ``DataLoader`` (``live_lightning.py``); Accelerate's cannot be applied here and say
-what to write by hand.
+built in another cell), they are set on the live objects for the run and put back after it: a ``Trainer``'s
+``TrainingArguments`` (``live_knobs.py``), Lightning's ``Trainer`` and ``DataLoader`` (``live_lightning.py``),
+Accelerate's ``Accelerator`` and prepared ``DataLoader`` (``live_accelerate.py``).
 
 >>> import ast
 >>> set_keyword(Cell("args = make(a=1, b=2)\\n"), ast.parse("make(a=1, b=2)").body[0].value, "b", "4")[2]
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..util.cell import Cell, NotApplicable, check_compiles, resolve
-from . import checkpoint, live_knobs, live_lightning
+from . import checkpoint, live_accelerate, live_knobs, live_lightning
 from .accumulate import Rewrite, _default_k
 from .live_knobs import _keyword, set_keyword
 from .spec import FixSpec
@@ -336,8 +336,8 @@ def rewrite(spec: FixSpec, cell: Cell, namespace: dict[str, Any], original: Any,
     ``NotApplicable`` with the reason when it cannot be set here. Arguments built in an earlier cell are set on
     the live objects for the run (``live_knobs``)."""
     if loop.knobs is None:
-        live = (live_lightning if loop.library == "lightning" else live_knobs).rewrite(spec, cell, namespace,
-                                                                                       original, loop)
+        module = {"lightning": live_lightning, "accelerate": live_accelerate}.get(loop.library, live_knobs)
+        live = module.rewrite(spec, cell, namespace, original, loop)
         if live is not None:
             return live
     if spec.kind == "accumulate":

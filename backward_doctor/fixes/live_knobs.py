@@ -60,9 +60,10 @@ class LiveObjects:
     (True, False)
     """
 
-    def __init__(self, objects: list[Any], loops: list[Any] = ()) -> None:
+    def __init__(self, objects: list[Any], loops: list[Any] = (), dicts: list[dict] = ()) -> None:
         import copy
 
+        self._dicts = [(d, dict(d)) for d in dicts]  # dicts changed in place (Accelerate's plugin_kwargs)
         self._attrs = [(obj, dict(vars(obj))) for obj in objects if hasattr(obj, "__dict__")]
         # A library's loop mutates its progress in place (Lightning's fit_loop): its own state_dict puts it back.
         self._loops = [(loop, copy.deepcopy(loop.state_dict())) for loop in loops]
@@ -80,6 +81,9 @@ class LiveObjects:
             d.update(items)
         for loop, state in self._loops:
             loop.load_state_dict(state)
+        for d, items in self._dicts:
+            d.clear()
+            d.update(items)
 
 
 def comment_lines(text: str, place: str | None) -> str:
@@ -171,7 +175,8 @@ def _transformers(spec: FixSpec, var: str, trainer: Any, original: Any) -> tuple
             raise NotApplicable(f"a batch of {batch} does not split into {k} equal micro-batches")
         what = (f"per_device_train_batch_size {batch} -> {batch // k} and gradient_accumulation_steps {accum} -> "
                 f"{accum * k}: the same {batch * accum} examples per optimizer step, in micro-batches of {batch // k}")
-        flag = "loss_is_scaled_for_ga" if hasattr(type(trainer), "loss_is_scaled_for_ga") else "model_accepts_loss_kwargs"
+        flag = ("loss_is_scaled_for_ga" if hasattr(type(trainer), "loss_is_scaled_for_ga")
+                else "model_accepts_loss_kwargs")
         return ({"per_device_train_batch_size": batch // k, "gradient_accumulation_steps": accum * k}, what,
                 {"k": k, "batch_size": batch, "trainer_var": var, "loss_flag": flag})
     if spec.kind == "amp":
