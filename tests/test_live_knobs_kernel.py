@@ -70,7 +70,7 @@ print(json.dumps({{"name": name, "applied": fr.applied, "fits": fr.fits, "messag
     "mixed_precision": trainer.accelerator.mixed_precision, "model_vars": set(vars(model)) == before["vars"],
     "weights_back": all(torch.equal(v, before["w"][k]) for k, v in model.state_dict().items()),
     "trained": len(ended) > n_ended and not all(torch.equal(v, before["w"][k]) for k, v in ended[-1].items()),
-    "refused": panel.refused.value}}))"""
+    "refused": panel.refused.value, "shown": panel.after.value, "keep": panel.keep.value}}))"""
 KEEP = """\
 doctored = ended[-1]
 get_ipython().run_cell(fr.code)
@@ -123,6 +123,9 @@ def test_trainer_arguments_built_in_an_earlier_cell_are_fixed_on_the_live_traine
         # Restored: the same objects, the same arguments, the model's attributes and weights as before the click.
         assert r["same_args"] and r["same_acc"] and r["args_equal"] and r["bs"] == 32 and r["model_vars"], r
         assert r["mixed_precision"] == "no" and r["weights_back"] and r["trained"], r
+        # The panel's after-view: the edit where the arguments are built, and the measured code to insert.
+        assert "where the arguments are built" in r["shown"] and where["place"] in r["shown"]
+        assert "Insert as a new cell below" in r["keep"] and "dataclasses.replace(trainer.args" in r["keep"]
     assert amp["after"] < amp["before"] and "bf16=True" in amp["code"]
     assert acc["name"] == "accumulate:2" and acc["elsewhere"]["place"] == "Cell In[2], line 1"
     assert acc["elsewhere"]["setting"] == "per_device_train_batch_size=16, gradient_accumulation_steps=2"
@@ -180,7 +183,7 @@ print(json.dumps({{"name": name, "applied": fr.applied, "fits": fr.fits, "messag
     "check": None if check is None else [check.micro_batches, check.factor],
     "restored": all(state()[k] is v if k in ("plugin", "strategy", "sampler") else state()[k] == v for k, v in before.items()),
     "weights_back": same(snap(model), w), "trained": len(ended) > n_ended and not same(ended[-1], w),
-    "refused": panel.refused.value}}))"""
+    "refused": panel.refused.value, "shown": panel.after.value, "keep": panel.keep.value}}))"""
 
 
 def test_lightning_trainer_and_loader_built_in_an_earlier_cell_are_fixed_on_the_live_objects(tmp_path, engine):
@@ -203,6 +206,7 @@ def test_lightning_trainer_and_loader_built_in_an_earlier_cell_are_fixed_on_the_
         assert f"+                     enable_progress_bar=False, enable_model_summary=False, {knob})" in where["diff"]
         assert where["place"] in r["code"] and r["code"].rstrip().endswith("trainer.fit(model, loader)")
         assert r["restored"] and r["weights_back"] and r["trained"], r       # the objects as they were
+        assert where["place"] in r["shown"] and "Insert as a new cell below" in r["keep"]
     assert "+loader = DataLoader(ds, batch_size=128)" in acc["elsewhere"]["diff"]
     assert "trainer.strategy.precision_plugin = MixedPrecision('bf16-mixed', 'cpu')" in amp["code"]
     assert acc["name"] == "accumulate:2" and acc["check"][0] == 2 and abs(acc["check"][1] - 1.0) < 1e-5, acc["check"]
@@ -257,6 +261,7 @@ def test_accelerate_loop_with_the_accelerator_built_in_an_earlier_cell_is_fixed_
     assert "+loader = DataLoader(ds, batch_size=64)" in where["diff"] and where["place"] in acc["code"]
     assert "accelerator.gradient_accumulation_steps = 2\nloader.batch_sampler.batch_size = 64" in acc["code"]
     assert acc["restored"] and acc["weights_back"] and acc["trained"], acc
+    assert where["place"] in acc["shown"] and "loader.batch_sampler.batch_size = 64" in acc["keep"]
     assert acc["name"] == "accumulate:2" and acc["check"][0] == 2 and abs(acc["check"][1] - 1.0) < 1e-5, acc["check"]
     keep = _json(out[6])                                                      # the code to keep, run as a new cell
     assert keep["kept_same"], keep
