@@ -728,6 +728,68 @@ def zero_grad_by_hand(ns):
 
 @idiom("""\
 for step in range(4):
+    xb, yb = X[8 * step:8 * step + 8].clone().requires_grad_(True), Y[8 * step:8 * step + 8]
+    loss = F.cross_entropy(model(xb), yb)
+    loss.backward()                                   # the input's gradient, for the attack
+    x_adv = (xb + 0.05 * xb.grad.sign()).detach()
+    optimizer.zero_grad()                             # what that backward left in the parameters
+    loss = F.cross_entropy(model(x_adv), yb)
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+""")
+def adversarial_fgsm(ns):
+    # FGSM adversarial training: two backward() calls from two lines feed one step; they are not micro-batches
+    _optimizer_setup("SGD", dict(lr=0.1, momentum=0.9))(ns)
+
+
+@idiom("""\
+for step in range(4):
+    xb, yb = X[8 * step:8 * step + 8], Y[8 * step:8 * step + 8]
+    F.cross_entropy(model(xb), yb).backward()
+    with torch.no_grad():                             # SAM: climb to the worst point nearby
+        norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+        eps = [0.05 * p.grad / (norm + 1e-12) for p in model.parameters()]
+        for p, e in zip(model.parameters(), eps):
+            p.add_(e)
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(xb), yb)
+    loss.backward()                                   # the gradient there
+    with torch.no_grad():
+        for p, e in zip(model.parameters(), eps):
+            p.sub_(e)                                 # back, then step with it
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+""")
+def sam_two_passes(ns):
+    _optimizer_setup("SGD", dict(lr=0.1, momentum=0.9))(ns)
+
+
+@idiom("""\
+for step in range(4):
+    real, fake = X[8 * step:8 * step + 8], torch.randn(8, 16)
+    a = torch.rand(8, 1)
+    mix = (a * real + (1 - a) * fake).requires_grad_(True)
+    g, = torch.autograd.grad(critic(mix).sum(), mix, create_graph=True)
+    penalty = ((g.norm(2, dim=1) - 1) ** 2).mean()
+    loss = critic(fake).mean() - critic(real).mean() + 10 * penalty
+    opt_c.zero_grad()
+    loss.backward()
+    opt_c.step()
+    losses.append(loss.item())
+""")
+def wgan_gp_critic(ns):
+    # WGAN-GP: a gradient penalty through torch.autograd.grad(create_graph=True), then backward() through it
+    _common(ns)
+    _data(ns)
+    torch.manual_seed(0)
+    ns["critic"] = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    ns["opt_c"] = torch.optim.Adam(ns["critic"].parameters(), lr=1e-4, betas=(0.0, 0.9))
+
+
+@idiom("""\
+for step in range(4):
     xb, yb = X[8 * step:8 * step + 8], Y[8 * step:8 * step + 8]
     loss = F.cross_entropy(model(xb), yb)
     loss.backward()
