@@ -118,6 +118,18 @@ def test_trainer_built_in_another_cell_is_fixed_on_the_live_trainer_and_put_back
     assert "cannot be applied" not in text
 
 
+
+def test_a_live_fix_cancelled_while_it_runs_puts_the_trainer_back(tmp_path):
+    ns = _hf(tmp_path)
+    exec(HF_CELL.replace("trainer.train()\n", ""), ns)                          # an earlier cell built them
+    report = bd.diagnose("trainer.train()", ns, memory_limit=HF_LIMIT)
+    trainer, args, accelerator = ns["trainer"], ns["trainer"].args, ns["trainer"].accelerator
+    # Cancelled at the first model call after the fixed cell set the new arguments on the live trainer.
+    fixed = run_fix("trainer.train()", ns, "accumulate:2", original=report, memory_limit=HF_LIMIT,
+                    cancel=lambda: trainer.args is not args)
+    assert fixed.fix_result.cancelled and "Cancelled while the fixed cell ran" in fixed.fix_result.message
+    assert trainer.args is args and trainer.accelerator is accelerator and trainer._train_batch_size == 32
+
 # --------------------------------------------------------------------------- Lightning
 LIT_CELL = """\
 loader = DataLoader(ds, batch_size=256)

@@ -167,7 +167,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         if snap is not None:
             snap.add_names(ns, _safe(lambda: stored_names(Cell(rw.code).stmts)) or set())
         if cancel is not None and cancel():
-            return _stop(original, result, snap, ns, "Cancelled before the fixed cell ran.")
+            return _stop(original, result, snap, ns, "Cancelled before the fixed cell ran.", live)
         # Each retry gets half of what is left of the bar, so the fraction never goes back.
         lo, hi = 0.95 - 0.45 * 0.5 ** len(tried), 0.95 - 0.45 * 0.5 ** (len(tried) + 1)
         hi = 0.95 if spec.arg is not None or spec.kind != "accumulate" else hi
@@ -179,7 +179,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
                              history=False, detail=True, fix=name)
             trace = fixed.trace
         if _cancelled(trace):
-            return _stop(original, result, snap, ns, "Cancelled while the fixed cell ran.")
+            return _stop(original, result, snap, ns, "Cancelled while the fixed cell ran.", live)
         told = library_knobs.undivided_loss_followup(rw, fixed) if snap is not None else None
         if told is not None:  # (at most once: the follow-up clears what asks for it)
             tried.append(f"{name} as first written left each micro-batch's loss undivided (the gradients "
@@ -258,7 +258,10 @@ def _restore(snap: Snapshot, ns: dict[str, Any], result: FixResult, live: LiveOb
         result.warnings.append(f"rollback failed part-way ({type(exc).__name__}: {exc}); check the model's state")
 
 
-def _stop(report: Report, result: FixResult, snap: Snapshot | None, ns: dict[str, Any], message: str) -> Report:
+def _stop(report: Report, result: FixResult, snap: Snapshot | None, ns: dict[str, Any], message: str,
+          live: LiveObjects | None = None) -> Report:
+    if live is not None:  # a live fix cancelled: the objects it set go back too
+        live.restore()
     if snap is not None:
         _restore(snap, ns, result)
         result.rolled_back = True
