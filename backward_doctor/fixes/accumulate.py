@@ -169,6 +169,22 @@ def _default_k(original: Any, batch: int) -> tuple[int, str]:
     return min(4, batch), "k=4 by default (no prediction to choose from)"
 
 
+def split_batch(k: int | None, original: Any, batch: int) -> int:
+    """How many equal micro-batches a library's batch of ``batch`` is split into: ``k`` when given, else the
+    smallest divisor of ``batch`` from the prediction's choice up (``_default_k``); ``NotApplicable`` when it does
+    not split evenly.
+
+    >>> split_batch(None, None, 6), split_batch(2, None, 8)
+    (6, 2)
+    """
+    if k is None:
+        k, _ = _default_k(original, batch)
+        k = next((d for d in range(max(2, k), batch + 1) if batch % d == 0), batch)
+    if k < 2 or batch % k:
+        raise NotApplicable(f"a batch of {batch} does not split into {k} equal micro-batches")
+    return k
+
+
 def rewrite(source: str, namespace: dict[str, Any], k: int | None, original: Any = None,
             reuse: set[str] = frozenset()) -> Rewrite:
     """The cell with an explicit micro-batch loop (``reuse``: names a previous rewrite made, free to take again)."""

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..util.cell import Cell, NotApplicable, check_compiles, resolve
 from . import checkpoint, live_accelerate, live_knobs, live_lightning
-from .accumulate import Rewrite, _default_k
+from .accumulate import Rewrite, _default_k, split_batch
 from .live_knobs import _keyword, set_keyword
 from .spec import FixSpec
 
@@ -194,11 +194,7 @@ def _accumulate(cell: Cell, namespace: dict[str, Any], loop: LibraryLoop, k: int
     else:
         batch_call, batch_name, position = loop.loader, "batch_size", 1
         batch = _int_value(batch_call, "batch_size", 1, 1, "the `DataLoader(...)`")
-    if k is None:
-        k, _ = _default_k(original, batch)
-        k = next((d for d in range(max(2, k), batch + 1) if batch % d == 0), batch)
-    if k < 2 or batch % k:
-        raise NotApplicable(f"a batch of {batch} does not split into {k} equal micro-batches")
+    k = split_batch(k, original, batch)
     edits = [set_keyword(cell, loop.knobs, accum_kw, str(accum * k))]
     if batch_call is loop.knobs or _keyword(batch_call, batch_name) is not None or not batch_call.args[position:]:
         edits.append(set_keyword(cell, batch_call, batch_name, str(batch // k)))

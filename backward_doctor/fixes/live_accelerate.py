@@ -16,7 +16,7 @@ import ast
 from typing import Any
 
 from ..util.cell import Cell, NotApplicable
-from .accumulate import Rewrite, _default_k
+from .accumulate import Rewrite, split_batch
 from .live_knobs import comment_lines, elsewhere
 from .spec import FixSpec
 
@@ -48,12 +48,7 @@ def rewrite(spec: FixSpec, cell: Cell, namespace: dict[str, Any], original: Any,
     loader = namespace[names[0]]
     sampler, batch = loader.batch_sampler, loader.batch_sampler.batch_size
     accum = accelerator.gradient_accumulation_steps
-    k = spec.arg if isinstance(spec.arg, int) else None
-    if k is None:
-        k, _ = _default_k(original, batch)
-        k = next((d for d in range(max(2, k), batch + 1) if batch % d == 0), batch)
-    if k < 2 or batch % k:
-        raise NotApplicable(f"a batch of {batch} does not split into {k} equal micro-batches")
+    k = split_batch(spec.arg if isinstance(spec.arg, int) else None, original, batch)
     lines = [f"{var}.gradient_accumulation_steps = {accum * k}\n",
              f"{names[0]}.batch_sampler.batch_size = {batch // k}  # (a DataLoader's own is fixed)\n"]
     # The DataLoader the user built is the one the cell that built the Accelerator prepared (or an earlier one).

@@ -25,7 +25,7 @@ import textwrap
 from typing import Any
 
 from ..util.cell import Cell, NotApplicable, resolve
-from .accumulate import Rewrite, _default_k
+from .accumulate import Rewrite, split_batch
 from .spec import FixSpec
 
 #: Accelerate keeps its process-wide state in class-level dicts every instance shares (``self.__dict__ =
@@ -167,12 +167,7 @@ def _transformers(spec: FixSpec, var: str, trainer: Any, original: Any) -> tuple
     args = trainer.args
     if spec.kind == "accumulate":
         batch, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-        k = spec.arg if isinstance(spec.arg, int) else None
-        if k is None:
-            k, _ = _default_k(original, batch)
-            k = next((d for d in range(max(2, k), batch + 1) if batch % d == 0), batch)
-        if k < 2 or batch % k:
-            raise NotApplicable(f"a batch of {batch} does not split into {k} equal micro-batches")
+        k = split_batch(spec.arg if isinstance(spec.arg, int) else None, original, batch)
         what = (f"per_device_train_batch_size {batch} -> {batch // k} and gradient_accumulation_steps {accum} -> "
                 f"{accum * k}: the same {batch * accum} examples per optimizer step, in micro-batches of {batch // k}")
         flag = ("loss_is_scaled_for_ga" if hasattr(type(trainer), "loss_is_scaled_for_ga")

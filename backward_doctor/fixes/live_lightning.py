@@ -16,7 +16,7 @@ import ast
 from typing import Any
 
 from ..util.cell import Cell, NotApplicable
-from .accumulate import Rewrite, _default_k
+from .accumulate import Rewrite, split_batch
 from .live_knobs import comment_lines, elsewhere, settings
 from .spec import FixSpec
 
@@ -59,12 +59,7 @@ def rewrite(spec: FixSpec, cell: Cell, namespace: dict[str, Any], original: Any,
             raise NotApplicable("the DataLoader `fit` is given is not a name in this cell with a batch size, so the "
                                 "doctor cannot split its batches: set `batch_size` where it is built")
         accum = trainer.accumulate_grad_batches
-        k = spec.arg if isinstance(spec.arg, int) else None
-        if k is None:
-            k, _ = _default_k(original, batch)
-            k = next((d for d in range(max(2, k), batch + 1) if batch % d == 0), batch)
-        if k < 2 or batch % k:
-            raise NotApplicable(f"a batch of {batch} does not split into {k} equal micro-batches")
+        k = split_batch(spec.arg if isinstance(spec.arg, int) else None, original, batch)
         lines = [f"{var}.accumulate_grad_batches = {accum * k}\n",
                  f"{loader_node.id}.batch_sampler.batch_size = {batch // k}  # (a DataLoader's own is fixed)\n"]
         pairs = [(type(loader), {"batch_size": batch // k}), (type(trainer), {"accumulate_grad_batches": accum * k})]
