@@ -21,6 +21,7 @@ from .findings import Finding
 from .rules import analyze
 from .rank_rules import crashed, first_nonfinite, hang, sharded_unused, still_progressing, unused_parameters
 from ..trace.distributed import DDP_BACKWARD, Collective, RankRecord, loop_text
+from ..trace.queries import sharded_by_fsdp
 from ..trace.records import Trace
 
 #: What a rank sees when a peer failed or went missing: a consequence, never the root cause.
@@ -197,7 +198,7 @@ def analyze_ranks(ranks: list[RankRecord], timeout: float | None = None) -> list
 def _tag(f: Finding, rank: int, trace: Trace | None = None) -> Finding:
     f.rank = rank
     oom = trace.exception.oom if trace is not None and trace.exception is not None else None
-    if f.kind == "oom" and oom is not None and any(op.op.startswith("fsdp::") for op in trace.ops):
+    if f.kind == "oom" and oom is not None and sharded_by_fsdp(trace):
         f.message += " " + _fsdp_memory(oom.by_category, oom.requested or 0)
     return f
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .findings import Finding
 from ..trace.distributed import RankRecord, loop_text, place
+from ..trace.queries import sharded_by_fsdp
 
 
 def unused_parameters(ranks: list[RankRecord]) -> list[Finding]:
@@ -58,8 +59,7 @@ def sharded_unused(ranks: list[RankRecord]) -> list[Finding]:
     starved: dict[int, list] = {}
     for r in ranks:
         tr = r.trace
-        if tr is None or not any(op.op.startswith("fsdp::") for op in tr.ops) or \
-                not any(p.got_grad for p in tr.params):
+        if tr is None or not sharded_by_fsdp(tr) or not any(p.got_grad for p in tr.params):
             continue
         params = [p for p in tr.params if p.requires_grad and p.stepped and not p.got_grad]
         if params:

@@ -33,6 +33,16 @@ def recorded_nothing(trace: Trace) -> bool:
     return not trace.op_count and not its.recorded and its.replayed is None
 
 
+def sharded_by_fsdp(trace: Trace) -> bool:
+    """The run's model is sharded by FSDP2 (its ``fsdp::`` ops are in the trace): its parameters are read under
+    no_grad by FSDP's machinery, and its training state is split across the ranks.
+
+    >>> sharded_by_fsdp(Trace())
+    False
+    """
+    return any(op.op.startswith("fsdp::") for op in trace.ops)
+
+
 def source_lines(trace: Trace, file: str | None) -> dict[int, str]:
     """The lines of the cell (``file`` None) or of ``file`` that the trace holds, by number: the whole cell,
     and of another file only the excerpts copied when the run was recorded (never read from disk here).

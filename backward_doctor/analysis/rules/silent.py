@@ -16,7 +16,7 @@ import os
 
 from ..findings import Finding, at, source_line
 from ...util.stores import function_at, store_line
-from ...trace.queries import skipped_amp_steps
+from ...trace.queries import sharded_by_fsdp, skipped_amp_steps
 from ...trace.parts import GraphHolder
 from ...trace.records import OpRecord, Trace, Where
 from ...util.units import format_bytes
@@ -154,7 +154,7 @@ def detached(trace: Trace) -> list[Finding]:
     """Trainable parameters the forward used that got no gradient: the graph was cut."""
     if not any(p.got_grad for p in trace.params):
         return []  # no backward reached any parameter: not this rule's case
-    if any(op.op.startswith("fsdp::") for op in trace.ops):
+    if sharded_by_fsdp(trace):
         # FSDP2 reads every sharded parameter under no_grad (to shard it, to all-gather it) and the forward uses
         # the unsharded copy: a cut cannot be told from its machinery here (an output that never reaches the
         # loss stays silent, as it does without FSDP).
