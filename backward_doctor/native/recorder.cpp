@@ -344,7 +344,9 @@ void uncount(int64_t key) {
   log_storage(0, key, it->second.nbytes, it->second.cat, S->count);
   S->totals[it->second.cat] -= it->second.nbytes;
   S->total -= it->second.nbytes;
-  if (it->second.data) S->by_data.erase(it->second.data);
+  // (the data pointer may be another storage's by now: the memory was freed unseen and handed out again)
+  auto d = S->by_data.find(it->second.data);
+  if (d != S->by_data.end() && d->second == key) S->by_data.erase(d);
   S->live.erase(it);
 }
 
@@ -353,23 +355,29 @@ inline bool plain_storage(const at::Tensor& t) {
   return t.layout() == c10::kStrided && !t.is_nested() && t.has_storage();
 }
 
+// An entry whose memory was never reported freed can outlive its storage: one allocated before the step,
+// or freed on another thread (gloo's and DDP's threads drop the buffers of a collective; only the owner
+// thread tells the ledger). A different data pointer or size at the same StorageImpl address is then a new
+// storage: the old entry, and the NaN/Inf origin it carried, go. Returns whether t's storage is counted.
+bool drop_stale(const at::Tensor& t, int64_t key) {
+  auto it = S->live.find(key);
+  if (it == S->live.end()) return false;
+  const auto& st = t.storage();
+  if (it->second.data == reinterpret_cast<int64_t>(st.data_ptr().get()) && it->second.nbytes == (int64_t)st.nbytes())
+    return true;
+  uncount(key);
+  return false;
+}
+
 // Counts t's storage under cat (made by op producer, -1: before the step) unless it is counted
 // already; returns its key (0: no storage).
 int64_t note_storage(const at::Tensor& t, int cat, int64_t producer) {
   if (!plain_storage(t)) return 0;  // not counted
   const auto& st = t.storage();
   int64_t key = reinterpret_cast<int64_t>(st.unsafeGetStorageImpl());
-  int64_t data = reinterpret_cast<int64_t>(st.data_ptr().get());
   int64_t nbytes = (int64_t)st.nbytes();
   if (nbytes <= 0) return key;
-  auto it = S->live.find(key);
-  // An entry whose memory was never reported freed (allocated before the step) can outlive its
-  // storage: a different data pointer or size at the same StorageImpl address means a new storage.
-  if (it != S->live.end() && (it->second.data != data || it->second.nbytes != nbytes)) {
-    uncount(key);
-    it = S->live.end();
-  }
-  if (it == S->live.end()) count_storage(key, nbytes, cat, producer, data);
+  if (!drop_stale(t, key)) count_storage(key, nbytes, cat, producer, reinterpret_cast<int64_t>(st.data_ptr().get()));
   return key;
 }
 
@@ -791,7 +799,11 @@ void screen(const at::RecordFunction& fn, const Open& o) {
       }
     }
     int64_t k = key_of(out);
-    if (k) S->nf_origin[k] = origin;
+    if (!k) continue;
+    // (a stale entry at this address is dropped now, not by note_storage after the origin is written: that
+    // would drop the origin with it, and the next op would take the NaN/Inf for its own input's)
+    drop_stale(out, k);
+    S->nf_origin[k] = origin;
   }
   if (first == nullptr) return;
   S->nf_by_index.emplace(o.index, origin);
