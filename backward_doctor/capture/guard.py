@@ -47,6 +47,8 @@ WATCHES: dict[str, tuple[str, str]] = {
     "accumulation": ("the accumulation watch (backward() and zero_grad() per optimizer step)",
                      "the gradient-accumulation checks did not run"),
     "precision": ("the precision watch (GradScaler and gradient clipping)", "the mixed-precision checks did not run"),
+    "frozen": ("the frozen-parameter watch (values sampled around an optimizer step)",
+               "frozen parameters the optimizer changed after that point are not known"),
     "sampling": ("the loop sampler", "iterations after that point were recorded (or not) as the one before"),
     "rollback": ("the iteration rollback", "the iteration that went wrong cannot be replayed in detail"),
     "compile": ("the torch.compile watch", "the doctor no longer steps aside while torch.compile compiles"),

@@ -83,6 +83,8 @@ class OptimizerHooks:
                     raise
         if self.history is not None and step is not None:
             self._check_stale(opt, step)
+        if step is not None:  # (a recorded step: an asleep one does not look)
+            self._guarded("frozen", self._frozen.step_began, opt, step)
 
     def _wrap_closure(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict,
                       first_returned: Any) -> tuple[tuple, dict] | None:
@@ -159,6 +161,8 @@ class OptimizerHooks:
 
     def _recorded_step_ended(self, opt: torch.optim.Optimizer) -> None:
         self._opt_depth = max(0, self._opt_depth - 1)
+        moved = self._guarded("frozen", self._frozen.step_ended, self.trace.iterations.steps)
+        self.trace.frozen_updates.extend(moved or ())
         for t in ns_mod.optimizer_state_tensors(opt):
             self._ledger.reclassify(t, "optimizer")
         self._mark_stepped(opt)

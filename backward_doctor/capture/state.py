@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .frames import UserFrames
+from .frozen_watch import FrozenWatch
 from .guard import Guards
 from .memory import MemoryLedger, Timeline, grad_of
 from .process import UndoStack
@@ -68,6 +69,9 @@ class CaptureState:
         self.trace.run_id = self._run_id
         #: each watch's switch (``guard.py``): its bookkeeping failing switches it off, with a note
         self.guards = Guards(self.trace.notes)
+        #: frozen parameters an optimizer step still changed (``frozen_watch.py``; ``_quiet_ops``: ``loop_hooks.py``)
+        self._frozen = FrozenWatch(quiet=lambda: self._quiet_ops())  # type: ignore[attr-defined]
+        self.guards.on_stop("frozen", self._frozen.off)
         #: the thread that runs the step: the process-wide hooks ignore every other (a background thread training
         #: its own model runs exactly as without the doctor, and is not counted in this run)
         self._thread = threading.get_ident()

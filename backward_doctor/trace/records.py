@@ -15,6 +15,7 @@ from typing import Any
 
 from ..util.serde import from_dict, to_dict
 from .accumulation import Accumulation
+from .frozen import FrozenUpdate
 from .precision import Precision
 from .parts import (Carrier, Compilation, CompileCheck, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo,
                     OptimizerStep, OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep,
@@ -357,6 +358,8 @@ class Trace:
     sampled: SampledRun | None = None
     #: each model's ``train()``/``eval()`` and gradient mode at its first calls (``ModuleMode``)
     module_modes: list[ModuleMode] = field(default_factory=list)
+    #: frozen parameters (``requires_grad=False``) an optimizer step still changed (``FrozenUpdate``)
+    frozen_updates: list[FrozenUpdate] = field(default_factory=list)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

@@ -19,6 +19,7 @@ from .compile import compile_divergence, compile_failure, compiled_first
 from .dataloader import dataloader_worker
 from .evaluation import eval_without_no_grad
 from .failures import generic_exception, index_out_of_range, mismatch
+from .frozen import frozen_params_updated
 from .functions import invalid_gradient
 from .hang import hang
 from .loop_memory import loop_leak
@@ -41,7 +42,7 @@ RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, 
                          nonleaf_param, grad_accumulation, amp_misuse]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities,
-                            train_eval_mode]
+                            train_eval_mode, frozen_params_updated]
 
 
 def analyze(trace: Trace) -> list[Finding]:
