@@ -42,7 +42,8 @@ from ..run.step import run_step
 from ..run.watch import Watch
 from .magic import _release_failed_frames, _show, ipython_places
 from ..util.units import format_bytes
-from .cell_watch import BackwardTrigger, HeldTracebacks, Outer, failed, quiet_line
+from .cell_watch import BackwardTrigger, HeldTracebacks, Outer, failed
+from .deliver import deliver
 
 log = logging.getLogger(__name__)
 _DOCTOR_MAGIC = ("%%backward_doctor", "%backward_doctor")
@@ -308,13 +309,9 @@ class AlwaysOn:
         self.last = report
         opts = self.options
         try:
-            if failed(report):
-                from ..fixes.offers import check_offers
-
-                check_offers(report, source, self.shell.user_ns)  # a fix button only where it can be applied
-                _show(self.shell, report, source, opts.memory_limit, opts.timeout)
-            elif not opts.quiet and quiet_line(report):
-                print(quiet_line(report))
+            # (a fix button only where it can be applied; the quiet line in the cell's output, not on stderr)
+            deliver(report, lambda shown, _: _show(self.shell, shown, source, opts.memory_limit, opts.timeout),
+                    quiet=opts.quiet, offers=(source, self.shell.user_ns), quiet_to=sys.stdout)
         except Exception:  # noqa: BLE001 - never lose the user's traceback to the report
             log.warning("always on: the report could not be shown", exc_info=True)
         held.show()

@@ -32,7 +32,7 @@ from ..capture.process import doctors_own, one_run_at_a_time
 from ..run.engine import ENGINES, choose_engine, python_tier_reason, screens_every_op
 from ..run.step import run_step
 from ..util.units import parse_size
-from .cell_watch import failed, quiet_line, write_report
+from .deliver import deliver, one_line
 from .running import without_doctor_frames
 
 
@@ -123,11 +123,8 @@ def main(argv: list[str]) -> int:
                           and report.trace.iterations.first_nonfinite is None):
         if exc is None or isinstance(exc, SystemExit):  # (the script chose to exit: its own business)
             return _exit_code(exc) if exc is not None else 0
-    elif failed(report):
-        _offers(report, source, namespace)
-        _tell(report, out)
-    elif not args.quiet and quiet_line(report):
-        print(quiet_line(report), file=sys.stderr, flush=True)
+    else:
+        deliver(report, _on_stderr, folder=out, quiet=args.quiet, offers=(source, namespace))
     if exc is None:
         return 0
     if isinstance(exc, SystemExit):
@@ -135,47 +132,16 @@ def main(argv: list[str]) -> int:
     return _uncaught(exc)
 
 
-def _offers(report: Any, source: str, namespace: dict) -> None:
-    """Which fixes ``--fix`` can apply to the script, and why not the others (the report's advice says so)."""
-    try:
-        from ..fixes.offers import check_offers
-
-        check_offers(report, source, namespace)
-    except Exception as own:  # noqa: BLE001 - the doctor's own: the report is told without them
-        if not doctors_own(own):
-            raise
-
-
-def _tell(report: Any, out: str) -> None:
-    """The report on stderr, then where it was written, or in one line why it was not (a full disk, a quota, a
-    folder where the file goes): the report is shown and the script's outcome stands either way."""
+def _on_stderr(report: Any, footer: str) -> None:
+    """The report on stderr, then where it was written (or in one line why not): the script's outcome stands
+    whatever happens here."""
     try:
         text = str(report)
     except Exception as own:  # noqa: BLE001 - the doctor's own: the script's outcome stands
         if not doctors_own(own):
             raise
-        print(f"backward_doctor: no report (the doctor's own error: {_one_line(own)})", file=sys.stderr, flush=True)
-        return
-    try:
-        written = write_report(report, out)
-        where = f"backward_doctor: the report (written to {written[1]})"
-    except Exception as exc:  # noqa: BLE001 - an OSError above all; the report is shown whatever happened
-        if not (isinstance(exc, OSError) or doctors_own(exc)):
-            raise
-        where = f"backward_doctor: the report above is not saved: it could not be written to {out} ({_one_line(exc)})"
-    print(f"{text}\n{where}", file=sys.stderr, flush=True)
-
-
-def _one_line(exc: BaseException) -> str:
-    """``IsADirectoryError: Is a directory: '/out/backward_doctor-report.json'``: an error on one line.
-
-    >>> _one_line(OSError(28, "No space left on device", "/out/r.json"))
-    "OSError: No space left on device: '/out/r.json'"
-    """
-    text = str(exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        text = exc.strerror + (f": {exc.filename!r}" if exc.filename else "")
-    return f"{type(exc).__name__}: {' '.join(text.split())}"[:500]
+        text = f"backward_doctor: no report (the doctor's own error: {one_line(own)})"
+    print(f"{text}\n{footer}", file=sys.stderr, flush=True)
 
 
 def _uncaught(exc: BaseException) -> int:

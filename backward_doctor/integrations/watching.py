@@ -28,7 +28,7 @@ from typing import Any, Callable
 from ..api import check_timeout
 from ..capture.process import doctors_own
 from ..capture.runner import current_capture
-from ..frontends.cell_watch import failed, quiet_line, write_report
+from ..frontends.deliver import deliver
 from ..report import Report
 from ..report.places import Namer, cell_code_names
 from ..run.engine import check_engine
@@ -162,21 +162,9 @@ class LoopDoctor:
 
     # ---------------------------------------------------------------- the report
     def _tell(self, report: Report) -> None:
-        """A failed run's report written to the output folder and shown whatever happens to the files: when
-        they cannot be written (a full disk, a quota, a folder at the file's name, a read-only folder), the
-        report is still shown, and its last line on stderr says why the file is missing."""
-        if failed(report):
-            folder = self._folder or os.getcwd()
-            try:
-                self.written = write_report(report, folder)
-                footer = f"backward_doctor: the report (written to {self.written[-1]})"
-            except Exception as exc:  # noqa: BLE001 - the file is lost, never the report: said in one line
-                self.written = list(getattr(exc, "written", []))
-                kept = f"; {self.written[0]} was written" if self.written else ""
-                footer = f"backward_doctor: the report (NOT written to {folder}: {_why(exc)}{kept})"
-            _show(report, footer)
-        elif not self.quiet and quiet_line(report):
-            print(quiet_line(report), file=sys.stderr)
+        """A failed run's report written to the output folder and shown whatever happens to the files
+        (``frontends/deliver.py``); one line for a silent finding."""
+        self.written = deliver(report, _show, folder=self._folder or os.getcwd(), quiet=self.quiet)
 
     # ---------------------------------------------------------------- ends never announced
     def _arm_fallbacks(self) -> None:
@@ -219,12 +207,6 @@ def _show(report: Report, footer: str) -> None:
         print(footer, file=sys.stderr)
         return
     print(f"{report}\n{footer}", file=sys.stderr, flush=True)
-
-
-def _why(exc: BaseException) -> str:
-    """Why a file could not be written, in one line (``[Errno 28] No space left on device: '...json'``)."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if isinstance(exc, OSError) else f"{type(exc).__name__}: {text}"
 
 
 def _ipython() -> Any:
