@@ -114,6 +114,9 @@ def _finding(trace: Trace, ups: list[FrozenUpdate], names: dict[int, str]) -> Fi
     elif freeze is not None:
         fix = f"{freeze[1]}; {freeze[2]}  # no gradient: the optimizer skips them (no decay, no momentum)"
         fix_line = freeze[0]
+    elif zeroed:  # (zeroed where the cell cannot show it: a library's loop, a hook of the user's module)
+        fix = "optimizer.zero_grad(set_to_none=True)  # frozen parameters keep .grad None and the optimizer skips them"
+        fix_line = None
     else:
         fix = f"torch.optim.{u0.optimizer}(filter(lambda p: p.requires_grad, model.parameters()), ...)"
         fix_line = None
