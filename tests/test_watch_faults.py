@@ -113,7 +113,7 @@ BREAK = {
 ENGINES = {"recorder": ("python",), "rollback": ("native",)}
 OPTIONS = {"compile": {"compiled": True}, "workers": {"workers": 2}}
 #: broken where their own entry points are (tests below)
-ELSEWHERE = {"collectives", "library", "trigger"}
+ELSEWHERE = {"collectives", "library", "trigger", "schedule"}  # (schedule: tests/test_silent_scheduler.py)
 
 
 def test_every_watch_is_broken_here():

@@ -21,6 +21,7 @@ from . import namespace as ns_mod
 from .accum_watch import AccumulationWatch
 from .loop_watch import LoopWatch, python_sumsq
 from .precision_watch import PrecisionWatch
+from .schedule_watch import ScheduleWatch
 from ..trace.accumulation import Accumulation
 from ..trace.precision import Precision
 from .process import doctors_own, patch
@@ -87,6 +88,10 @@ class LoopHooks:
         undo.append(patch(torch.autograd, "backward", wrap))
         self._precision = PrecisionWatch(self.trace.precision, frames=self._frames, on_skipped=accum.skipped_step,
                                          iteration=lambda: self.trace.iterations.steps, guards=guards)
+        self._schedule = ScheduleWatch(self.trace.schedules, frames=self._frames, guards=guards,
+                                       iteration=lambda: self.trace.iterations.steps,
+                                       backwards=lambda: watch.backward_calls,
+                                       scaler_skipped=lambda: self.trace.precision.scaler.skipped)
         self._undo.push("zero_grad, GradScaler and clipping wrappers", lambda: self._unpatch_training(final=True))
         self._patch_training()
         guards.on_stop("loop", watch.off)
@@ -94,6 +99,8 @@ class LoopHooks:
         guards.on_stop("accumulation", lambda: setattr(self.trace, "accumulation", Accumulation()))
         guards.on_stop("precision", self._precision.off)
         guards.on_stop("precision", lambda: setattr(self.trace, "precision", Precision()))
+        guards.on_stop("schedule", self._schedule.off)
+        guards.on_stop("schedule", lambda: self.trace.schedules.clear())
 
     def _accum_counter(self) -> Any:
         """The type that counts the accumulation watch's counting-only windows in C (the native recorder's), or None."""
@@ -104,13 +111,14 @@ class LoopHooks:
         compiles: it would trace the wrappers; never again once the capture stopped)."""
         if self._accum is None or self._training_closed:
             return
-        for patches in (self._accum.patches, self._precision.patches):
+        for patches in (self._accum.patches, self._precision.patches, self._schedule.patches):
             if not patches.installed:
                 patches.install()
 
     def _unpatch_training(self, final: bool = False) -> None:
         self._training_closed = self._training_closed or final
-        for patches in (self._precision.patches, self._accum.patches) if self._accum is not None else ():
+        for patches in (self._schedule.patches, self._precision.patches, self._accum.patches) \
+                if self._accum is not None else ():
             if patches.installed:
                 patches.remove()
 

@@ -29,7 +29,7 @@ KIND_WORDS = {
     "stale_grad": "Gradients never zeroed", "grad_accumulation": "Gradient accumulation", "amp_misuse":
     "Mixed precision misused", "timeout": "Time limit reached", "dataloader_worker": "DataLoader worker",
     "compile_divergence": "Compiled differs from eager", "loss_on_probabilities": "Loss fed the wrong scores",
-    "train_eval_mode": "train() / eval() mode",
+    "train_eval_mode": "train() / eval() mode", "scheduler_misuse": "Learning-rate scheduler out of step",
     "frozen_params_updated": "Frozen parameters updated",
 }
 

@@ -17,6 +17,7 @@ from ..util.serde import from_dict, to_dict
 from .accumulation import Accumulation
 from .frozen import FrozenUpdate
 from .precision import Precision
+from .schedules import SchedulerRecord
 from .parts import (Carrier, Compilation, CompileCheck, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo,
                     OptimizerStep, OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep,
                     StorageEvents)
@@ -360,6 +361,8 @@ class Trace:
     module_modes: list[ModuleMode] = field(default_factory=list)
     #: frozen parameters (``requires_grad=False``) an optimizer step still changed (``FrozenUpdate``)
     frozen_updates: list[FrozenUpdate] = field(default_factory=list)
+    #: learning-rate schedulers stepped during the run, with the order of their steps and the optimizer's
+    schedules: list[SchedulerRecord] = field(default_factory=list)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""
