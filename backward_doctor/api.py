@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .capture.process import one_run_at_a_time
@@ -17,7 +18,8 @@ from .run.engine import check_engine
 from .run.step import build_report, check_cell, check_flag, check_rollback, check_timeout, last_report, run_step
 from .util.units import parse_size
 
-__all__ = ["build_report", "check_cell", "check_engine", "check_fix", "check_rollback", "check_timeout", "diagnose",
+__all__ = ["RunOptions", "build_report", "check_cell", "check_engine", "check_fix", "check_nproc", "check_options", "check_rollback",
+           "check_timeout", "diagnose",
            "last_report"]
 
 
@@ -25,6 +27,60 @@ def check_fix(fix: str | None) -> None:
     """Raise ``ValueError`` for an unknown or malformed fix name (before anything runs)."""
     if fix is not None:
         parse_fix(fix)
+
+
+_MAX_NPROC = 64
+
+
+def check_nproc(nproc: Any) -> int:
+    """``nproc`` as an int; ``ValueError`` unless it is a whole number from 1 to 64.
+
+    >>> check_nproc(2)
+    2
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= _MAX_NPROC:
+        raise ValueError(f"--nproc must be a whole number of ranks from 1 to {_MAX_NPROC}, not {nproc!r}")
+    return nproc
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run is recorded, as :func:`check_options` returns it: checked once where a user hands them in
+    (``diagnose()``, the magics, the CLI, ``run``, the callbacks), the same rules and words everywhere."""
+
+    timeout: float | None = None      # seconds (None: no limit)
+    memory_limit: int | None = None   # bytes of a simulated device (None: none)
+    engine: str = "auto"
+    rollback: bool = True
+    every_iteration: bool = False
+    fix: str | None = None
+    nproc: int | None = None          # ranks (None: one process)
+
+
+def check_options(*, timeout: Any = None, memory_limit: Any = None, engine: Any = "auto", rollback: Any = True,
+                  every_iteration: Any = False, fix: Any = None, nproc: Any = None) -> RunOptions:
+    """The options checked, before anything runs: ``ValueError`` naming the first bad one.
+
+    >>> check_options(timeout=60, memory_limit="2GiB").memory_limit
+    2147483648
+    >>> check_options(every_iteration="no")
+    Traceback (most recent call last):
+    ValueError: every_iteration must be True or False, not 'no'
+    >>> check_options(nproc=2, fix="amp")
+    Traceback (most recent call last):
+    ValueError: --nproc runs the code as it is: --fix applies to one process
+    """
+    timeout = check_timeout(timeout)
+    limit = parse_size(memory_limit)
+    check_fix(fix)
+    check_engine(engine)
+    check_rollback(rollback)
+    check_flag("every_iteration", every_iteration)
+    if nproc is not None:
+        check_nproc(nproc)
+        if fix is not None:
+            raise ValueError("--nproc runs the code as it is: --fix applies to one process")
+    return RunOptions(timeout, limit, engine, rollback, every_iteration, fix, nproc)
 
 
 def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: float | None = None,
@@ -59,12 +115,9 @@ def diagnose(source: str, namespace: dict[str, Any] | None = None, *, timeout: f
     True
     """
     check_cell(source, namespace)
-    timeout = check_timeout(timeout)
-    limit = parse_size(memory_limit)
-    check_fix(fix)
-    check_engine(engine)
-    check_rollback(rollback)
-    check_flag("every_iteration", every_iteration)
+    opts = check_options(timeout=timeout, memory_limit=memory_limit, fix=fix, engine=engine, rollback=rollback,
+                         every_iteration=every_iteration)
+    timeout, limit = opts.timeout, opts.memory_limit
     ns = {} if namespace is None else namespace
     ns.setdefault("__builtins__", __builtins__)
     with one_run_at_a_time():

@@ -85,3 +85,19 @@ def test_import_does_not_pull_ipython_or_matplotlib():
             "print('IPython' in sys.modules, 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("bad, says", [(dict(timeout=-1), "timeout must be"), (dict(memory_limit="lots"), "lots"),
+                                       (dict(engine="fast"), "engine must be one of"),
+                                       (dict(every_iteration="no"), "every_iteration must be True or False")])
+def test_options_are_refused_in_the_same_words_by_every_entry_point(bad, says):
+    """One check (``check_options``) at the public edge: ``diagnose()`` and the callbacks' doctor refuse the same
+    values with the same message, before anything runs (the callbacks took ``every_iteration="no"`` as True)."""
+    from backward_doctor.integrations.watching import LoopDoctor
+
+    ran = []
+    with pytest.raises(ValueError, match=says) as by_diagnose:
+        bd.diagnose("ran.append(1)", {"ran": ran}, **bad)
+    with pytest.raises(ValueError, match=says) as by_callback:
+        LoopDoctor(**bad)
+    assert str(by_diagnose.value) == str(by_callback.value) and ran == []

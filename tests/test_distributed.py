@@ -17,7 +17,8 @@ import torch
 
 from backward_doctor.analysis.distributed import analyze_ranks
 from backward_doctor.capture.collectives import CollectiveRecorder
-from backward_doctor.frontends.launch import check_nproc, free_port, rank_env
+from backward_doctor.api import check_nproc
+from backward_doctor.frontends.launch import free_port, rank_env
 from backward_doctor.report.combined import CombinedReport, load_report
 from backward_doctor.trace.distributed import Collective, RankRecord, UnusedParams
 

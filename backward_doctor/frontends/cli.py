@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from ..api import check_fix, check_timeout, diagnose
+from ..api import check_options, diagnose
 from ..report.combined import load_report
 from ..report.places import name_places
 from ..report.schema import ReportError, loads
@@ -128,13 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        check_timeout(args.timeout)
-        limit = parse_size(args.memory_limit)
-        check_fix(args.fix)
-        if args.nproc is not None:
-            from .launch import check_nproc
-
-            check_nproc(args.nproc)
+        limit = check_options(timeout=args.timeout, memory_limit=args.memory_limit, fix=args.fix, engine=args.engine,
+                              every_iteration=args.every_iteration, nproc=args.nproc).memory_limit
         if args.engine == "native":
             choose_engine("native", memory_limit=limit)
     except ValueError as exc:
@@ -162,14 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _distributed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``--nproc N``: the script on N local ranks, one combined report (``launch.py``)."""
-    from .launch import check_nproc, launch
+    from .launch import launch
 
-    try:
-        check_nproc(args.nproc)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.fix:
-        parser.error("--nproc runs the script as it is: --fix applies to one process")
     report = launch(args.file, args.nproc, timeout=args.timeout, engine=args.engine,
                     every_iteration=args.every_iteration, memory_limit=parse_size(args.memory_limit))
     _emit(report, args)

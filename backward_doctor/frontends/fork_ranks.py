@@ -22,7 +22,8 @@ from typing import Any
 
 from ..report.combined import CombinedReport
 from ..util.orphans import die_with_parent, release_inherited_sockets
-from .launch import DEFAULT_TIMEOUT, _Rank, check_nproc, rank_env, supervise
+from ..api import check_nproc
+from .launch import DEFAULT_TIMEOUT, _Rank, rank_env, supervise
 
 
 class _Forked:

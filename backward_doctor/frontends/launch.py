@@ -27,6 +27,7 @@ import time
 from typing import IO, Any, Callable
 
 from ..analysis.distributed import analyze_ranks
+from ..api import check_nproc, check_timeout
 from ..capture.janitor import Janitor
 from ..capture.process import interrupts_allowed
 from ..report.combined import CombinedReport
@@ -38,19 +39,7 @@ from .combine import combine_folder  # noqa: F401  (``combine`` of a torchrun fo
 DEFAULT_TIMEOUT = 300.0  # a hang is bounded even without --timeout (gloo's own default is 30 minutes)
 GRACE_S = 5.0            # after one rank failed: how long the others get to fail or finish by themselves
 STARTUP_S = 120.0        # beyond the timeout: for a rank to start the script at all (Python, torch's import)
-_MAX_NPROC = 64
 _TAIL = 60               # lines of each rank's stderr kept as evidence
-
-
-def check_nproc(nproc: Any) -> int:
-    """``nproc`` as an int; ``ValueError`` unless it is a whole number from 1 to 64.
-
-    >>> check_nproc(2)
-    2
-    """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= _MAX_NPROC:
-        raise ValueError(f"--nproc must be a whole number of ranks from 1 to {_MAX_NPROC}, not {nproc!r}")
-    return nproc
 
 
 def free_port() -> int:
@@ -162,8 +151,6 @@ def launch(script: str, nproc: int, *, timeout: float | None = None, engine: str
     Traceback (most recent call last):
     ValueError: no such file: no_such_script.py
     """
-    from ..api import check_timeout
-
     check_nproc(nproc)
     timeout = check_timeout(timeout) or DEFAULT_TIMEOUT
     if not os.path.isfile(script):

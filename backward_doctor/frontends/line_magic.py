@@ -11,9 +11,8 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from ..api import check_engine, check_timeout
+from ..api import check_options
 from ..run.engine import choose_engine
-from ..util.units import parse_size
 from .always_on import Options, current, turn_off, turn_on
 
 
@@ -65,8 +64,10 @@ class AlwaysOnMagics(Magics):
                   "(`%backward_doctor on` watches every later cell that trains)")
             return
         try:
-            options = Options(timeout=check_timeout(args.timeout), memory_limit=parse_size(args.memory_limit),
-                              quiet=args.quiet, engine=check_engine(args.engine), every_iteration=args.every_iteration)
+            opts = check_options(timeout=args.timeout, memory_limit=args.memory_limit, engine=args.engine,
+                                 every_iteration=args.every_iteration)
+            options = Options(timeout=opts.timeout, memory_limit=opts.memory_limit, quiet=args.quiet, engine=opts.engine,
+                              every_iteration=opts.every_iteration)
             choose_engine(options.engine, memory_limit=options.memory_limit, build=False)
         except ValueError as exc:
             raise UsageError(str(exc)) from None

@@ -20,13 +20,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.display import display
 
-from ..api import check_engine, check_fix, check_timeout
+from ..api import check_options
 from ..capture.process import doctors_own, one_run_at_a_time
 from ..capture.runner import running_progress
 from ..run.engine import ENGINES, choose_engine, python_tier_reason
 from ..report.places import cell_code_names, name_places
 from ..run.step import remember, run_step
-from ..util.units import parse_size
 from .running import RunningNotice, doctor_frames_hidden
 
 log = logging.getLogger(__name__)
@@ -73,16 +72,10 @@ class BackwardDoctorMagics(Magics):
         """
         args = magic_arguments.parse_argstring(self.backward_doctor, line)
         try:
-            timeout = check_timeout(args.timeout)
-            limit = parse_size(args.memory_limit)
-            check_fix(args.fix)
-            engine = choose_engine(check_engine(args.engine), memory_limit=limit, build=False)
-            if args.nproc is not None:
-                from .launch import check_nproc
-
-                check_nproc(args.nproc)
-                if args.fix:
-                    raise ValueError("--nproc runs the cell as it is: --fix applies to one process")
+            opts = check_options(timeout=args.timeout, memory_limit=args.memory_limit, fix=args.fix,
+                                 engine=args.engine, nproc=args.nproc)
+            timeout, limit = opts.timeout, opts.memory_limit
+            engine = choose_engine(opts.engine, memory_limit=limit, build=False)
             check_export_paths(args.memory_snapshot, args.trace)
         except ValueError as exc:
             raise UsageError(str(exc)) from None

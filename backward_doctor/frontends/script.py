@@ -27,11 +27,10 @@ import traceback
 import types
 from typing import Any
 
-from ..api import check_timeout
+from ..api import check_options
 from ..capture.process import doctors_own, one_run_at_a_time
 from ..run.engine import ENGINES, choose_engine, python_tier_reason, screens_every_op
 from ..run.step import run_step
-from ..util.units import parse_size
 from .deliver import deliver, one_line
 from .running import without_doctor_frames
 
@@ -80,9 +79,9 @@ def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        timeout = check_timeout(args.timeout)
-        limit = parse_size(args.memory_limit)
-        engine = choose_engine(args.engine, memory_limit=limit)
+        opts = check_options(timeout=args.timeout, memory_limit=args.memory_limit, engine=args.engine)
+        timeout, limit = opts.timeout, opts.memory_limit
+        engine = choose_engine(opts.engine, memory_limit=limit)
     except ValueError as exc:
         parser.error(str(exc))
     out = os.path.abspath(args.output_dir)

@@ -25,16 +25,14 @@ import os
 import sys
 from typing import Any, Callable
 
-from ..api import check_timeout
+from ..api import check_options
 from ..capture.process import doctors_own
 from ..capture.runner import current_capture
 from ..frontends.deliver import deliver
 from ..report import Report
 from ..report.places import Namer, cell_code_names
-from ..run.engine import check_engine
 from ..run.step import remember
 from ..run.watch import Watch, active
-from ..util.units import parse_size
 
 log = logging.getLogger(__name__)
 _open: list["LoopDoctor"] = []  # doctors whose watch is open (the ends a library may never announce)
@@ -53,10 +51,10 @@ class LoopDoctor:
             raise ValueError(f"on_nonfinite must be 'stop' or 'continue', not {on_nonfinite!r}")
         self.output_dir = None if output_dir is None else os.fspath(output_dir)
         self.on_nonfinite = on_nonfinite
-        self.timeout = check_timeout(timeout)
-        self.memory_limit = parse_size(memory_limit)
-        self.engine = check_engine(engine)
-        self.every_iteration = bool(every_iteration)
+        opts = check_options(timeout=timeout, memory_limit=memory_limit, engine=engine,
+                             every_iteration=every_iteration)
+        self.timeout, self.memory_limit, self.engine = opts.timeout, opts.memory_limit, opts.engine
+        self.every_iteration = opts.every_iteration
         self.quiet = bool(quiet)
         self.report: Report | None = None   # the latest run's report
         self.written: list[str] = []        # the files it was written to
