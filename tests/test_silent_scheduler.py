@@ -98,6 +98,24 @@ def test_pytorchs_own_warning_still_names_the_users_line(engine):
         [(w.filename, w.lineno) for w in said]
 
 
+COMPOSITES = {
+    "SequentialLR": "SequentialLR(opt, [torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=2), "
+                    "torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[2])",
+    "ChainedScheduler": "ChainedScheduler([torch.optim.lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=2), "
+                        "torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)])",
+    "CosineAnnealingWarmRestarts": "CosineAnnealingWarmRestarts(opt, T_0=2)",
+    "CyclicLR": "CyclicLR(opt, 0.01, 0.1, step_size_up=2)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITES))
+def test_composite_and_cyclic_schedulers_before_and_after_the_optimizer(name, engine):
+    """Schedulers with a ``step`` of their own (their children's steps are not counted again)."""
+    f = _only(_diagnose(BEFORE, _ns(COMPOSITES[name]), engine))
+    assert (f.line, f.iteration, f.evidence["problem"], f.evidence["scheduler"]) == (2, 0, "before_optimizer", name)
+    _silent(_diagnose(AFTER, _ns(COMPOSITES[name]), engine))
+
+
 EPOCH_BEFORE = """\
 for epoch in range(2):
     sched.step()

@@ -65,6 +65,25 @@ def _library(frame: Any) -> str:
     return _LIBRARIES.get(name.partition(".")[0], "") if isinstance(name, str) else ""
 
 
+def _first_step(sched: Any, counted: int) -> bool:
+    """Whether this is the scheduler's first step since it was made (``counted``: torch counted it already).
+    ``LRScheduler.step`` counts its steps; the composites and ``CosineAnnealingWarmRestarts`` do not: their epoch
+    (0 after the constructor), or a ``ChainedScheduler``'s first child's count, says it.
+
+    >>> import torch
+    >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    >>> _first_step(torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=2), 0)
+    True
+    """
+    if counted:
+        return getattr(sched, "_step_count", None) == 1 + counted
+    epoch = getattr(sched, "last_epoch", None)
+    if isinstance(epoch, int):
+        return epoch == 0
+    children = getattr(sched, "_schedulers", None)
+    return bool(children) and getattr(children[0], "_step_count", None) == 1
+
+
 class ScheduleWatch:
     """Appends a :class:`SchedulerRecord` per scheduler stepped to ``record`` (see the module docstring).
     ``iteration()``: optimizer steps completed; ``backwards()``: the run's ``backward()`` calls so far;
@@ -137,7 +156,7 @@ class ScheduleWatch:
             else None
         where = self._frames.where(caller) if self._frames is not None else None
         call = SchedulerCall(iteration=self._iteration(), backwards=self._backwards(),
-                             first=getattr(sched, "_step_count", None) == 1 + counted,
+                             first=_first_step(sched, counted),
                              optimizer_stepped=flag if isinstance(flag, bool) else None,
                              scaler_skipped=self._skipped(), lr_before=_lr(opt), library=_library(caller),
                              line=getattr(where, "line", None), file=getattr(where, "file", None),
