@@ -318,6 +318,30 @@ def test_a_trainer_with_its_own_scheduler_stays_silent(engine):
     _silent(_diagnose(ll.HF_TRAIN, ns, engine))
 
 
+ACCEL_SCHEDULED = ll.ACCEL_LOOP + "        scheduler.step()\n"
+
+
+def test_an_accelerate_loop_whose_scheduler_was_not_prepared(engine):
+    # Accelerate's pattern steps the scheduler in every micro-batch of accumulate(): right for the scheduler
+    # accelerator.prepare() wrapped (it steps only with the optimizer), 4x too fast for a plain one
+    ns = ll.accelerate_loop(accum=4, n=64, batch=4)
+    ns["scheduler"] = torch.optim.lr_scheduler.StepLR(ns["optimizer"], step_size=1, gamma=0.9)
+    report = _diagnose(ACCEL_SCHEDULED, ns, engine)
+    f = _only(report)
+    assert (f.line, f.iteration, f.evidence["problem"]) == (7, 0, "too_often"), _describe(report)
+    assert f.evidence["per_optimizer_step"] == 4 and f.evidence["micro_batches"] is True
+    assert "`accelerator.prepare` was not given this scheduler" in f.message
+    assert f.evidence["fix_code"] == "scheduler = accelerator.prepare(scheduler)  # it steps only when the optimizer " \
+                                     "really steps"
+
+    ns = ll.accelerate_loop(accum=4, n=64, batch=4)
+    ns["scheduler"] = ns["accelerator"].prepare(torch.optim.lr_scheduler.StepLR(ns["optimizer"], step_size=1,
+                                                                                gamma=0.9))
+    report = _diagnose(ACCEL_SCHEDULED, ns, engine)
+    assert [(s.type, s.library, s.calls) for s in report.trace.schedules] == [("StepLR", "accelerate", 4)]
+    _silent(report)
+
+
 # ----------------------------------------------------------------------------- the watch itself
 def test_a_broken_scheduler_watch_stops_and_the_run_is_bit_identical(engine, monkeypatch):
     plain = _ns()

@@ -40,7 +40,7 @@ class SchedulerRecord:
     library: str = ""
     calls: int = 0                   # all its steps in the run
     steps: list[SchedulerCall] = field(default_factory=list)  # the first 64
-    last: SchedulerCall | None = None  # the run's last step (past the first 64)
+    last: SchedulerCall | None = None  # a step past the first 64 (every 256th: the latest such)
 
 
 __all__ = ["SchedulerCall", "SchedulerRecord"]

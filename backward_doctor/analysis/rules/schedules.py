@@ -116,6 +116,10 @@ def _too_often(trace: Trace, rec: SchedulerRecord, calls: list[SchedulerCall], k
     libraries = sorted({c.library for c in calls if c.library})
     if libraries and any(not c.library for c in calls):  # (the user's code and a library's loop both step it)
         why += f" (by your code and by {_LIBRARY.get(libraries[0], libraries[0])}, which steps it itself)"
+    # (Accelerate's own pattern steps the scheduler in every micro-batch: right once it prepared the scheduler)
+    prepare = rec.optimizer == "AcceleratedOptimizer" and micro
+    if prepare:
+        why += " (`accelerator.prepare` was not given this scheduler: only the one it returns skips with the optimizer)"
     last = rec.last or calls[-1]
     opt_code, indent = _optimizer_line(trace)
     sched_code = code or "scheduler.step()"
@@ -128,7 +132,11 @@ def _too_often(trace: Trace, rec: SchedulerRecord, calls: list[SchedulerCall], k
            f"{sched_code}  # only where the optimizer steps: once per optimizer step")
     if opt_code and indent:
         fix = "\n".join(indent + ln for ln in fix.splitlines())
-    return _finding(trace, "too_often", rec, _placed(calls), msg, fix, {"per_optimizer_step": k, "micro_batches": micro})
+    if prepare:
+        name = _name(sched_code, "step") or "scheduler"
+        fix = f"{name} = accelerator.prepare({name})  # it steps only when the optimizer really steps"
+    return _finding(trace, "too_often", rec, _placed(calls), msg, fix,
+                    {"per_optimizer_step": k, "micro_batches": micro})
 
 
 def _orphaned(trace: Trace, rec: SchedulerRecord, call: SchedulerCall, code: str, said: str) -> Finding:
@@ -153,8 +161,8 @@ def iteration_of(trace: Trace, call: SchedulerCall) -> int:
 
     >>> from backward_doctor.trace.parts import Iterations
     >>> t = Trace(iterations=Iterations(steps=2, backwards=[1, 1]))
-    >>> iteration_of(t, SchedulerCall(iteration=1, backwards=1)), iteration_of(t, SchedulerCall(iteration=1, backwards=2))
-    (0, 1)
+    >>> [iteration_of(t, SchedulerCall(iteration=1, backwards=n)) for n in (1, 2)]
+    [0, 1]
     """
     its = trace.iterations
     if call.iteration >= 1 and its.stride == 1 and len(its.backwards) >= call.iteration and \
@@ -188,7 +196,8 @@ def scheduler_misuse(trace: Trace) -> list[Finding]:
             continue
         first, last, named = calls[0], rec.last or calls[-1], _placed(calls)
         code = code_at(trace, named.line, named.file)
-        place = f"line {named.line}" if named.file is None else f"`{(named.file or '').rsplit('/', 1)[-1]}:{named.line}`"
+        place = f"line {named.line}" if named.file is None else \
+            f"`{(named.file or '').rsplit('/', 1)[-1]}:{named.line}`"
         said = f"`{code}` ({place})" if code else place
         k = per_step(calls)
         if last.optimizer_stepped is False and last.scaler_skipped == 0 and last.iteration >= 1:
