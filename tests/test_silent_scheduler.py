@@ -116,6 +116,28 @@ def test_composite_and_cyclic_schedulers_before_and_after_the_optimizer(name, en
     _silent(_diagnose(AFTER, _ns(COMPOSITES[name]), engine))
 
 
+BEFORE_THEN_NAN = """\
+for step in range(12):
+    sched.step()
+    opt.zero_grad()
+    loss = ((model(x) - y) ** 2).mean() * (float("nan") if step == 9 else 1.0)
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_loop_replayed_for_its_nan_keeps_the_runs_own_scheduler_steps(engine):
+    """The iteration that went NaN is replayed alone (it ran unrecorded): the scheduler watch saw the whole run,
+    its record stands (the replay's single step would not show the order)."""
+    report = _diagnose(BEFORE_THEN_NAN, _ns(), engine)
+    if engine == "native":  # (the Python tier records every iteration of so short a loop on the CPU: no replay)
+        assert report.trace.iterations.replayed == 9, report.trace.iterations
+    kinds = {f.kind: f for f in report.findings}
+    assert "nonfinite" in kinds and "scheduler_misuse" in kinds, _describe(report)
+    f = kinds["scheduler_misuse"]
+    assert (f.line, f.iteration, f.evidence["problem"], f.evidence["calls"]) == (2, 0, "before_optimizer", 12)
+
+
 EPOCH_BEFORE = """\
 for epoch in range(2):
     sched.step()
