@@ -166,14 +166,35 @@ def test_foreach_and_fused_optimizers_write_lists_of_tensors_in_one_op(engine, f
     make = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **{flavour: True})  # noqa: E731
     report = bd.diagnose(FREEZE_MID, _ns(make), engine=engine)
     kinds = [f.kind for f in report.findings]
-    assert "frozen_params_updated" in kinds, _describe(report)
-    f = report.findings[kinds.index("frozen_params_updated")]
+    # (known, not this kind's: the native recorder reads no in-place write from a list argument, so the
+    # `_foreach_zero_` of a foreach/fused optimizer's zero_grad(set_to_none=False) is not seen and `stale_grad`
+    # follows, frozen layer or not; the Python tier sees it)
+    assert kinds == ["frozen_params_updated"] + (["stale_grad"] if engine == "native" else []), _describe(report)
+    f = report.findings[0]
     assert (f.line, f.iteration, f.evidence["parameters"]) == (4, 2, ["model.0.weight", "model.0.bias"])
     twin = bd.diagnose(FREEZE_MID_NONE, _ns(make), engine=engine)
     assert "frozen_params_updated" not in [f.kind for f in twin.findings], _describe(twin)
 
 
 # ----------------------------------------------------------------------------- correct twins
+FROZEN_BEFORE_STEP = """\
+for step in range(4):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if step == 1:
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+    opt.step()
+"""
+
+
+def test_frozen_between_backward_and_step_the_last_gradient_is_applied_once(engine):
+    # (that step applies the gradient computed before the freeze, as the code asks; zero_grad() then sets it to
+    # None and the layer stays: no drift)
+    _silent(bd.diagnose(FROZEN_BEFORE_STEP, _ns(ADAMW), engine=engine))
+
+
 FROZEN_FIRST = """\
 for p in model[0].parameters():
     p.requires_grad_(False)

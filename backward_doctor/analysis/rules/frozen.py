@@ -61,12 +61,18 @@ def _pct(change: float, scale: float) -> str:
 
 def frozen_params_updated(trace: Trace) -> list[Finding]:
     """One finding per optimizer that changed frozen parameters: the first step that did, placed at the freeze."""
-    if not trace.frozen_updates:
+    # A gradient that is not zeros was computed before the freeze (frozen between backward() and step()): the
+    # step applies it once, as the user's code asked. Zeros, or a parameter moved at two steps, is the drift.
+    steps: dict[int, set[int]] = {}
+    for u in trace.frozen_updates:
+        steps.setdefault(u.key, set()).add(u.iteration)
+    drift = [u for u in trace.frozen_updates if u.grad_zero or len(steps[u.key]) > 1]
+    if not drift:
         return []
     names = {p.key: p.name for p in trace.params if p.key}
     out: list[Finding] = []
-    for opt_id in dict.fromkeys(u.id for u in trace.frozen_updates):
-        ups = [u for u in trace.frozen_updates if u.id == opt_id]
+    for opt_id in dict.fromkeys(u.id for u in drift):
+        ups = [u for u in drift if u.id == opt_id]
         out.append(_finding(trace, ups, names))
     return out
 
