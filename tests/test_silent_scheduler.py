@@ -296,6 +296,9 @@ def test_lightning_scheduler_stepped_per_batch_under_accumulation(engine):
     f = _only(report)
     assert f.evidence["problem"] == "too_often" and f.evidence["per_optimizer_step"] == 3, _describe(report)
     assert f.line == ll.marked_line(ns, "LitClassifier", "# <-- per batch"), f
+    assert "3 times for each optimizer step (by your code and by Lightning, which steps it itself" in f.message
+    assert f.evidence["fix_code"] == "# self.lr_schedulers().step()  # deleted: Lightning steps the scheduler " \
+                                     "itself, once per optimizer step"
 
     ns = ll.lit_fit(LIT_SCHEDULED, steps=3, trainer_kwargs={"accumulate_grad_batches": 2})
     _silent(_diagnose(ll.LIT_FIT, ns, engine))
@@ -320,7 +323,9 @@ def test_a_trainer_whose_scheduler_a_callback_steps_again(engine):
     assert (f.file, f.line) == (ll.defined_in(callback, "StepSchedule"),
                                 ll.marked_line(callback, "StepSchedule", "# <-- the Trainer")), f
     assert f.iteration == 0, f
+    assert "`lr_scheduler.step()` (`StepSchedule" in f.message
     assert "by your code and by the Trainer, which steps it itself" in f.message
+    assert f.evidence["fix_code"].startswith("# lr_scheduler.step()  # deleted: the Trainer steps the scheduler")
 
 
 def test_a_trainer_with_its_own_scheduler_stays_silent(engine):

@@ -109,32 +109,40 @@ def _before(trace: Trace, rec: SchedulerRecord, call: SchedulerCall, code: str, 
 def _too_often(trace: Trace, rec: SchedulerRecord, calls: list[SchedulerCall], k: int, code: str,
                said: str) -> Finding:
     its = trace.iterations
-    gaps = [b.backwards - a.backwards for a, b in zip(calls, calls[1:])]
-    micro = bool(gaps) and Counter(gaps).most_common(1)[0][0] == 1 and max(its.backwards or [0]) > 1
-    why = (f"once per micro-batch (each `backward()`), while the optimizer steps once every {k} of them "
-           "(gradient accumulation)") if micro else f"{k} times for each optimizer step"
     libraries = sorted({c.library for c in calls if c.library})
-    if libraries and any(not c.library for c in calls):  # (the user's code and a library's loop both step it)
-        why += f" (by your code and by {_LIBRARY.get(libraries[0], libraries[0])}, which steps it itself)"
+    both = bool(libraries) and any(not c.library for c in calls)  # (the user's code and a library's loop)
+    library = _LIBRARY.get(libraries[0], libraries[0]) if libraries else ""
+    gaps = [b.backwards - a.backwards for a, b in zip(calls, calls[1:])]
+    counts = Counter(n for n in its.backwards if n)
+    accum = counts.most_common(1)[0][0] if counts else 1  # backward() calls per optimizer step
+    micro = not both and bool(gaps) and Counter(gaps).most_common(1)[0][0] == 1 and accum > 1
+    why = (f"once per micro-batch (each `backward()`), while the optimizer steps once every {accum} of them "
+           "(gradient accumulation)") if micro else f"{k} times for each optimizer step"
+    if both:
+        why += f" (by your code and by {library}, which steps it itself once per optimizer step)"
     # (Accelerate's own pattern steps the scheduler in every micro-batch: right once it prepared the scheduler)
     prepare = rec.optimizer == "AcceleratedOptimizer" and micro
     if prepare:
         why += " (`accelerator.prepare` was not given this scheduler: only the one it returns skips with the optimizer)"
     last = rec.last or calls[-1]
-    opt_code, indent = _optimizer_line(trace)
     sched_code = code or "scheduler.step()"
     drop = (f": the learning rate went from {_lr(calls[0].lr_before)} to {_lr(last.lr_after)} in "
             f"{last.iteration - calls[0].iteration} optimizer steps") if last.iteration > calls[0].iteration else ""
     msg = (f"{said} stepped the `{rec.type}` schedule {why}: {k} scheduler steps per optimizer step, so the schedule "
            f"runs {k} times too fast{drop} (a warm-up ends {k} times early, the decay is reached {k} times sooner). "
-           f"Nothing raises. Step the scheduler once per optimizer step, right after it.")
-    fix = (f"{opt_code}\n{sched_code}  # once per optimizer step, not per micro-batch" if opt_code else
-           f"{sched_code}  # only where the optimizer steps: once per optimizer step")
-    if opt_code and indent:
-        fix = "\n".join(indent + ln for ln in fix.splitlines())
-    if prepare:
+           f"Nothing raises. " + (f"Leave the stepping to {library}." if both else
+                                  "Step the scheduler once per optimizer step, right after it."))
+    if both:
+        fix = f"# {sched_code}  # deleted: {library} steps the scheduler itself, once per optimizer step"
+    elif prepare:
         name = _name(sched_code, "step") or "scheduler"
         fix = f"{name} = accelerator.prepare({name})  # it steps only when the optimizer really steps"
+    else:
+        opt_code, indent = _optimizer_line(trace) if not its.library else ("", "")
+        fix = (f"{opt_code}\n{sched_code}  # once per optimizer step, not per micro-batch" if opt_code else
+               f"{sched_code}  # only where the optimizer steps: once per optimizer step")
+        if opt_code and indent:
+            fix = "\n".join(indent + ln for ln in fix.splitlines())
     return _finding(trace, "too_often", rec, _placed(calls), msg, fix,
                     {"per_optimizer_step": k, "micro_batches": micro})
 
