@@ -302,3 +302,24 @@ def test_hugging_face_trainer_fine_tuning_a_partly_frozen_model_stays_silent(eng
         if "embeddings" in name:
             p.requires_grad_(False)
     _silent(bd.diagnose(ll.HF_TRAIN, ns, engine=engine))
+
+
+NAN_LATER = """\
+for step in range(12):
+    if step == 2:
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+    opt.zero_grad(set_to_none=False)
+    xb = x * float("nan") if step == 10 else x
+    loss = F.cross_entropy(model(xb), y)
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_the_drift_is_kept_when_a_later_iteration_is_replayed_for_nan(engine):
+    # (the native recorder sleeps through iteration 10 and replays it in detail: the run's frozen updates stand)
+    report = bd.diagnose(NAN_LATER, _ns(ADAMW), engine=engine)
+    got = [(f.kind, f.line, f.iteration) for f in report.findings]
+    assert got == [("frozen_params_updated", 4, 2), ("nonfinite", 6, 10)], _describe(report)
+    assert report.trace.iterations.replayed == (10 if engine == "native" else None)
