@@ -370,6 +370,30 @@ def test_an_accelerate_loop_whose_scheduler_was_not_prepared(engine):
 
 
 # ----------------------------------------------------------------------------- the watch itself
+OTHER_THREAD = """\
+import threading
+
+
+def other():
+    p = torch.nn.Parameter(torch.ones(2))
+    o = torch.optim.SGD([p], lr=1.0)
+    s = torch.optim.lr_scheduler.StepLR(o, step_size=1)
+    for _ in range(5):
+        s.step()
+
+
+t = threading.Thread(target=other)
+t.start()
+t.join()
+""" + AFTER
+
+
+def test_another_threads_scheduler_is_not_counted(engine):
+    report = _diagnose(OTHER_THREAD, _ns(), engine)
+    assert [(s.type, s.calls) for s in report.trace.schedules] == [("StepLR", 4)], report.trace.schedules
+    _silent(report)
+
+
 def test_a_broken_scheduler_watch_stops_and_the_run_is_bit_identical(engine, monkeypatch):
     plain = _ns()
     exec(AFTER, plain)

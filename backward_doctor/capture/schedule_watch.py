@@ -37,6 +37,7 @@ import inspect
 import sys
 import threading
 import weakref
+from threading import get_ident
 from typing import Any, Callable
 
 from .guard import Guards
@@ -118,10 +119,11 @@ class ScheduleWatch:
         """``real`` wrapped; ``up``: frames from the wrapper to the code that called ``scheduler.step()`` (2 for
         ``_update_lr``, whose caller is ``LRScheduler.step``)."""
         def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
+            if get_ident() != self._thread:  # (another thread's scheduler: as without the doctor, not counted)
+                return real(sched, *args, **kwargs)
             call = None
             try:
-                if self._depth == 0 and threading.get_ident() == self._thread and \
-                        not getattr(sched, "_is_initial", False):  # (not the constructor's own step)
+                if self._depth == 0 and not getattr(sched, "_is_initial", False):  # (not the constructor's own)
                     call = self.before(sched, sys._getframe(up), counted=up - 1)
             except Exception as exc:
                 self._failed(exc)
