@@ -279,11 +279,9 @@ def test_lightning_fit_with_a_layer_frozen_mid_training(engine):
     fit = dict(module_source=LIT_FREEZE, module_name="LitFreeze", steps=5)
     ns = ll.lit_fit(**fit)
     report = bd.diagnose(ll.LIT_FIT, ns, engine=engine)
-    kinds = [f.kind for f in report.findings]
-    # (known, not this kind's: the native recorder reports `stale_grad` for any Lightning module whose
-    # optimizer_zero_grad keeps zeros, frozen layer or not; the Python tier does not)
-    assert kinds == ["frozen_params_updated"] + (["stale_grad"] if engine == "native" else []), _describe(report)
-    f = report.findings[0]
+    # (no `stale_grad` beside it on the native engine: Lightning zeroes inside the step's closure, after the step
+    # began, which its stale-gradient check now counts)
+    f = _only(report, "frozen_params_updated")
     assert f.evidence["parameters"] == ["model.net.0.weight", "model.net.0.bias"], _describe(report)
     assert f.iteration == 2 and f.evidence["iterations"][0] == 2 and f.evidence["optimizer"] == "AdamW"
     assert f.evidence["grad_zero"] and "their gradients are kept as zeros, not None" in f.message
@@ -294,6 +292,9 @@ def test_lightning_fit_with_a_layer_frozen_mid_training(engine):
     # the twin: Lightning's own zero_grad (set_to_none=True): the frozen layer has no gradient, torch skips it
     _silent(bd.diagnose(ll.LIT_FIT, ll.lit_fit(**fit | {"module_kwargs": {"keep_zero_grads": False}}),
                         engine=engine))
+    # and zeros kept with nothing frozen: nothing stale, nothing frozen (the native engine said `stale_grad`)
+    _silent(bd.diagnose(ll.LIT_FIT, ll.lit_fit(LIT_FREEZE.replace("if self.global_step == 2:", "if False:"),
+                                               "LitFreeze", steps=5), engine=engine))
 
 
 def test_hugging_face_trainer_fine_tuning_a_partly_frozen_model_stays_silent(engine):

@@ -50,13 +50,15 @@ class NativeRecords:
 
     def _stale_step(self, step: Any, stale: list[tuple[Any, tuple]]) -> None:
         """A step on gradients an earlier step consumed, unless an op zeroed them in between: decided once the
-        buffers are read (keys and marks kept, no tensor)."""
-        self._stale_pending.append((step, [(storage_key(grad_of(p)) or 0, mark) for p, mark in stale]))
+        buffers are read (keys and marks kept, no tensor). The zeroing counts up to now, when the update is about to
+        use the gradients, not only up to the step's call: a closure (Lightning's) zeroes them inside the step."""
+        used = max(step.index, self._ops_so_far())
+        self._stale_pending.append((step, used, [(storage_key(grad_of(p)) or 0, mark) for p, mark in stale]))
 
     def _resolve_stale(self) -> None:
         pending, self._stale_pending = self._stale_pending, []
-        for step, stale in pending:
-            kept = [(None, mark) for key, mark in stale if not self._zeroed_between(key, mark, step.index)]
+        for step, used, stale in pending:
+            kept = [(None, mark) for key, mark in stale if not self._zeroed_between(key, mark, used)]
             if kept:
                 super()._stale_step(step, kept)
 
