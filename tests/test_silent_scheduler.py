@@ -188,6 +188,23 @@ def test_reduce_on_plateau_warm_up_and_a_plotted_schedule_stay_silent(engine):
     _silent(_diagnose(plot, _ns(), engine))
 
 
+PLOTTED = """\
+dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+shape = torch.optim.lr_scheduler.CosineAnnealingLR(dummy, T_max=10)
+before = [shape.step() or shape.get_last_lr()[0] for _ in range(10)]
+""" + AFTER + """\
+dummy2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+shape2 = torch.optim.lr_scheduler.StepLR(dummy2, step_size=2)
+after = [shape2.step() or shape2.get_last_lr()[0] for _ in range(10)]
+"""
+
+
+def test_schedules_plotted_on_optimizers_of_their_own_around_training_stay_silent(engine):
+    report = _diagnose(PLOTTED, _ns(), engine)
+    assert sorted(s.type for s in report.trace.schedules) == ["CosineAnnealingLR", "StepLR", "StepLR"]
+    _silent(report)
+
+
 # ----------------------------------------------------------------------------- GradScaler skipping the first steps
 SCALED = """\
 for step in range(4):

@@ -13,7 +13,8 @@ model trains on a schedule other than the one written.
 
 Read from ``trace.schedules`` (``capture/schedule_watch.py``: each ``scheduler.step()`` with the optimizer steps
 before it and torch's own flag that its optimizer stepped). ``ReduceLROnPlateau`` follows a metric, not a count of
-steps: it says nothing here. A cell with no optimizer step (a schedule stepped to plot it) says nothing either.
+steps: it says nothing here. Neither does a schedule stepped to plot it (in a cell with no optimizer step, or on
+an optimizer of its own that never steps, all its steps at one point of the run).
 
 >>> from backward_doctor.trace import Trace
 >>> scheduler_misuse(Trace())
@@ -208,11 +209,15 @@ def scheduler_misuse(trace: Trace) -> list[Finding]:
             f"`{(named.file or '').rsplit('/', 1)[-1]}:{named.line}`"
         said = f"`{code}` ({place})" if code else place
         k = per_step(calls)
-        if last.optimizer_stepped is False and last.scaler_skipped == 0 and last.iteration >= 1:
+        # (a schedule stepped between no two optimizer steps, all at one point of the run, is plotted or inspected
+        # on an optimizer of its own: said nothing)
+        interleaved = len({c.iteration for c in calls}) >= 2
+        if last.optimizer_stepped is False and last.scaler_skipped == 0 and interleaved:
             out.append(_orphaned(trace, rec, named, code, said))
-        elif k >= 2 and len({c.iteration for c in calls}) >= 2:
+        elif k >= 2 and interleaved:
             out.append(_too_often(trace, rec, calls, k, code, said))
-        elif first.first and first.optimizer_stepped is False and first.scaler_skipped == 0:
+        elif first.first and first.optimizer_stepped is False and first.scaler_skipped == 0 and \
+                any(c.optimizer_stepped for c in calls[1:]):  # (its own optimizer stepped after it)
             out.append(_before(trace, rec, first, code, said))
     return out
 
