@@ -95,6 +95,10 @@ class NativeRecords:
         counts, times = [0] * len(names), [0.0] * len(names)
         tl_index, tl_flat = array("q"), array("q")
         peak, peak_at = self._peak, -1
+        # (the recorder keeps in-place writes of single tensors only: a foreach zero_grad(set_to_none=False) clears a
+        # list, read here from the op's inputs for the stale-gradient check)
+        list_zero = names.index("aten::_foreach_zero_") if "aten::_foreach_zero_" in names else -1
+        list_cleared: list[tuple[int, int]] = []
         for b in range(0, n_recs * width, width):
             index, name_id, phase = recs[b], recs[b + 1], recs[b + 2]
             if phase == 0:
@@ -121,6 +125,8 @@ class NativeRecords:
             idx_where[index] = where
             idx_fwd[index] = (PHASES[phase], None if fwd < 0 else fwd)
             t0, n_in, n = recs[b + 7], recs[b + 8], recs[b + 8] + recs[b + 9]
+            if name_id == list_zero:
+                list_cleared.extend((index, tens[j]) for j in range(t0 * tw, (t0 + n_in) * tw, tw))
             live = recs[b + 12]
             us = recs[b + 18] / 1e3  # (the recorder's layout: recorder.cpp, kWidth)
             rec_ints.extend((index, name_ids[name_id], phase, fwd, recs[b + 6], where_id, n_in, n - n_in,
@@ -166,7 +172,7 @@ class NativeRecords:
             self._oom = OomInfo(index=oom["index"], requested=oom["requested"], live=oom["live"],
                                 by_category=dict(zip(CATEGORIES, oom["totals"])), simulated=True)
             self._oom_producers = dict(oom["by_producer"])
-        self._inplace_events(inplace, tens, sizes, tw, idx_where)
+        self._inplace_events(inplace, tens, sizes, tw, idx_where, list_cleared)
         if "detail" in out:
             self._nonfinite_events(out["detail"], names, idx_where, idx_fwd)
         self._ledger.adopt(out["totals"], out["by_producer"])
@@ -244,9 +250,14 @@ class NativeRecords:
             self._peak, self._peak_index = live, index
             self._peak_by_category = dict(zip(CATEGORIES, totals))
 
-    def _inplace_events(self, inplace: array, tens: array, sizes: array, tw: int, idx_where: dict) -> None:
+    def _inplace_events(self, inplace: array, tens: array, sizes: array, tw: int, idx_where: dict,
+                        list_cleared: list[tuple[int, int]] = ()) -> None:  # type: ignore[assignment]
         last_post = self._post_counts[-1] if self._post_counts else -1
         cleared: set[int] = set()
+        for index, key in list_cleared:  # ((op index, storage key) a foreach zero_ cleared)
+            self._clearings.setdefault(key, []).append(index)
+            if index >= last_post:
+                cleared.add(key)
         events = self.trace.inplace
         for e in range(len(inplace) // 7):  # (7 ints a write: recorder.cpp)
             index, key, version, producer, toff, base_off, base_ndim = inplace[e * 7:(e + 1) * 7]
