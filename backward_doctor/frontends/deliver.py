@@ -52,9 +52,11 @@ def save(report: Report, folder: str) -> tuple[list[str], str]:
         if not (isinstance(exc, OSError) or doctors_own(exc)):
             raise
         written = list(getattr(exc, "written", []))
-        kept = f"; {written[0]} was written" if written else ""
+        if written:
+            return written, (f"backward_doctor: the report above is saved only in part: {', '.join(written)} was "
+                             f"written, the rest could not be ({one_line(exc)})")
         return written, (f"backward_doctor: the report above is not saved: it could not be written to {folder} "
-                         f"({one_line(exc)}){kept}")
+                         f"({one_line(exc)})")
 
 
 def _check_offers(report: Report, source: str, namespace: dict) -> None:
