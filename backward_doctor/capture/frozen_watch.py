@@ -60,6 +60,9 @@ class FrozenWatch:
         frozen = [p for g in opt.param_groups for p in g["params"]
                   if isinstance(p, torch.Tensor) and not p.requires_grad and p.grad is not None
                   and p.is_floating_point() and p.numel() > 0]  # (the common case: none, one pass over the params)
+        # (plain strided tensors with memory only: a DTensor's shard, a meta or sparse tensor is not read)
+        frozen = [p for p in frozen if type(p.detach()) is torch.Tensor and p.layout == torch.strided
+                  and p.device.type != "meta"]
         if not frozen:
             return
         self._step = step or OptimizerStep(index=0, optimizer=type(opt).__name__, id=id(opt))
