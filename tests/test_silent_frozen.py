@@ -172,7 +172,8 @@ def test_foreach_and_fused_optimizers_write_lists_of_tensors_in_one_op(engine, f
     _silent(bd.diagnose(FREEZE_MID_NONE, _ns(make), engine=engine))
     # gradients never zeroed at all are still stale, on both engines
     never = "\n".join(line for line in FREEZE_MID.splitlines() if "zero_grad" not in line) + "\n"
-    assert [f.kind for f in bd.diagnose(never, _ns(make), engine=engine).findings][-1:] == ["stale_grad"]
+    # (the error leads, the frozen layer's drift follows as a warning: analysis/rules/__init__.analyze)
+    assert [f.kind for f in bd.diagnose(never, _ns(make), engine=engine).findings][:1] == ["stale_grad"]
 
 
 # ----------------------------------------------------------------------------- correct twins
@@ -321,5 +322,6 @@ def test_the_drift_is_kept_when_a_later_iteration_is_replayed_for_nan(engine):
     # (the native recorder sleeps through iteration 10 and replays it in detail: the run's frozen updates stand)
     report = bd.diagnose(NAN_LATER, _ns(ADAMW), engine=engine)
     got = [(f.kind, f.line, f.iteration) for f in report.findings]
-    assert got == [("frozen_params_updated", 4, 2), ("nonfinite", 6, 10)], _describe(report)
+    # (the run went NaN: that leads; the drift, earlier but no cause of it, follows as a warning)
+    assert got == [("nonfinite", 6, 10), ("frozen_params_updated", 4, 2)], _describe(report)
     assert report.trace.iterations.replayed == (10 if engine == "native" else None)

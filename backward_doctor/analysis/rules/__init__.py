@@ -22,6 +22,7 @@ from .failures import generic_exception, index_out_of_range, mismatch
 from .frozen import frozen_params_updated
 from .functions import invalid_gradient
 from .hang import hang
+from .labels import label_misalignment
 from .loop_memory import loop_leak
 from .loss_inputs import loss_on_probabilities
 from .memory import oom
@@ -43,7 +44,7 @@ RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, 
                          nonleaf_param, grad_accumulation, amp_misuse]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities,
-                            train_eval_mode, scheduler_misuse, frozen_params_updated]
+                            train_eval_mode, scheduler_misuse, frozen_params_updated, label_misalignment]
 
 
 def analyze(trace: Trace) -> list[Finding]:
@@ -59,8 +60,16 @@ def analyze(trace: Trace) -> list[Finding]:
     else:
         for rule in SILENT_RULES:
             findings.extend(rule(trace))
+    run: list[Finding] = []
     for rule in RUN_RULES:
-        findings.extend(rule(trace))
+        run.extend(rule(trace))
+    # A run that went wrong (NaN/Inf, a stale step) leads with that: a silent mistake found beside it (a frozen
+    # layer drifting, a scheduler out of step) is a warning after it, not the headline of a run that went NaN.
+    if findings and trace.exception is None and any(f.severity == "error" for f in run) \
+            and not any(f.severity == "error" for f in findings):
+        findings = run + findings
+    else:
+        findings.extend(run)
     # Memory that ran out because a loop kept its graphs: the line that keeps them is the root cause.
     leak = next((f for f in findings if f.kind == "graph_leak" and f.severity == "error"), None)
     if leak is not None and findings[0].kind == "oom":
