@@ -22,6 +22,7 @@ from .failures import generic_exception, index_out_of_range, mismatch
 from .frozen import frozen_params_updated
 from .functions import invalid_gradient
 from .hang import hang
+from .labels import label_misalignment
 from .loop_memory import loop_leak
 from .loss_inputs import loss_on_probabilities
 from .memory import oom
@@ -43,7 +44,7 @@ RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, 
                          nonleaf_param, grad_accumulation, amp_misuse]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities,
-                            train_eval_mode, scheduler_misuse, frozen_params_updated]
+                            train_eval_mode, scheduler_misuse, frozen_params_updated, label_misalignment]
 
 
 def analyze(trace: Trace) -> list[Finding]:
