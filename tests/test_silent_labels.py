@@ -142,3 +142,86 @@ def test_a_custom_model_that_shifts_itself_given_shifted_labels(engine):
                          engine=engine)
     assert [f.kind for f in report.findings] == ["label_misalignment"], _describe(report)
     _silent(bd.diagnose(_loop("out = model(input_ids=ids, labels=ids)"), _ns(ShiftingLM()), engine=engine))
+
+
+# ----------------------------------------------------------------------------- no shift: targets are the inputs
+class PlainLM(nn.Module):
+    """A causal LM that returns logits only: the cell computes the loss (nanoGPT-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 16)
+        self.head = nn.Linear(16, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(x)))
+
+
+def _plain_loop(body: str) -> str:
+    lines = "".join(f"    {line}\n" for line in body.strip("\n").splitlines())
+    return f"for step in range(2):\n{lines}    opt.zero_grad()\n    loss.backward()\n    opt.step()\n"
+
+
+def _plain_ns(model: nn.Module | None = None) -> dict:
+    ns = _ns(model if model is not None else PlainLM())
+    ns.update({"V": V, "data": torch.randint(1, V, (40,)), "T": 8})
+    return ns
+
+
+NO_SHIFT = _plain_loop("x = ids\nlogits = model(x)\nloss = F.cross_entropy(logits.view(-1, V), x.view(-1))")
+
+
+def test_targets_that_are_the_inputs_are_named_at_the_loss_line(engine):
+    report = bd.diagnose(NO_SHIFT, _plain_ns(), engine=engine)
+    assert report.exception is None and [f.kind for f in report.findings] == ["label_misalignment"], \
+        _describe(report)
+    f = report.findings[0]
+    assert (f.line, f.file) == (4, None) and f.evidence["problem"] == "no_shift", _describe(report)
+    assert f.evidence["model_line"] == 3 and f.evidence["target"] == "x.view(-1)"
+    assert f.evidence["fix_code"] == ("loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))"
+                                      "  # position t predicts token t+1")
+    assert "copy its input" in f.message
+
+
+@pytest.mark.parametrize("body", [
+    # nanoGPT: two windows of one tensor, one token apart
+    "i = step\nx, y = data[i:i + T].view(1, T), data[i + 1:i + 1 + T].view(1, T)\nlogits = model(x)\n"
+    "loss = F.cross_entropy(logits.view(-1, V), y.view(-1))",
+    # shifted in the cell
+    "logits = model(ids)\nloss = F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))",
+    "targets = ids[:, 1:]\nlogits = model(ids)[:, :-1]\nloss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))",
+], ids=["nanogpt", "sliced", "named"])
+def test_shifted_targets_say_nothing(engine, body):
+    _silent(bd.diagnose(_plain_loop(body), _plain_ns(), engine=engine))
+
+
+class AutoEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(V, 8), nn.Linear(8, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(torch.relu(self.enc(x)))
+
+
+def test_a_reconstruction_against_the_input_says_nothing(engine):
+    ns = _plain_ns(AutoEncoder())
+    ns["z"] = torch.randn(4, V)
+    _silent(bd.diagnose(_plain_loop("loss = F.mse_loss(model(z), z)"), ns, engine=engine))
+    # a masked LM scores the unmasked tokens (another tensor) from the masked ones: silent too
+    _silent(bd.diagnose(_plain_loop("masked = ids.masked_fill(ids < 20, 0)\nlogits = model(masked)\n"
+                                    "loss = F.cross_entropy(logits.view(-1, V), ids.view(-1))"),
+                        _plain_ns(), engine=engine))
+
+
+def test_no_shift_through_a_loss_module_and_a_hugging_face_model(engine):
+    ns = _plain_ns()
+    ns["crit"] = nn.CrossEntropyLoss()
+    src = _plain_loop("logits = model(ids)\nloss = crit(logits.reshape(-1, V), ids.reshape(-1))")
+    report = bd.diagnose(src, ns, engine=engine)
+    assert [f.kind for f in report.findings] == ["label_misalignment"], _describe(report)
+    assert report.findings[0].line == 3
+    src = _plain_loop("logits = model(input_ids=ids).logits\nloss = F.cross_entropy(logits.view(-1, V), ids.view(-1))")
+    report = bd.diagnose(src, _plain_ns(_gpt2()), engine=engine)
+    assert [f.kind for f in report.findings] == ["label_misalignment"], _describe(report)
+    assert report.findings[0].evidence["model_line"] == 2

@@ -30,7 +30,7 @@ KIND_WORDS = {
     "Mixed precision misused", "timeout": "Time limit reached", "dataloader_worker": "DataLoader worker",
     "compile_divergence": "Compiled differs from eager", "loss_on_probabilities": "Loss fed the wrong scores",
     "train_eval_mode": "train() / eval() mode", "scheduler_misuse": "Learning-rate scheduler out of step",
-    "label_misalignment": "Labels shifted twice",
+    "label_misalignment": "Labels misaligned",
     "frozen_params_updated": "Frozen parameters updated",
 }
 

@@ -31,6 +31,7 @@ from .params import left_frozen, orphan_params
 from .saved_writes import unseen_write
 from .schedules import scheduler_misuse
 from .train_eval import train_eval_mode
+from .unshifted import unshifted_targets
 from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param, stale_grad
 
 Rule = Callable[[Trace], list[Finding]]
@@ -44,7 +45,8 @@ RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, 
                          nonleaf_param, grad_accumulation, amp_misuse]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities,
-                            train_eval_mode, scheduler_misuse, frozen_params_updated, label_misalignment]
+                            train_eval_mode, scheduler_misuse, frozen_params_updated, label_misalignment,
+                            unshifted_targets]
 
 
 def analyze(trace: Trace) -> list[Finding]:
