@@ -170,7 +170,11 @@ def _call_at(tree: ast.Module, line: int) -> ast.Call | None:
 
 
 def label_misalignment(trace: Trace) -> list[Finding]:
-    """Labels shifted by the cell and again by the model (a Hugging Face causal LM), named at the call."""
+    """Labels shifted by the cell and again by the model (a Hugging Face causal LM), named at the call.
+
+    >>> label_misalignment(Trace(source="out = model(input_ids=ids[:, :-1], labels=ids[:, 1:])"))
+    []
+    """
     if not trace.source or "labels" not in trace.source:
         return []
     try:

@@ -22,6 +22,7 @@ masked LM's loss against the unmasked tokens (another tensor), say nothing.
 from __future__ import annotations
 
 import ast
+from bisect import bisect_left
 
 from ..findings import Finding, at, code_at, looped
 from ...trace.records import OpRecord, Trace, Where
@@ -49,18 +50,40 @@ def _same(tree: ast.Module, node: ast.expr, line: int) -> str:
     return ast.dump(node)
 
 
-def _target_source(trace: Trace, loss: OpRecord) -> OpRecord | None:
+class _Writers:
+    """For each storage key, the forward ops that made it (not views of it) and the embeddings that read it as
+    indices, in order: built once, so each loss's walk back is a few look-ups, not a scan of the trace."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.made: dict[int, list[int]] = {}
+        self.embedded: dict[int, list[int]] = {}
+        for op in trace.ops:
+            if op.phase != "forward":
+                continue
+            for k in op.out_keys:
+                if k and k not in op.in_keys:
+                    self.made.setdefault(k, []).append(op.index)
+            if op.op == "aten::embedding" and len(op.in_keys) > 1 and op.where.module:
+                self.embedded.setdefault(op.in_keys[1], []).append(op.index)
+
+    @staticmethod
+    def last(indices: list[int] | None, before: int) -> int | None:
+        """The last of ``indices`` before ``before``."""
+        i = bisect_left(indices or [], before)
+        return indices[i - 1] if indices and i > 0 else None
+
+
+def _target_source(trace: Trace, loss: OpRecord, writers: _Writers) -> OpRecord | None:
     """The embedding op whose indices are the loss's target, whole (through views and copies), or None."""
     if len(loss.in_keys) < 2 or not loss.in_keys[1] or len(loss.inputs) < 2:
         return None
     key, before, n = loss.in_keys[1], loss.index, numel(loss.inputs[1].shape)
     for _ in range(8):
-        emb = next((op for op in reversed(trace.ops[:before]) if op.op == "aten::embedding" and op.phase == "forward"
-                    and len(op.in_keys) > 1 and op.in_keys[1] == key and op.where.module), None)
-        if emb is not None:
+        made = writers.last(writers.made.get(key), before)
+        emb = trace.op(writers.last(writers.embedded.get(key), before))
+        if emb is not None and (made is None or emb.index > made):  # read after the key's latest writer
             return emb if numel(emb.inputs[1].shape) == n else None
-        prod = next((op for op in reversed(trace.ops[:before]) if op.phase == "forward" and key in op.out_keys
-                     and key not in op.in_keys), None)
+        prod = trace.op(made)
         if prod is None or prod.op not in _PASS or not prod.in_keys:
             return None
         key, before = prod.in_keys[0], prod.index
@@ -104,9 +127,13 @@ def _fix(source: str, call: ast.Call, scores: ast.expr, target: ast.expr) -> str
 
 
 def unshifted_targets(trace: Trace) -> list[Finding]:
-    """A token-prediction loss whose target is the model's own input, unshifted, named at the loss line."""
-    if not trace.source:
-        return []
+    """A token-prediction loss whose target is the model's own input, unshifted, named at the loss line.
+
+    >>> unshifted_targets(Trace(source="loss = F.cross_entropy(model(x), x)"))
+    []
+    """
+    if not trace.source or not any(op.op == "aten::embedding" for op in trace.ops):
+        return []  # no token inputs: nothing to be unshifted (and no scan per loss op)
     try:
         tree = ast.parse(trace.source)
     except SyntaxError:
@@ -114,11 +141,12 @@ def unshifted_targets(trace: Trace) -> list[Finding]:
     feeding: set[int] | None = None
     out: list[Finding] = []
     seen: set[int] = set()
+    writers = _Writers(trace)
     for op in trace.ops:
         if op.phase != "forward" or op.op not in _NLL:
             continue
         line = op.where.cell_line
-        emb = _target_source(trace, op) if line is not None and line not in seen else None
+        emb = _target_source(trace, op, writers) if line is not None and line not in seen else None
         if emb is None or emb.where.cell_line in (None, line):
             continue  # a model's own loss (on the line that called it) shifts or not by design
         loss_call = next((c for c in _calls_at(tree, line) if _target_arg(c) is not None), None)
