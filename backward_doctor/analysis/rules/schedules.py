@@ -130,7 +130,7 @@ def _too_often(trace: Trace, rec: SchedulerRecord, calls: list[SchedulerCall], k
     steps = last.iteration - calls[0].iteration
     start, end = _lr(calls[0].lr_before), _lr(last.lr_after)
     # (a periodic schedule can come back to where it started: then the count says it, not "from 0.001 to 0.001")
-    drop = ("" if steps <= 0 else f": the learning rate went from {start} to {end} in {steps} optimizer steps"
+    drop = ("" if steps <= 0 else f": the learning rate went from {start} to {end} in {steps} optimizer step{'s' if steps != 1 else ''}"
             if start != end else f": {rec.calls} scheduler steps over {steps + 1} iterations of the loop")
     msg = (f"{said} stepped the `{rec.type}` schedule {why}: {k} scheduler steps per optimizer step, so the schedule "
            f"runs {k} times too fast{drop} (a warm-up ends {k} times early, the decay is reached {k} times sooner). "
