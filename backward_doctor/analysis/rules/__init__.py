@@ -13,6 +13,7 @@ from ..findings import Finding
 from ..loops import place_in_loops
 from .accumulation import grad_accumulation
 from .amp import amp_crossing, amp_misuse
+from .amp_steps import scaled_step
 from ...trace.records import Trace
 from .autograd import backward_twice, inplace, no_grad_path
 from .compile import compile_divergence, compile_failure, compiled_first
@@ -39,7 +40,7 @@ Rule = Callable[[Trace], list[Finding]]
 #: Rules that explain the cell's exception; the first that answers wins.
 EXCEPTION_RULES: list[Rule] = [dataloader_worker, compile_failure, hang, eval_without_no_grad, oom, inplace,
                                backward_twice, left_frozen, no_grad_path, invalid_gradient, index_out_of_range,
-                               amp_crossing, mismatch]
+                               scaled_step, amp_crossing, mismatch]
 #: Rules that look at the whole run, whether or not it raised.
 RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped,
                          nonleaf_param, grad_accumulation, amp_misuse]
