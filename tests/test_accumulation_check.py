@@ -53,14 +53,15 @@ def test_the_measured_factor_is_what_the_scaling_makes_it(engine, scale, factor)
 
 def test_a_gradient_changed_between_micro_batches_is_measured(engine):
     """Clipping after every micro-batch clips partial sums: the step's gradient is not what the micro-batches
-    added up to, and only the measurement can say so."""
+    added up to. Named at the clip line (``rules/clipping.py``), with the measurement that says the clips bit."""
     clip = "\n    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)"
     cell = LOOP.format(scale=" / k", clip=clip)
     report = bd.diagnose(cell, _ns(), engine=engine)
     f = report.findings[0]
-    step = cell.splitlines().index("        optimizer.step()") + 1
-    assert (f.kind, f.evidence["problem"], f.line) == ("grad_accumulation", "check_disagrees", step), f.message
-    assert f.evidence["check"]["sum_rel_diff"] > 0.1
+    at_clip = cell.splitlines().index("    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)") + 1
+    assert (f.kind, f.evidence["problem"], f.line, f.severity) == ("grad_accumulation", "clip_per_micro_batch",
+                                                                   at_clip, "error"), f.message
+    assert f.evidence["check"]["sum_rel_diff"] > 0.1 and "Measured in iteration" in f.message
 
 
 def test_the_check_is_refused_when_the_gradients_would_not_fit(engine, monkeypatch):

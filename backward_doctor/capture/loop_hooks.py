@@ -87,7 +87,8 @@ class LoopHooks:
         self._undo.push("torch.autograd.backward", lambda: undo and undo.pop()())
         undo.append(patch(torch.autograd, "backward", wrap))
         self._precision = PrecisionWatch(self.trace.precision, frames=self._frames, on_skipped=accum.skipped_step,
-                                         iteration=lambda: self.trace.iterations.steps, guards=guards)
+                                         iteration=lambda: self.trace.iterations.steps, guards=guards,
+                                         backwards=lambda: watch.backward_calls)
         self._schedule = ScheduleWatch(self.trace.schedules, frames=self._frames, guards=guards,
                                        iteration=lambda: self.trace.iterations.steps,
                                        backwards=lambda: watch.backward_calls,

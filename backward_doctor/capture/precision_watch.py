@@ -69,9 +69,11 @@ class PrecisionWatch:
     raises (a unit test's watch)."""
 
     def __init__(self, record: Precision, *, frames: Any, iteration: Callable[[], int],
-                 on_skipped: Callable[[], None] = lambda: None, guards: Guards | None = None) -> None:
+                 on_skipped: Callable[[], None] = lambda: None, guards: Guards | None = None,
+                 backwards: Callable[[], int] = lambda: -1) -> None:
         self.record = record
         self._frames, self._iteration, self._on_skipped = frames, iteration, on_skipped
+        self._backwards = backwards  # backward() calls of the run so far (the loop watch's count)
         self._thread = threading.get_ident()
         #: id -> (weakref, a loss scaled since its update, the library whose code called ``scale``: '' the user)
         self._scalers: dict[int, tuple[Any, bool, str]] = {}
@@ -181,7 +183,8 @@ class PrecisionWatch:
         return named_like(_clip_grads_with_norm_, real)
 
     def clipping(self, max_norm: float | None) -> None:
-        """Gradients are about to be clipped: did a GradScaler scale them, and unscale them since?"""
+        """Gradients are about to be clipped: did a GradScaler scale them, and unscale them since? (And how
+        many ``backward()`` calls came before: clipping inside an accumulation window.)"""
         for ref, pending, by in list(self._scalers.values()):
             scaler = ref()
             if scaler is None or not pending or not _enabled(scaler):
@@ -191,9 +194,12 @@ class PrecisionWatch:
             unscaled = any(getattr(s, "name", "") == "UNSCALED" for s in stages)
             self.record.clips.append(ClipCall(
                 iteration=self._iteration(), scaled=not unscaled, stage="UNSCALED" if unscaled else "READY",
-                scale=_scale_of(scaler), max_norm=max_norm, scaled_by=by,
+                scale=_scale_of(scaler), max_norm=max_norm, scaled_by=by, backward=self._backwards(),
                 **self._place(self._where())))
             return
+        # (no GradScaler scaled these gradients: the clip is kept for where it sits in the optimizer step)
+        self.record.clips.append(ClipCall(iteration=self._iteration(), max_norm=max_norm, backward=self._backwards(),
+                                          **self._place(self._where())))
 
     # ---------------------------------------------------------------- low-precision weights
     def _low_params(self, opt: torch.optim.Optimizer) -> list[Any]:

@@ -30,6 +30,9 @@ class ClipCall:
     #: the library whose own code scaled the loss these gradients came from (``"accelerate"``: its
     #: ``accelerator.backward``), '' when the user's code called ``scaler.scale``: the advice follows what ran
     scaled_by: str = ""
+    #: ``backward()`` calls of the run before this clip (-1: not counted): two clips of one optimizer step with
+    #: backward() calls between them clip each micro-batch's running sum (``rules/accumulation.py``)
+    backward: int = -1
 
 
 @dataclass

@@ -11,6 +11,7 @@ specific first:
   ``model.zero_grad()``);
 * the loss not divided by the number of micro-batches: the step's gradient is k times one full batch's;
 * ``optimizer.step()`` after every micro-batch while the loss is divided for accumulation;
+* ``clip_grad_norm_`` after every micro-batch rather than once before the step (``clipping.py``);
 * whatever else made the measured check disagree (the step's gradient against one full batch's).
 
 Silent on correct accumulation, on one ``backward()`` per step, and on several ``backward()`` calls
@@ -27,6 +28,7 @@ import linecache
 import re
 
 from ..findings import Finding, at, code_at, looped, placed
+from .clipping import clip_per_micro_batch
 from ...trace.accumulation import Accumulation, AccumulationCheck, StepWindow
 from ...trace.records import Trace, Where
 
@@ -325,11 +327,25 @@ def grad_accumulation(trace: Trace) -> list[Finding]:
     """Gradient accumulation written wrong (see the module docstring); the first problem found."""
     if not trace.accumulation.windows:
         return []
-    for check in (_zeroed_inside, _not_divided, _step_every_micro_batch, _check_disagrees):
+    for check in (_zeroed_inside, _not_divided, _step_every_micro_batch, _clipped_per_micro_batch, _check_disagrees):
         found = check(trace)
         if found:
             return found
     return []
+
+
+def _clipped_per_micro_batch(trace: Trace) -> list[Finding]:
+    """``clipping.py``'s finding, with the measured check when it ran (the clips changed the step's gradient)."""
+    found = clip_per_micro_batch(trace)
+    check = trace.accumulation.check
+    if found and check is not None and check.factor is not None and check.sum_rel_diff > 1e-3:
+        f = found[0]
+        f.message += (f" Measured in iteration {check.iteration}: the gradient the step used differs from the sum of "
+                      f"its {check.micro_batches} micro-batches' by {check.sum_rel_diff:.2f} (relative), so the "
+                      "clips did change it in this run.")
+        f.evidence.update(_check_evidence(check))
+        f.severity = "error"
+    return found
 
 
 __all__ = ["grad_accumulation"]
