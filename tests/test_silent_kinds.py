@@ -18,25 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import backward_doctor as bd
+from report_check import describe as _describe, only as _only, silent as _silent
 import library_loops as ll
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def _describe(report) -> str:
-    return "\n".join([f"exception={report.exception!r}"] + [
-        f"  {f.kind} {f.location()} file={f.file} evidence={f.evidence.get('problem')}: {f.message}"
-        for f in report.findings])
-
-
-def _only(report, kind: str):
-    assert report.exception is None, _describe(report)
-    assert [f.kind for f in report.findings] == [kind], _describe(report)
-    return report.findings[0]
-
-
-def _silent(report) -> None:
-    assert report.exception is None and report.findings == [], _describe(report)
 
 
 def _classifier_ns(model: nn.Module | None = None, classes: int = 4) -> dict:

@@ -12,21 +12,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import backward_doctor as bd
+from report_check import describe as _describe, silent as _silent
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 tf = pytest.importorskip("transformers")
 tf.logging.set_verbosity_error()
 
 V = 97
-
-
-def _describe(report) -> str:
-    return "\n".join([f"exception={report.exception!r}"] + [
-        f"  {f.kind} {f.location()} evidence={f.evidence.get('problem')}: {f.message}" for f in report.findings])
-
-
-def _silent(report) -> None:
-    assert report.exception is None and report.findings == [], _describe(report)
 
 
 def _ns(model: nn.Module) -> dict:

@@ -20,26 +20,15 @@ import torch
 import torch.nn as nn
 
 import backward_doctor as bd
+from report_check import describe as _describe, only, silent as _silent
 import library_loops as ll
 from backward_doctor.capture.schedule_watch import ScheduleWatch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _describe(report) -> str:
-    return "\n".join([f"exception={report.exception!r}"] + [
-        f"  {f.kind} {f.location()} file={f.file} evidence={f.evidence.get('problem')}: {f.message}"
-        for f in report.findings])
-
-
 def _only(report, kind: str = "scheduler_misuse"):
-    assert report.exception is None, _describe(report)
-    assert [f.kind for f in report.findings] == [kind], _describe(report)
-    return report.findings[0]
-
-
-def _silent(report) -> None:
-    assert report.exception is None and report.findings == [], _describe(report)
+    return only(report, kind)
 
 
 def _diagnose(source: str, ns: dict, engine: str):

@@ -87,6 +87,15 @@ def loss_roots(trace: Trace) -> set[int]:
     return roots
 
 
+def trained_ops(trace: Trace) -> set[int]:
+    """The forward ops a ``backward()`` call reached from its loss: what the model trains on.
+
+    >>> trained_ops(Trace())
+    set()
+    """
+    return set().union(*(graph_ops(trace, r) for r in loss_roots(trace)))
+
+
 def joins_graph(trace: Trace, op: OpRecord) -> bool:
     """Whether what ``op`` made flows, through later forward ops, into an op that also takes a tensor
     requiring grad (``loss_a + 0.1 * mse(argmax_pred, t)``, an index into a weight): it was meant to

@@ -29,7 +29,7 @@ import ast
 
 from ..findings import Finding, at, code_at, looped
 from ...trace.records import OpRecord, Trace, Where
-from .flow import graph_ops, loss_roots, numel
+from .flow import numel, trained_ops
 
 _NLL = {"aten::nll_loss_forward", "aten::nll_loss2d_forward", "aten::nll_loss", "aten::nll_loss_nd",
         "aten::cross_entropy_loss"}
@@ -196,7 +196,7 @@ def label_misalignment(trace: Trace) -> list[Finding]:
         if found is None:
             continue
         if feeding is None:  # only losses a backward() started from: what the model trains on
-            feeding = set().union(*(graph_ops(trace, r) for r in loss_roots(trace))) if loss_roots(trace) else set()
+            feeding = trained_ops(trace)
         if op.index not in feeding:
             continue
         seen.add(line)

@@ -26,7 +26,7 @@ from bisect import bisect_left
 
 from ..findings import Finding, at, code_at, looped
 from ...trace.records import OpRecord, Trace, Where
-from .flow import graph_ops, loss_roots, numel
+from .flow import numel, trained_ops
 from .labels import _NLL, _PASS, _assigned
 
 #: calls that reshape or copy a tensor without changing which tokens it holds, in order
@@ -160,8 +160,7 @@ def unshifted_targets(trace: Trace) -> list[Finding]:
         if model_call is None:
             continue
         if feeding is None:  # only losses a backward() started from: what the model trains on
-            roots = loss_roots(trace)
-            feeding = set().union(*(graph_ops(trace, r) for r in roots)) if roots else set()
+            feeding = trained_ops(trace)
         if op.index not in feeding:
             continue
         seen.add(line)
