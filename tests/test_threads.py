@@ -127,3 +127,40 @@ def test_always_on_in_a_real_kernel_while_a_thread_trains(tmp_path):
         assert c.outputs == [], c.outputs  # (a watched cell that trains fine shows nothing)
     assert "steps 50" in _text(cells[6]), cells[6].outputs
     assert "background ok True" in _text(cells[7]), cells[7].outputs
+
+
+def _with_background(bg: Background) -> dict:
+    return {**_cell_namespace(), "bg": bg}
+
+
+def test_diagnose_with_the_training_thread_in_the_namespace(engine):
+    """The crash as a kernel met it (CI, stop 53): the training thread's object is a variable of the notebook
+    (``bg = Background()``), so the scan before the step found ``bg.model`` and read its parameters' ``.grad``
+    while that thread's backward() wrote them: a segmentation fault within a few cells (plain PyTorch does the
+    same, the doctor or not, for a ``p.grad`` read from another thread). Now what the other thread holds is left
+    alone and said; the cell's own model is scanned as before."""
+    with Background() as bg:
+        for _ in range(30):
+            report = bd.diagnose(CELL, _with_background(bg), engine=engine)
+            assert report.findings == [] and report.exception is None, report
+            assert report.trace.iterations.steps == 50, report.trace.iterations.steps
+            left = [n for n in report.trace.notes if "another thread" in n]
+            assert left and "`bg.model`" in left[0] and "`background-training`" in left[0], report.trace.notes
+            names = {p.name for p in report.trace.params}
+            assert any(n.startswith("model.") for n in names) and not any(n.startswith("bg.") for n in names), names
+    bg.check()
+
+
+def test_a_snapshot_leaves_the_training_threads_model_alone():
+    """A replay's or a fix's rollback copies the namespace's models and puts them back after: another thread's
+    model is neither read nor put back (that would rewind its training)."""
+    from backward_doctor.run.snapshot import Snapshot, estimate_bytes
+
+    with Background() as bg:
+        ns = _with_background(bg)
+        snap = Snapshot.take(ns)
+        held = {id(t) for t, *_ in snap.tensors}
+        assert held == {id(p) for p in ns["model"].parameters()}, len(held)
+        assert [type(o).__name__ for o, *_ in snap.optimizers] == ["SGD"]
+        assert 0 < estimate_bytes(ns) <= sum(p.numel() * 4 * 2 for p in ns["model"].parameters())
+    bg.check()

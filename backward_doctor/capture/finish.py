@@ -235,6 +235,8 @@ def _final_tensors(cap: "OpRecorder") -> list[tuple[torch.Tensor, str]]:
         if g is not None and (id(p) in got_grad or storage_key(g) in touched):
             out.append((g, "gradients"))
     for _, t in ns_tensors(cap.namespace):
+        if cap.elsewhere.holds(t):  # (another thread's: its .grad is not read, ``elsewhere.py``)
+            continue
         if t.is_leaf and t.grad is not None and storage_key(t.grad) in touched:
             out.append((t.grad, "gradients"))
     return out

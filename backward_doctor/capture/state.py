@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .frames import UserFrames
+from .elsewhere import Elsewhere
 from .frozen_watch import FrozenWatch
 from .guard import Guards
 from .memory import MemoryLedger, Timeline, grad_of
@@ -132,6 +133,7 @@ class CaptureState:
         self._nf_scalars: dict[int, NonFiniteScalar] = {}
         self._detail_budget = 8  # non-finite origins that get full statistics
         self._ns_names: dict[int, str] = {}    # storage key -> variable name (at start)
+        self.elsewhere = Elsewhere()            # what other threads held when the step began (elsewhere.py)
         self._last_phase = "forward"
         self._roots: list[int | None] = []  # forward op of each backward's root node
         self._oom: OomInfo | None = None

@@ -32,6 +32,7 @@ from typing import Any, Iterable
 import torch
 
 from ..capture import namespace as ns_mod
+from ..capture.elsewhere import Elsewhere, elsewhere
 from ..capture.memory import grad_of
 from ..capture.state import cuda_in_use
 from ..util.units import available_ram
@@ -62,15 +63,22 @@ def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _optimizers(namespace: dict[str, Any]) -> list[tuple[str, Any]]:
+def _modules(namespace: dict[str, Any], away: Elsewhere) -> list[tuple[str, Any]]:
+    """The namespace's modules but those another thread works with now (``capture/elsewhere.py``: not read, and
+    putting them back would change that thread's training)."""
+    return [(n, m) for n, m in ns_mod.modules(namespace) if not away.holds(m)]
+
+
+def _optimizers(namespace: dict[str, Any], away: Elsewhere) -> list[tuple[str, Any]]:
     """The optimizers bound to a name, or held by an object there (``runner.opt``): as modules are found."""
-    return list(ns_mod.held(namespace, torch.optim.Optimizer))
+    return [(n, o) for n, o in ns_mod.held(namespace, torch.optim.Optimizer) if not away.holds(o)]
 
 
-def _schedulers(namespace: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+def _schedulers(namespace: dict[str, Any], away: Elsewhere) -> Iterable[tuple[str, Any]]:
     from torch.optim.lr_scheduler import LRScheduler
 
-    return ns_mod.held(namespace, LRScheduler)
+    return [(n, s) for n, s in ns_mod.held(namespace, LRScheduler)
+            if not away.holds(getattr(s, "optimizer", None))]
 
 
 def _scalers(namespace: dict[str, Any]) -> Iterable[tuple[str, Any]]:
@@ -79,13 +87,14 @@ def _scalers(namespace: dict[str, Any]) -> Iterable[tuple[str, Any]]:
     return ns_mod.held(namespace, classes) if classes else iter(())
 
 
-def state_tensors(namespace: dict[str, Any]) -> list[torch.Tensor]:
+def state_tensors(namespace: dict[str, Any], away: Elsewhere | None = None) -> list[torch.Tensor]:
     """Parameters, buffers and their gradients, and optimizer state (each once)."""
+    away = elsewhere() if away is None else away
     seen: dict[int, torch.Tensor] = {}
-    for _, mod in ns_mod.modules(namespace):
+    for _, mod in _modules(namespace, away):
         for t in list(mod.parameters()) + list(mod.buffers()):
             seen.setdefault(id(t), t)
-    for _, opt in _optimizers(namespace):
+    for _, opt in _optimizers(namespace, away):
         for group in opt.param_groups:
             for p in group["params"]:
                 seen.setdefault(id(p), p)
@@ -95,9 +104,10 @@ def state_tensors(namespace: dict[str, Any]) -> list[torch.Tensor]:
 def estimate_bytes(namespace: dict[str, Any], rebinds: set[str] = frozenset()) -> int:
     """What :meth:`Snapshot.take` would copy, in bytes."""
     total = 0
-    for t in state_tensors(namespace):
+    away = elsewhere()
+    for t in state_tensors(namespace, away):
         total += _nbytes(t) + _nbytes(grad_of(t))
-    for _, opt in _optimizers(namespace):
+    for _, opt in _optimizers(namespace, away):
         total += sum(_nbytes(t) for t in ns_mod.optimizer_state_tensors(opt))
     for name in rebinds:
         total += _nbytes(namespace.get(name))
@@ -117,13 +127,14 @@ class Snapshot:
     @classmethod
     def take(cls, namespace: dict[str, Any], rebinds: set[str] = frozenset()) -> "Snapshot":
         snap = cls()
-        for t in state_tensors(namespace):
+        away = elsewhere()
+        for t in state_tensors(namespace, away):
             grad = grad_of(t)
             snap.tensors.append((t, _cpu_copy(t), None if grad is None else _cpu_copy(grad), t.requires_grad))
             snap.nbytes += _nbytes(t) + _nbytes(grad)
-        for _, mod in ns_mod.modules(namespace):
+        for _, mod in _modules(namespace, away):
             snap.training.extend((m, m.training) for m in mod.modules())
-        for _, opt in _optimizers(namespace):
+        for _, opt in _optimizers(namespace, away):
             state: dict = {}
             for p, s in opt.state.items():
                 state[p] = {k: _Saved(_cpu_copy(v), v.device) if isinstance(v, torch.Tensor) else _copy_value(v)
@@ -132,7 +143,7 @@ class Snapshot:
             groups = [{k: (_cpu_copy(v) if isinstance(v, torch.Tensor) else _copy_value(v))
                        for k, v in g.items() if k != "params"} for g in opt.param_groups]
             snap.optimizers.append((opt, state, groups))
-        for _, obj in list(_schedulers(namespace)) + list(_scalers(namespace)):
+        for _, obj in list(_schedulers(namespace, away)) + list(_scalers(namespace)):
             snap.stateful.append((obj, _copy_value(obj.state_dict())))
         snap.add_names(namespace, set(rebinds))
         snap.rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
