@@ -22,6 +22,13 @@ seen: the guard covers the threads that train while the step starts, which is wh
 >>> away.holds(model), away.holds(torch.nn.Linear(2, 2)), away.thread_of(model)
 (True, False, 'trainer')
 >>> done.set(); t.join()
+
+On a thread of the doctor's own, the main thread is not "another thread": it asked for the work.
+
+>>> found = []
+>>> t = threading.Thread(target=lambda: found.append(elsewhere().holds(model)), name="backward_doctor-fix")
+>>> t.start(); t.join(); found
+[False]
 """
 from __future__ import annotations
 
@@ -92,10 +99,13 @@ def elsewhere() -> Elsewhere:
     read is skipped (it finished, its frame changed under the read)."""
     names = {t.ident: t.name for t in threading.enumerate()}
     me = threading.get_ident()
+    # On a thread of the doctor's (a panel's fix re-runs the cell): the main thread asked for it and holds
+    # the step's objects while it waits, not another training.
+    asked = threading.main_thread().ident if threading.current_thread().name.startswith(_OWN_PREFIX) else None
     out = Elsewhere()
     for ident, frame in sys._current_frames().items():
         name = names.get(ident, f"thread {ident}")
-        if ident == me or name.startswith(_OWN_PREFIX):
+        if ident in (me, asked) or name.startswith(_OWN_PREFIX):
             continue
         depth = 0
         while frame is not None and depth < _MAX_FRAMES:
