@@ -137,18 +137,32 @@ def test_diagnose_with_the_training_thread_in_the_namespace(engine):
     """The crash as a kernel met it (CI, stop 53): the training thread's object is a variable of the notebook
     (``bg = Background()``), so the scan before the step found ``bg.model`` and read its parameters' ``.grad``
     while that thread's backward() wrote them: a segmentation fault within a few cells (plain PyTorch does the
-    same, the doctor or not, for a ``p.grad`` read from another thread). Now what the other thread holds is left
-    alone and said; the cell's own model is scanned as before."""
+    same, the doctor or not, for a ``p.grad`` read from another thread). Now, while another thread runs PyTorch,
+    what the cell does not name is left alone and said; the cell's own model is scanned as before."""
     with Background() as bg:
         for _ in range(30):
             report = bd.diagnose(CELL, _with_background(bg), engine=engine)
             assert report.findings == [] and report.exception is None, report
             assert report.trace.iterations.steps == 50, report.trace.iterations.steps
-            left = [n for n in report.trace.notes if "another thread" in n]
-            assert left and "`bg.model`" in left[0] and "`background-training`" in left[0], report.trace.notes
+            left = [n for n in report.trace.notes if "left alone" in n]
+            assert len(left) == 1 and left[0].startswith("`bg.model` was left alone: another thread "
+                                                         "(`background-training`)"), report.trace.notes
             names = {p.name for p in report.trace.params}
             assert any(n.startswith("model.") for n in names) and not any(n.startswith("bg.") for n in names), names
     bg.check()
+
+
+def test_with_no_other_thread_running_nothing_is_left_alone():
+    """The scan reads the whole namespace as before when no other thread runs PyTorch (a thread that was made but
+    not started; one that finished), and what the cell names is always read (``Elsewhere.leaves``)."""
+    from backward_doctor.capture.elsewhere import Elsewhere
+
+    bg = Background()  # (not started)
+    report = bd.diagnose(CELL, _with_background(bg))
+    assert not [n for n in report.trace.notes if "left alone" in n], report.trace.notes
+    assert any(p.name.startswith("bg.model.") for p in report.trace.params)
+    away = Elsewhere({1: "t"}, frozenset({"bg", "model"}))
+    assert away.leaves("bg.model") is None and away.leaves("model") is None and away.leaves("other.m") == "t"
 
 
 def test_a_snapshot_leaves_the_training_threads_model_alone():
@@ -158,9 +172,9 @@ def test_a_snapshot_leaves_the_training_threads_model_alone():
 
     with Background() as bg:
         ns = _with_background(bg)
-        snap = Snapshot.take(ns)
+        snap = Snapshot.take(ns, source=CELL)
         held = {id(t) for t, *_ in snap.tensors}
         assert held == {id(p) for p in ns["model"].parameters()}, len(held)
         assert [type(o).__name__ for o, *_ in snap.optimizers] == ["SGD"]
-        assert 0 < estimate_bytes(ns) <= sum(p.numel() * 4 * 2 for p in ns["model"].parameters())
+        assert 0 < estimate_bytes(ns, source=CELL) <= sum(p.numel() * 4 * 2 for p in ns["model"].parameters())
     bg.check()

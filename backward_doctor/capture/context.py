@@ -28,7 +28,7 @@ from torch.nn.modules import module as _nn_module
 
 from . import namespace as ns_mod
 from .compile_watch import CompileWatch
-from .elsewhere import elsewhere
+from .elsewhere import elsewhere, left_alone
 from .guard import nothing
 from .worker_watch import WorkerWatch
 from .loop_hooks import LoopHooks
@@ -256,16 +256,19 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         """What the namespace holds before the step. An object that cannot be read (a user's container that
         raises) is left out and said: the step must run all the same."""
         led = self._ledger
-        away = self.elsewhere = elsewhere()
+        away = self.elsewhere = elsewhere(self.trace.source, self.namespace)
+        left: list[str] = []
         for name, mod in ns_mod.modules(self.namespace):
-            if not self._theirs(name, mod):
+            if away.leaves(name):
+                left.append(name)
+            else:
                 self._scanned(name, self._register_module, mod)
         for name, opt in ns_mod.optimizers(self.namespace):
-            if not self._theirs(name, opt):
+            if away.leaves(name):
+                left.append(name)
+            else:
                 self._scanned(name, self._scan_optimizer, name, opt)
-        for name, t in ns_mod.tensors(self.namespace):
-            if away.holds(t):
-                continue
+        for name, t in ns_mod.tensors(self.namespace):  # (no .grad read here: all counted)
             key = storage_key(t)
             if key is not None:
                 self._ns_names.setdefault(key, name)
@@ -273,16 +276,8 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
             if t.grad_fn is not None:
                 self.trace.carriers.append(Carrier(variable=name, shape=list(shape_of(t)),
                                                    grad_fn=type(t.grad_fn).__name__, key=key or 0))
-
-    def _theirs(self, name: str, obj: Any) -> bool:
-        """Whether another thread works with ``obj`` now (``elsewhere.py``): then it is not read (its gradients
-        cannot be read safely while that thread's backward() writes them), and the report says so."""
-        thread = self.elsewhere.thread_of(obj)
-        if thread is not None:
-            self.trace.notes.append(f"`{name}` is in use by another thread (`{thread}`): the doctor left it alone "
-                                    "(PyTorch cannot read its gradients safely while that thread runs backward()), "
-                                    "so what it holds is not counted as existing before the step")
-        return thread is not None
+        if left:
+            self.trace.notes.append(left_alone(left, away))
 
     def _scan_optimizer(self, name: str, opt: torch.optim.Optimizer) -> None:
         for group in opt.param_groups:

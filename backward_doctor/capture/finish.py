@@ -234,8 +234,8 @@ def _final_tensors(cap: "OpRecorder") -> list[tuple[torch.Tensor, str]]:
         g = grad_of(p)
         if g is not None and (id(p) in got_grad or storage_key(g) in touched):
             out.append((g, "gradients"))
-    for _, t in ns_tensors(cap.namespace):
-        if cap.elsewhere.holds(t):  # (another thread's: its .grad is not read, ``elsewhere.py``)
+    for name, t in ns_tensors(cap.namespace):
+        if cap.elsewhere.leaves(name):  # (another thread may write its .grad now: not read, ``elsewhere.py``)
             continue
         if t.is_leaf and t.grad is not None and storage_key(t.grad) in touched:
             out.append((t.grad, "gradients"))

@@ -102,7 +102,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
     snap: Snapshot | None = None
     if rollback:
         say(0.0, "saving the training state (rollback snapshot)")
-        snap, why_not = take_if_it_fits(ns, rebinds)
+        snap, why_not = take_if_it_fits(ns, rebinds, source)
         if snap is None:
             text = f"rollback skipped: {why_not}; the fix runs on top of the original run's state"
             _warnings.warn(text, RuntimeWarning, stacklevel=2)

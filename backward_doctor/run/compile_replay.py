@@ -104,7 +104,7 @@ def plan(source: str, namespace: dict[str, Any], rollback: bool, snapshot: Snaps
         from .engine import snapshot_for
 
         snapshot = snapshot_for(source, namespace)
-    return CompilePlan(namespace, snapshot) if snapshot is not None else None
+    return CompilePlan(namespace, snapshot, source) if snapshot is not None else None
 
 
 #: What a ``Trainer`` makes in ``train()`` and reuses in the next call (the snapshot does not cover an object's
@@ -195,9 +195,10 @@ class _FirstCalls:
 class CompilePlan:
     """See the module doc: the snapshot taken before the compiled step, and the check after it."""
 
-    def __init__(self, namespace: dict[str, Any], snapshot: Snapshot) -> None:
+    def __init__(self, namespace: dict[str, Any], snapshot: Snapshot, source: str = "") -> None:
         self.namespace = namespace
         self.snapshot = snapshot
+        self.source = source  # (what another thread's training leaves alone: ``capture/elsewhere.py``)
         self.trainers = _trainer_fields(namespace)  # (a Trainer's own optimizer would carry the NaN into the replay)
 
     def check(self, first: Trace, rerun: Callable[[], Trace]) -> Trace:
@@ -206,7 +207,7 @@ class CompilePlan:
         compiled = compiled_in(self.namespace)
         if why is None or not (compiled or first.compiles or any(op.where.compiled for op in first.ops)):
             return first
-        end, why_not = take_if_it_fits(self.namespace)
+        end, why_not = take_if_it_fits(self.namespace, source=self.source)
         if end is None:
             first.notes.append(f"torch.compile: the step was not replayed eagerly to compare: {why_not}")
             return first

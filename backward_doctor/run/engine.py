@@ -37,7 +37,7 @@ def snapshot_for(source: str, namespace: dict[str, Any]) -> Any:
     except Exception:  # a cell we cannot parse: the run will report the SyntaxError
         log.debug("no snapshot: the cell does not parse", exc_info=True)
         return None
-    snapshot, why_not = take_if_it_fits(namespace, rebinds)
+    snapshot, why_not = take_if_it_fits(namespace, rebinds, source)
     if snapshot is None:
         warnings.warn(f"backward_doctor: no rollback snapshot ({why_not}); a NaN/Inf origin cannot be replayed "
                       "in detail", RuntimeWarning, stacklevel=3)

@@ -100,7 +100,8 @@ class IterationRollback:
         values = {n: self.namespace[n] for n in names if n in self.namespace}
         # the loop runs inside a function (a script's main()): its locals (its model and optimizer saved too)
         local = _loop_locals(self.source, self.namespace) if len(values) < len(names) else {}
-        state, self.why_not = take_if_it_fits({**self.namespace, **local} if local else self.namespace)
+        state, self.why_not = take_if_it_fits({**self.namespace, **local} if local else self.namespace,
+                                              source=self.source)
         if state is None:
             return
         # the draws of the iteration's own start, not of now
@@ -221,7 +222,8 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
         end = None
         if not why and rollback.state is not None:
             # (names: the replay assigns only its copy's; the locals of a function running the loop: theirs too)
-            end, why = take_if_it_fits({**namespace, **rollback.locals} if rollback.locals else namespace)
+            end, why = take_if_it_fits({**namespace, **rollback.locals} if rollback.locals else namespace,
+                                        source=rollback.source)
         if not why and end is not None and found is not None and not callable(found[0]):  # (a library's step: no update)
             why = _out_of_reach(first, end)
         if why or end is None or found is None or rollback.state is None:

@@ -64,21 +64,20 @@ def _nbytes(t: Any) -> int:
 
 
 def _modules(namespace: dict[str, Any], away: Elsewhere) -> list[tuple[str, Any]]:
-    """The namespace's modules but those another thread works with now (``capture/elsewhere.py``: not read, and
-    putting them back would change that thread's training)."""
-    return [(n, m) for n, m in ns_mod.modules(namespace) if not away.holds(m)]
+    """The namespace's modules but those left alone while another thread runs PyTorch (``capture/elsewhere.py``:
+    their gradients are not read, and putting them back would rewind that thread's training)."""
+    return [(n, m) for n, m in ns_mod.modules(namespace) if not away.leaves(n)]
 
 
 def _optimizers(namespace: dict[str, Any], away: Elsewhere) -> list[tuple[str, Any]]:
     """The optimizers bound to a name, or held by an object there (``runner.opt``): as modules are found."""
-    return [(n, o) for n, o in ns_mod.held(namespace, torch.optim.Optimizer) if not away.holds(o)]
+    return [(n, o) for n, o in ns_mod.held(namespace, torch.optim.Optimizer) if not away.leaves(n)]
 
 
 def _schedulers(namespace: dict[str, Any], away: Elsewhere) -> Iterable[tuple[str, Any]]:
     from torch.optim.lr_scheduler import LRScheduler
 
-    return [(n, s) for n, s in ns_mod.held(namespace, LRScheduler)
-            if not away.holds(getattr(s, "optimizer", None))]
+    return [(n, s) for n, s in ns_mod.held(namespace, LRScheduler) if not away.leaves(n)]
 
 
 def _scalers(namespace: dict[str, Any]) -> Iterable[tuple[str, Any]]:
@@ -87,9 +86,8 @@ def _scalers(namespace: dict[str, Any]) -> Iterable[tuple[str, Any]]:
     return ns_mod.held(namespace, classes) if classes else iter(())
 
 
-def state_tensors(namespace: dict[str, Any], away: Elsewhere | None = None) -> list[torch.Tensor]:
+def state_tensors(namespace: dict[str, Any], away: Elsewhere = Elsewhere()) -> list[torch.Tensor]:
     """Parameters, buffers and their gradients, and optimizer state (each once)."""
-    away = elsewhere() if away is None else away
     seen: dict[int, torch.Tensor] = {}
     for _, mod in _modules(namespace, away):
         for t in list(mod.parameters()) + list(mod.buffers()):
@@ -101,10 +99,10 @@ def state_tensors(namespace: dict[str, Any], away: Elsewhere | None = None) -> l
     return list(seen.values())
 
 
-def estimate_bytes(namespace: dict[str, Any], rebinds: set[str] = frozenset()) -> int:
+def estimate_bytes(namespace: dict[str, Any], rebinds: set[str] = frozenset(), source: str = "") -> int:
     """What :meth:`Snapshot.take` would copy, in bytes."""
     total = 0
-    away = elsewhere()
+    away = elsewhere(source, namespace)
     for t in state_tensors(namespace, away):
         total += _nbytes(t) + _nbytes(grad_of(t))
     for _, opt in _optimizers(namespace, away):
@@ -125,9 +123,11 @@ class Snapshot:
     nbytes: int = 0
 
     @classmethod
-    def take(cls, namespace: dict[str, Any], rebinds: set[str] = frozenset()) -> "Snapshot":
+    def take(cls, namespace: dict[str, Any], rebinds: set[str] = frozenset(), source: str = "") -> "Snapshot":
+        """``source``: the cell's code; while another thread runs PyTorch, what it does not name is left alone
+        (``capture/elsewhere.py``)."""
         snap = cls()
-        away = elsewhere()
+        away = elsewhere(source, namespace)
         for t in state_tensors(namespace, away):
             grad = grad_of(t)
             snap.tensors.append((t, _cpu_copy(t), None if grad is None else _cpu_copy(grad), t.requires_grad))
@@ -294,16 +294,17 @@ def _copy_value(v: Any) -> Any:
     return v
 
 
-def take_if_it_fits(namespace: dict[str, Any], rebinds: set[str] = frozenset()) -> tuple[Snapshot | None, str]:
+def take_if_it_fits(namespace: dict[str, Any], rebinds: set[str] = frozenset(),
+                    source: str = "") -> tuple[Snapshot | None, str]:
     """The rollback snapshot of ``namespace`` (and the names the cell rebinds), or None and why not: the
     copy would take more than 80% of the free RAM, or the state could not be copied. The one place both
     the NaN replay (``engine.snapshot_for``) and the fixes (``fixes.apply``) take theirs."""
     from ..util.units import format_bytes
 
-    need, avail = estimate_bytes(namespace, rebinds), available_ram()
+    need, avail = estimate_bytes(namespace, rebinds, source), available_ram()
     if avail is not None and need > 0.8 * avail:
         return None, f"the snapshot needs {format_bytes(need)} of RAM and only {format_bytes(avail)} is available"
     try:
-        return Snapshot.take(namespace, rebinds), ""
+        return Snapshot.take(namespace, rebinds, source), ""
     except Exception as exc:  # never lose the diagnosis to the snapshot
         return None, f"the state could not be copied ({type(exc).__name__}: {exc})"
