@@ -118,15 +118,17 @@ def names_read(source: str, namespace: dict[str, Any]) -> frozenset[str]:
 def left_alone(names: list[str], away: Elsewhere) -> str:
     """The report's note for the models and optimizers the scan left alone.
 
-    >>> print(left_alone(["bg.model", "bg.opt"], Elsewhere({1: "trainer"}, frozenset())))
-    `bg.model` and `bg.opt` were left alone: another thread (`trainer`) runs PyTorch code, and PyTorch cannot read gradients safely while another thread's backward() may write them. The cell does not name them, so what they hold is not counted as existing before the step.
+    >>> print(left_alone(["bg.model", "bg.opt"], Elsewhere({1: "trainer"}, frozenset())))  # doctest: +NORMALIZE_WHITESPACE
+    `bg.model` and `bg.opt` were left alone: another thread (`trainer`) is running PyTorch code, and PyTorch
+    cannot read gradients safely while another thread's backward() may be writing them. The cell does not
+    name them, so what they hold is not counted as existing before the step.
     """
     shown = [f"`{n}`" for n in names[:4]] + ([f"{len(names) - 4} more"] if len(names) > 4 else [])
     listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
     verb, them = ("was", "it") if len(names) == 1 else ("were", "them")
     threads = ", ".join(f"`{n}`" for n in list(dict.fromkeys(away.busy.values()))[:3])
-    return (f"{listed} {verb} left alone: another thread ({threads}) runs PyTorch code, and PyTorch cannot read "
-            "gradients safely while another thread's backward() may write them. The cell does not name "
+    return (f"{listed} {verb} left alone: another thread ({threads}) is running PyTorch code, and PyTorch cannot "
+            "read gradients safely while another thread's backward() may be writing them. The cell does not name "
             f"{them}, so what {'it holds' if them == 'it' else 'they hold'} is not counted as existing before the step.")
 
 
