@@ -178,3 +178,29 @@ def test_a_snapshot_leaves_the_training_threads_model_alone():
         assert [type(o).__name__ for o, *_ in snap.optimizers] == ["SGD"]
         assert 0 < estimate_bytes(ns, source=CELL) <= sum(p.numel() * 4 * 2 for p in ns["model"].parameters())
     bg.check()
+
+
+def test_a_finished_thread_does_not_hide_the_next_one():
+    """Threads seen running PyTorch are remembered by weak reference. One that finished and was collected is
+    forgotten, and the next training thread is seen. (Its entry once stayed behind, every later call failed, and
+    ``elsewhere()`` left nothing alone for the rest of the process.)"""
+    import gc
+    import time
+
+    from backward_doctor.capture.elsewhere import busy_threads
+
+    def seen() -> bool:  # (a training thread is in its own code for a moment between torch's calls)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if "background-training" in busy_threads().values():
+                return True
+            time.sleep(0.001)
+        return False
+
+    for _ in range(2):
+        with Background() as bg:
+            assert seen()
+        bg.check()
+        del bg
+        gc.collect()
+        assert "background-training" not in busy_threads().values()

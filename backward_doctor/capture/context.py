@@ -1,10 +1,9 @@
 """Capture one training step: every aten op, live memory, non-finite values, failures.
 
-:class:`Capture` is the public context manager; a private dispatch mode hands it
-each op (forward, backward and optimizer step alike). Everything is turned into
-strings and numbers as it happens (see ``trace.py``); tensors and modules are
-only ever weakly referenced, and every global touched (dispatch mode, module and
-optimizer hooks, per-parameter hooks) is restored on exit, exceptions included.
+:class:`Capture` is the public context manager; a private dispatch mode hands it each op (forward, backward and
+optimizer step alike). Everything is turned into strings and numbers as it happens (see ``trace.py``); tensors and
+modules are only ever weakly referenced, and every global touched (dispatch mode, module and optimizer hooks,
+per-parameter hooks) is restored on exit, exceptions included.
 
 >>> import torch
 >>> x = torch.randn(4, 3, requires_grad=True)
@@ -28,7 +27,7 @@ from torch.nn.modules import module as _nn_module
 
 from . import namespace as ns_mod
 from .compile_watch import CompileWatch
-from .elsewhere import elsewhere, left_alone
+from .elsewhere import elsewhere
 from .guard import nothing
 from .worker_watch import WorkerWatch
 from .loop_hooks import LoopHooks
@@ -253,31 +252,21 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
 
     # ---------------------------------------------------------------- namespace
     def _scan_namespace(self) -> None:
-        """What the namespace holds before the step. An object that cannot be read (a user's container that
-        raises) is left out and said: the step must run all the same."""
-        led = self._ledger
-        away = self.elsewhere = elsewhere(self.trace.source, self.namespace)
-        left: list[str] = []
-        for name, mod in ns_mod.modules(self.namespace):
-            if away.leaves(name):
-                left.append(name)
-            else:
-                self._scanned(name, self._register_module, mod)
-        for name, opt in ns_mod.optimizers(self.namespace):
-            if away.leaves(name):
-                left.append(name)
-            else:
-                self._scanned(name, self._scan_optimizer, name, opt)
+        """What the namespace holds before the step (what cannot be read is left out and said: the step runs)."""
+        self.elsewhere = elsewhere(self.trace.source, self.namespace)
+        modules, optimizers = self.elsewhere.kept(self.namespace, self.trace.notes)
+        for name, mod in modules:
+            self._scanned(name, self._register_module, mod)
+        for name, opt in optimizers:
+            self._scanned(name, self._scan_optimizer, name, opt)
         for name, t in ns_mod.tensors(self.namespace):  # (no .grad read here: all counted)
             key = storage_key(t)
             if key is not None:
                 self._ns_names.setdefault(key, name)
-            led.track(t, "other")
+            self._ledger.track(t, "other")
             if t.grad_fn is not None:
                 self.trace.carriers.append(Carrier(variable=name, shape=list(shape_of(t)),
                                                    grad_fn=type(t.grad_fn).__name__, key=key or 0))
-        if left:
-            self.trace.notes.append(left_alone(left, away))
 
     def _scan_optimizer(self, name: str, opt: torch.optim.Optimizer) -> None:
         for group in opt.param_groups:

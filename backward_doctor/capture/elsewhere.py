@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from . import namespace as ns_mod
+
 _MAX_FRAMES = 64   # a thread's innermost frames looked at (a deep recursion is not walked)
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 #: the doctor's own threads (the native build, a panel's fix, the running view) hold the step's objects on purpose
@@ -67,6 +69,15 @@ class Elsewhere:
             return None
         return next(iter(self.busy.values()))
 
+    def kept(self, namespace: dict[str, Any], notes: list[str]) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        """The namespace's modules and optimizers (``namespace.py``) but those left alone, which one note in
+        ``notes`` lists."""
+        modules, optimizers = list(ns_mod.modules(namespace)), list(ns_mod.optimizers(namespace))
+        left = [name for name, _ in modules + optimizers if self.leaves(name)]
+        if left:
+            notes.append(left_alone(left, self))
+        return ([(n, m) for n, m in modules if n not in left], [(n, o) for n, o in optimizers if n not in left])
+
 
 def _in_torch(frame: Any) -> bool:
     depth = 0
@@ -88,7 +99,8 @@ def busy_threads() -> dict[int, str]:
     try:
         frames.pop(me, None)  # (this thread's own frame in a local here would be a cycle holding every caller's)
         with _seen_lock:
-            for ident in [i for i, (t, when) in _seen.items() if live.get(i) is not t() or now - when > _REMEMBER_S]:
+            for ident in [i for i, (t, when) in _seen.items()  # (gone, another thread's ident now, or long ago)
+                          if t() is None or live.get(i) is not t() or now - when > _REMEMBER_S]:
                 del _seen[ident]
             for ident, frame in frames.items():
                 thread = live.get(ident)
