@@ -168,15 +168,17 @@ def test_with_no_other_thread_running_nothing_is_left_alone():
 def test_a_snapshot_leaves_the_training_threads_model_alone():
     """A replay's or a fix's rollback copies the namespace's models and puts them back after: another thread's
     model is neither read nor put back (that would rewind its training)."""
+    from backward_doctor.capture.elsewhere import elsewhere
     from backward_doctor.run.snapshot import Snapshot, estimate_bytes
 
     with Background() as bg:
         ns = _with_background(bg)
-        snap = Snapshot.take(ns, source=CELL)
+        away = elsewhere(CELL, ns)
+        snap = Snapshot.take(ns, away=away)
         held = {id(t) for t, *_ in snap.tensors}
         assert held == {id(p) for p in ns["model"].parameters()}, len(held)
         assert [type(o).__name__ for o, *_ in snap.optimizers] == ["SGD"]
-        assert 0 < estimate_bytes(ns, source=CELL) <= sum(p.numel() * 4 * 2 for p in ns["model"].parameters())
+        assert 0 < estimate_bytes(ns, away=away) <= sum(p.numel() * 4 * 2 for p in ns["model"].parameters())
     bg.check()
 
 

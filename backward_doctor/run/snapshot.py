@@ -86,8 +86,10 @@ def _scalers(namespace: dict[str, Any]) -> Iterable[tuple[str, Any]]:
     return ns_mod.held(namespace, classes) if classes else iter(())
 
 
-def state_tensors(namespace: dict[str, Any], away: Elsewhere = Elsewhere()) -> list[torch.Tensor]:
-    """Parameters, buffers and their gradients, and optimizer state (each once)."""
+def state_tensors(namespace: dict[str, Any], away: Elsewhere | None = None) -> list[torch.Tensor]:
+    """Parameters, buffers and their gradients, and optimizer state (each once). ``away``: what is left alone
+    (``capture/elsewhere.py``; None: nothing)."""
+    away = away or Elsewhere()
     seen: dict[int, torch.Tensor] = {}
     for _, mod in _modules(namespace, away):
         for t in list(mod.parameters()) + list(mod.buffers()):
@@ -99,10 +101,10 @@ def state_tensors(namespace: dict[str, Any], away: Elsewhere = Elsewhere()) -> l
     return list(seen.values())
 
 
-def estimate_bytes(namespace: dict[str, Any], rebinds: set[str] = frozenset(), source: str = "") -> int:
-    """What :meth:`Snapshot.take` would copy, in bytes."""
+def estimate_bytes(namespace: dict[str, Any], rebinds: set[str] = frozenset(), away: Elsewhere | None = None) -> int:
+    """What :meth:`Snapshot.take` would copy, in bytes (given the same ``away``)."""
     total = 0
-    away = elsewhere(source, namespace)
+    away = away or Elsewhere()
     for t in state_tensors(namespace, away):
         total += _nbytes(t) + _nbytes(grad_of(t))
     for _, opt in _optimizers(namespace, away):
@@ -123,11 +125,11 @@ class Snapshot:
     nbytes: int = 0
 
     @classmethod
-    def take(cls, namespace: dict[str, Any], rebinds: set[str] = frozenset(), source: str = "") -> "Snapshot":
-        """``source``: the cell's code; while another thread runs PyTorch, what it does not name is left alone
-        (``capture/elsewhere.py``)."""
+    def take(cls, namespace: dict[str, Any], rebinds: set[str] = frozenset(),
+             away: Elsewhere | None = None) -> "Snapshot":
+        """``away``: what is left alone while another thread runs PyTorch (``capture/elsewhere.py``; None: nothing)."""
         snap = cls()
-        away = elsewhere(source, namespace)
+        away = away or Elsewhere()
         for t in state_tensors(namespace, away):
             grad = grad_of(t)
             snap.tensors.append((t, _cpu_copy(t), None if grad is None else _cpu_copy(grad), t.requires_grad))
@@ -301,10 +303,12 @@ def take_if_it_fits(namespace: dict[str, Any], rebinds: set[str] = frozenset(),
     the NaN replay (``engine.snapshot_for``) and the fixes (``fixes.apply``) take theirs."""
     from ..util.units import format_bytes
 
-    need, avail = estimate_bytes(namespace, rebinds, source), available_ram()
+    # (one look at the other threads for both: the estimate sizes exactly what is taken)
+    away = elsewhere(source, namespace)
+    need, avail = estimate_bytes(namespace, rebinds, away), available_ram()
     if avail is not None and need > 0.8 * avail:
         return None, f"the snapshot needs {format_bytes(need)} of RAM and only {format_bytes(avail)} is available"
     try:
-        return Snapshot.take(namespace, rebinds, source), ""
+        return Snapshot.take(namespace, rebinds, away), ""
     except Exception as exc:  # never lose the diagnosis to the snapshot
         return None, f"the state could not be copied ({type(exc).__name__}: {exc})"
