@@ -346,8 +346,10 @@ def finish(cap: "OpRecorder") -> Trace:
     _timeline(cap)
     _nonfinite_reach(cap)
     from .step_state import graph_holders, param_infos
+    from .tie_watch import untied_weights
 
     trace.params = param_infos(cap)
+    trace.untied_weights = untied_weights(cap)  # (ties a model declares, read once: ``tie_watch.py``)
     if trace.iterations.first_nonfinite is not None:  # a loop that went NaN/Inf: where its learning rate was set
         from .trainers import locate_lr
 

@@ -31,7 +31,7 @@ KIND_WORDS = {
     "compile_divergence": "Compiled differs from eager", "loss_on_probabilities": "Loss fed the wrong scores",
     "train_eval_mode": "train() / eval() mode", "scheduler_misuse": "Learning-rate scheduler out of step",
     "label_misalignment": "Labels misaligned",
-    "frozen_params_updated": "Frozen parameters updated",
+    "frozen_params_updated": "Frozen parameters updated", "untied_weights": "Tied weights trained apart",
 }
 
 

@@ -18,6 +18,7 @@ from .accumulation import Accumulation
 from .frozen import FrozenUpdate
 from .precision import Precision
 from .schedules import SchedulerRecord
+from .ties import UntiedWeights
 from .parts import (Carrier, Compilation, CompileCheck, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo,
                     OptimizerStep, OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep,
                     StorageEvents)
@@ -363,6 +364,8 @@ class Trace:
     frozen_updates: list[FrozenUpdate] = field(default_factory=list)
     #: learning-rate schedulers stepped during the run, with the order of their steps and the optimizer's
     schedules: list[SchedulerRecord] = field(default_factory=list)
+    #: weights a model declares tied (an embedding and its output layer) that were separate tensors (``UntiedWeights``)
+    untied_weights: list[UntiedWeights] = field(default_factory=list)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

@@ -31,6 +31,7 @@ from .nonfinite import nonfinite
 from .params import left_frozen, orphan_params
 from .saved_writes import unseen_write
 from .schedules import scheduler_misuse
+from .ties import untied_weights
 from .train_eval import train_eval_mode
 from .unshifted import unshifted_targets
 from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param, stale_grad
@@ -47,7 +48,7 @@ RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, 
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities,
                             train_eval_mode, scheduler_misuse, frozen_params_updated, label_misalignment,
-                            unshifted_targets]
+                            unshifted_targets, untied_weights]
 
 
 def analyze(trace: Trace) -> list[Finding]:
