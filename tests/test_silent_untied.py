@@ -176,3 +176,24 @@ def test_untied_by_a_function_the_cell_calls_is_named_at_the_step(engine):
     f = _only(bd.diagnose("untie(model)\n" + PLAIN_LOOP, ns, engine=engine), "untied_weights")
     assert (f.line, f.evidence["break"], f.evidence["fix_line"]) == (7, None, None)
     assert f.evidence["fix_code"].startswith("model.head.weight = model.embed.weight  # after the model is loaded")
+
+
+class MaybeTiedLM(TinyLM):
+    """Ties only when asked (``if tie:``, as nanoGPT-style models do): ``tie=False`` wants two tensors."""
+
+    def __init__(self, tie: bool) -> None:
+        nn.Module.__init__(self)
+        self.embed = nn.Embedding(32, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 32, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+
+def test_a_tie_made_on_a_condition_counts_only_where_it_was_made(engine):
+    ns = {**_plain(), "model": MaybeTiedLM(tie=True)}
+    f = _only(bd.diagnose(PLAIN_UNTIED, ns, engine=engine), "untied_weights")
+    assert (f.line, f.evidence["class"]) == (1, "MaybeTiedLM")
+    # built untied on purpose: two tensors trained apart is what the model asked for
+    _silent(bd.diagnose(PLAIN_LOOP, {**_plain(), "model": MaybeTiedLM(tie=False)}, engine=engine))
+    _silent(bd.diagnose(PLAIN_UNTIED, {**_plain(), "model": MaybeTiedLM(tie=False)}, engine=engine))

@@ -256,7 +256,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         self.elsewhere = elsewhere(self.trace.source, self.namespace)
         modules, optimizers = self.elsewhere.kept(self.namespace, self.trace.notes)
         for name, mod in modules:
-            self._scanned(name, self._register_module, mod)
+            self._scanned(name, self._register_model, mod)
         for name, opt in optimizers:
             self._scanned(name, self._scan_optimizer, name, opt)
         for name, t in ns_mod.tensors(self.namespace):  # (no .grad read here: all counted)

@@ -27,6 +27,7 @@ from .frozen_watch import FrozenWatch
 from .guard import Guards
 from .memory import MemoryLedger, Timeline, grad_of
 from .process import UndoStack
+from .tie_watch import tied_now
 from ..trace.parts import NonFiniteScalar, OomInfo
 from ..trace.records import Trace, Where
 
@@ -134,6 +135,7 @@ class CaptureState:
         self._detail_budget = 8  # non-finite origins that get full statistics
         self._ns_names: dict[int, str] = {}    # storage key -> variable name (at start)
         self.elsewhere = Elsewhere()            # what other threads held when the step began (elsewhere.py)
+        self._tied_before: set[tuple[int, tuple[str, ...]]] = set()  # conditional ties held then (tie_watch.py)
         self._last_phase = "forward"
         self._roots: list[int | None] = []  # forward op of each backward's root node
         self._oom: OomInfo | None = None
@@ -178,6 +180,12 @@ class CaptureState:
     def _on_free(self, key: int) -> None:
         self._writer.pop(key, None)
         self._nf_origin.pop(key, None)
+
+    def _register_model(self, mod: torch.nn.Module) -> None:
+        """A model the namespace holds before the step: registered, and the conditional ties it holds now
+        remembered (``if tie: self.head.weight = ...``: one the step then separates was wanted, ``tie_watch.py``)."""
+        self._register_module(mod)
+        self._tied_before |= tied_now([("", mod)])
 
     def _register_module(self, mod: torch.nn.Module) -> None:
         for sub in mod.modules():

@@ -10,6 +10,9 @@ key in place. Two kinds of declared intent are read, once per run at its end (ne
   before it, ``config.tie_word_embeddings`` with ``get_input_embeddings()``/``get_output_embeddings()``);
 - a plain module whose ``__init__`` (the user's class, or a base class of it) assigns one submodule's parameter
   to another (``self.head.weight = self.embed.weight``), read from the ``__init__``'s source once per class.
+  A tie made on a condition (``if config.tie: ...``) is wanted only when the condition held, which only what
+  it made tells: it counts when the pair was one tensor as the step began (:func:`tied_now`, at the namespace
+  scan: ``state.py``), so a model built with ``tie=False``, or built and untied within the cell, says nothing.
 
 Only the pairs that are separate tensors now are recorded, with their storage keys: whether both trained in the
 step is the rule's to read (``ParamInfo``). Nothing here runs a tensor op: attributes and storage identities only.
@@ -32,16 +35,14 @@ import ast
 import functools
 import inspect
 import textwrap
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from torch import nn
 
 from . import namespace as ns_mod
 from .memory import storage_key
+from .process import doctors_own
 from ..trace.ties import UntiedWeights
-
-if TYPE_CHECKING:
-    from .record import OpRecorder
 
 _MAX_PAIRS = 64      # declared ties looked at per model (a detection model's regex map expands to hundreds)
 _MAX_MODULES = 4096  # submodules walked per model for the classes that tie in ``__init__``
@@ -59,9 +60,10 @@ def _chain(node: ast.expr) -> tuple[str, ...] | None:
 
 
 @functools.lru_cache(maxsize=512)
-def init_ties(cls: type) -> tuple[tuple[tuple[str, ...], tuple[str, ...], str, str | None, int | None], ...]:
+def init_ties(cls: type) -> tuple[tuple[tuple[str, ...], tuple[str, ...], str, str | None, int | None, bool], ...]:
     """The ties ``cls.__init__`` (and its base classes' ``__init__``, torch's own left out) makes:
-    ``(target attrs, source attrs, statement, file, line)`` for each ``self.x.w = self.y.w``. A function's
+    ``(target attrs, source attrs, statement, file, line, conditional)`` for each ``self.x.w = self.y.w``
+    (``conditional``: under an ``if`` or a loop, as ``if tie: self.head.weight = ...``). A function's
     source is read through its code object, so a class defined in a notebook cell (IPython keeps the cell's
     lines in ``linecache``) is read too; a class with no readable source has none.
 
@@ -70,27 +72,59 @@ def init_ties(cls: type) -> tuple[tuple[tuple[str, ...], tuple[str, ...], str, s
     ...         super().__init__()
     ...         self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
     ...         self.b.weight = self.a.weight
-    >>> [(t, s, code) for t, s, code, _, _ in init_ties(Tied)]
-    [(('b', 'weight'), ('a', 'weight'), 'self.b.weight = self.a.weight')]
+    >>> [(t, s, code, conditional) for t, s, code, _, _, conditional in init_ties(Tied)]
+    [(('b', 'weight'), ('a', 'weight'), 'self.b.weight = self.a.weight', False)]
     """
     found = []
-    for klass in cls.__mro__:
+    mro, i = cls.__mro__, 0
+    while i < len(mro):
+        klass, i = mro[i], i + 1
         init = vars(klass).get("__init__")
-        if init is None or (klass.__module__ or "").split(".")[0] == "torch" or klass is object:
+        if init is None or (klass.__module__ or "").split(".")[0] in ("torch", "transformers") or klass is object:
             continue
         code = getattr(init, "__code__", None)
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
         except (OSError, TypeError, SyntaxError, IndentationError):
             continue
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
-                continue
+        for node, conditional in _assignments(tree):
             target, source = _chain(node.targets[0]), _chain(node.value)
             if target and source and target != source:
                 line = code.co_firstlineno + node.lineno - 1 if code is not None else None
-                found.append((target, source, ast.unparse(node), getattr(code, "co_filename", None), line))
+                found.append((target, source, ast.unparse(node), getattr(code, "co_filename", None), line,
+                              conditional))
+        i = _next_init(tree, mro, i)
     return tuple(found)
+
+
+def _next_init(tree: ast.Module, mro: tuple[type, ...], i: int) -> int:
+    """Where in ``mro`` the ``__init__`` in ``tree`` goes on: the next class for ``super().__init__()``, the
+    class it names for ``Base.__init__(self)``, past the end when it calls none (its bases' ties never run)."""
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "__init__"):
+            continue
+        base = n.func.value
+        if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+            return i
+        name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+        return next((j for j in range(i, len(mro)) if mro[j].__name__ == name), len(mro))
+    return len(mro)
+
+
+def _assignments(tree: ast.Module) -> Iterator[tuple[ast.Assign, bool]]:
+    """Each one-target assignment of the function in ``tree``, and whether it runs only on a condition (under
+    an ``if``, a loop, a ``try``, a ``match``; a ``with`` block runs as the body does)."""
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) \
+        else tree.body
+    todo = [(stmt, False) for stmt in body]
+    while todo:
+        node, conditional = todo.pop(0)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            yield node, conditional
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            todo.extend((n, conditional) for n in node.body)
+        elif isinstance(node, (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.Match)):
+            todo.extend((n, True) for n in ast.walk(node) if isinstance(n, ast.Assign))
 
 
 def _resolve(mod: nn.Module, attrs: Iterable[str]) -> Any:
@@ -139,40 +173,74 @@ def _hf_ties(mod: nn.Module) -> list[tuple[str, str, str]]:
     return [(join(names[id(out_emb)]), join(names[id(in_emb)]), declared)]
 
 
-def untied_in(models: list[tuple[str, nn.Module]]) -> list[UntiedWeights]:
+def _declared(sub: nn.Module) -> list[tuple[Any, Any, str, str | None, int | None, bool, bool]]:
+    """``sub``'s own declared ties: ``(target attrs, source attrs, declared, file, line, conditional, hf)``."""
+    ties = [(t.split("."), s.split("."), code, None, None, False, True) for t, s, code in _hf_ties(sub)]
+    if type(sub).__module__.split(".")[0] not in ("torch", "transformers"):
+        ties += [(*tie, False) for tie in init_ties(type(sub))]
+    return ties
+
+
+def _walk(models: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, nn.Module, tuple, Any, Any]]:
+    """``(path, submodule, tie, target, source)`` for each declared tie of these models, the two resolved now;
+    a model whose attributes or config raise is left out (the report stands without it)."""
+    for root, model in models:
+        try:
+            found = []
+            for i, (sub_name, sub) in enumerate(model.named_modules()):
+                if i >= _MAX_MODULES:
+                    break
+                for tie in _declared(sub):
+                    found.append((f"{root}.{sub_name}" if sub_name else root, sub, tie,
+                                  _resolve(sub, tie[0]), _resolve(sub, tie[1])))
+        except Exception as exc:  # noqa: BLE001
+            if not doctors_own(exc):  # (a signal handler's exception: the user's, it goes on)
+                raise
+            continue
+        yield from found
+
+
+def tied_now(models: list[tuple[str, nn.Module]]) -> set[tuple[int, tuple[str, ...]]]:
+    """``(id(submodule), target attrs)`` of the conditional ties (``if tie: self.head.weight = ...``) that are
+    one tensor now, before the step: whether the condition held is known only from what it made.
+
+    >>> class Maybe(nn.Module):
+    ...     def __init__(self, tie=True):
+    ...         super().__init__()
+    ...         self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+    ...         if tie:
+    ...             self.b.weight = self.a.weight
+    >>> len(tied_now([("m", Maybe())])), len(tied_now([("m", Maybe(tie=False))]))
+    (1, 0)
+    """
+    return {(id(sub), tuple(tie[0])) for _, sub, tie, a, b in _walk(models)
+            if tie[5] and isinstance(a, nn.Parameter) and a is b}
+
+
+def untied_in(models: list[tuple[str, nn.Module]],
+              tied_before: set[tuple[int, tuple[str, ...]]] | None = None) -> list[UntiedWeights]:
     """The declared ties of these models (``(name, module)``) that are two tensors now (see the module
-    docstring), each pair once."""
+    docstring), each pair once. A conditional tie counts only when it is in ``tied_before`` (:func:`tied_now`
+    before the step): a model built with ``tie=False`` wants two tensors."""
     out: list[UntiedWeights] = []
     seen: set[tuple[int, int]] = set()
-    for root, model in models:
-        try:  # (a user's module whose attribute or config raises: that model says nothing, the report stands)
-            _ties_of(root, model, out, seen)
-        except Exception:  # noqa: BLE001
+    for prefix, sub, tie, a, b in _walk(models):
+        target, source, code, file, line, conditional, hf = tie
+        if conditional and (id(sub), tuple(target)) not in (tied_before or set()):
             continue
+        if not _apart(a, b) or (id(a), id(b)) in seen:
+            continue
+        seen.add((id(a), id(b)))
+        out.append(UntiedWeights(model=prefix, cls=type(sub).__name__,
+                                 target=f"{prefix}.{'.'.join(target)}", source=f"{prefix}.{'.'.join(source)}",
+                                 target_key=storage_key(a) or 0, source_key=storage_key(b) or 0,
+                                 declared=code, file=file, line=line, tie_weights=hf))
     return out
 
 
-def _ties_of(root: str, model: nn.Module, out: list[UntiedWeights], seen: set[tuple[int, int]]) -> None:
-    for i, (sub_name, sub) in enumerate(model.named_modules()):
-        if i >= _MAX_MODULES:
-            break
-        prefix = f"{root}.{sub_name}" if sub_name else root
-        hf = _hf_ties(sub)
-        ties = [(t.split("."), s.split("."), code, None, None) for t, s, code in hf]
-        ties += [] if type(sub).__module__.split(".")[0] in ("torch", "transformers") else init_ties(type(sub))
-        for target, source, code, file, line in ties:
-            a, b = _resolve(sub, target), _resolve(sub, source)
-            if not _apart(a, b) or (id(a), id(b)) in seen:
-                continue
-            seen.add((id(a), id(b)))
-            out.append(UntiedWeights(model=prefix, cls=type(sub).__name__,
-                                     target=f"{prefix}.{'.'.join(target)}", source=f"{prefix}.{'.'.join(source)}",
-                                     target_key=storage_key(a) or 0, source_key=storage_key(b) or 0,
-                                     declared=code, file=file, line=line, tie_weights=bool(hf)))
-
-
-def untied_weights(cap: "OpRecorder") -> list[UntiedWeights]:
-    """The run's models, by the variable that holds them (those another thread works on left alone, as
+def untied_weights(cap: Any) -> list[UntiedWeights]:
+    """The declared ties of the run's models (``cap``: the run's ``OpRecorder``) that are two tensors at its
+    end: the models by the variable that holds them (those another thread works on left alone, as
     ``elsewhere.py`` says), then those the step ran that the namespace does not name (a library's)."""
     models: list[tuple[str, nn.Module]] = []
     ids: set[int] = set()
@@ -186,7 +254,7 @@ def untied_weights(cap: "OpRecorder") -> list[UntiedWeights]:
         if isinstance(mod, nn.Module) and id(mod) not in ids:
             ids.add(id(mod))
             models.append((name or type(mod).__name__, mod))
-    return untied_in(models)
+    return untied_in(models, getattr(cap, "_tied_before", None))
 
 
-__all__ = ["init_ties", "untied_in", "untied_weights"]
+__all__ = ["init_ties", "tied_now", "untied_in", "untied_weights"]
