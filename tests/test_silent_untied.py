@@ -99,6 +99,32 @@ def test_a_gpt2_whose_lm_head_is_given_a_parameter_of_its_own(engine):
     assert f.evidence["fix_code"] == "model.tie_weights()  # instead of line 2: one tensor again"
 
 
+LOADED = """\
+with torch.device("meta"):
+    model = GPT2LMHeadModel(cfg)
+model.load_state_dict(state, assign=True)
+""" + LOOP
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["copies", "shared"])
+def test_a_gpt2_on_the_meta_device_loaded_with_assign(engine, shared):
+    """``load_state_dict(..., assign=True)`` puts a parameter of its own for each key: from a state dict of
+    copies, two tensors; from one that kept the tie's sharing (``torch.load`` of a saved ``state_dict()``), two
+    parameters over one memory, each with its own gradient and its own update of that memory."""
+    ns = _gpt2()
+    state = transformers.GPT2LMHeadModel(ns["cfg"]).state_dict()
+    ns["state"] = state if shared else {k: v.clone() for k, v in state.items()}
+    report = bd.diagnose(LOADED, ns, engine=engine)
+    f = _only(report, "untied_weights")
+    assert (f.line, f.evidence["break"]) == (3, "load"), _describe(report)
+    assert f.evidence["fix_code"] == ("model.load_state_dict(state, assign=True); model.tie_weights()  # tie again "
+                                      "after it, before the optimizer is built")
+    assert ("two parameters over one memory" in f.message) == shared, f.message
+    # the twin: tied again after the load
+    ns["model"] = None
+    _silent(bd.diagnose(LOADED.replace("assign=True)\n", "assign=True)\nmodel.tie_weights()\n"), ns, engine=engine))
+
+
 def test_a_tied_gpt2_and_one_whose_config_does_not_tie_are_silent(engine):
     _silent(bd.diagnose(BUILT, _gpt2(), engine=engine))
     _silent(bd.diagnose(BUILT, _gpt2(tie_word_embeddings=False), engine=engine))
@@ -197,3 +223,11 @@ def test_a_tie_made_on_a_condition_counts_only_where_it_was_made(engine):
     # built untied on purpose: two tensors trained apart is what the model asked for
     _silent(bd.diagnose(PLAIN_LOOP, {**_plain(), "model": MaybeTiedLM(tie=False)}, engine=engine))
     _silent(bd.diagnose(PLAIN_UNTIED, {**_plain(), "model": MaybeTiedLM(tie=False)}, engine=engine))
+
+
+def test_one_step_after_the_untie_is_enough(engine):
+    """The new parameter is the cell's own (hooked only once its optimizer steps: its first gradient is not seen
+    by the doctor's hooks): one step still names it."""
+    cell = PLAIN_UNTIED.replace("for step in range(3):", "for step in range(1):")
+    f = _only(bd.diagnose(cell, _plain(), engine=engine), "untied_weights")
+    assert (f.line, f.evidence["step_line"]) == (1, 7)

@@ -14,8 +14,8 @@ key in place. Two kinds of declared intent are read, once per run at its end (ne
   it made tells: it counts when the pair was one tensor as the step began (:func:`tied_now`, at the namespace
   scan: ``state.py``), so a model built with ``tie=False``, or built and untied within the cell, says nothing.
 
-Only the pairs that are separate tensors now are recorded, with their storage keys: whether both trained in the
-step is the rule's to read (``ParamInfo``). Nothing here runs a tensor op: attributes and storage identities only.
+Only the pairs that are two parameters now are recorded, with their storage keys (equal: two parameters over one
+memory): whether both trained in the step is the rule's to read (``ParamInfo``). Nothing here runs a tensor op: attributes and storage identities only.
 
 >>> import torch.nn as nn
 >>> class TinyLM(nn.Module):
@@ -137,13 +137,12 @@ def _resolve(mod: nn.Module, attrs: Iterable[str]) -> Any:
 
 
 def _apart(a: Any, b: Any) -> bool:
-    """Two parameters that are not one tensor: different objects with different storage (a parameter made from
-    the other's ``.data`` shares its memory, and its updates land on both)."""
+    """Two parameters that are not one: different objects (two parameters over one memory, as
+    ``load_state_dict(..., assign=True)`` of a state dict that kept the tie's sharing makes, are apart too:
+    each gets its own gradient and its own update, both written to that memory)."""
     if not (isinstance(a, nn.Parameter) and isinstance(b, nn.Parameter)) or a is b:
         return False
-    if a.device.type == "meta" or b.device.type == "meta":
-        return False  # (no memory yet: a model still to be materialised says nothing)
-    return storage_key(a) != storage_key(b)
+    return a.device.type != "meta" and b.device.type != "meta"  # (no memory yet: still to be materialised)
 
 
 def _hf_ties(mod: nn.Module) -> list[tuple[str, str, str]]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 @dataclass
 class UntiedWeights:
-    """Two parameters a model declares tied (``target`` is to be ``source``) that are separate tensors, each
-    with its own storage, at the end of the step. Recorded whether or not they trained: the rule reads their
-    part in the step from ``Trace.params`` by storage key."""
+    """Two parameters a model declares tied (``target`` is to be ``source``) that are two parameter objects at
+    the end of the step (equal keys: two parameters over one memory). Recorded whether or not they trained: the
+    rule reads their part in the step from ``Trace.params``, by name."""
 
     model: str                 # the module that declares the tie, by the variable that holds it (``model``)
     cls: str                   # its class (``GPT2LMHeadModel``, the user's ``TinyLM``)

@@ -118,6 +118,24 @@ def _two_heads() -> dict:
                x=torch.randn(6, 4), y=torch.randint(0, 3, (6,)))
 
 
+def _tied_lm() -> dict:
+    import torch
+    import torch.nn as nn
+
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 4)
+            self.head = nn.Linear(4, 16, bias=False)
+            self.head.weight = self.embed.weight  # one tensor: the output layer is the embedding
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.embed(ids)))
+
+    torch.manual_seed(0)
+    return _ns(model=TiedLM(), ids=torch.randint(0, 16, (2, 5)))
+
+
 def _big_linear() -> dict:
     import torch
     import torch.nn as nn
@@ -231,6 +249,14 @@ SCENARIOS: list[Scenario] = [
         loss.backward()
         optimizer.step()
         """), _classifier, doc="a fresh head the optimizer never sees (its old one is stepped, unused)"),
+    Scenario("untied_head_reassigned", "untied_weights", _d("""\
+        model.head.weight = nn.Parameter(model.head.weight.detach().clone())  # <-- root cause
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, 16), ids[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        """), _tied_lm, doc="an output layer tied to the embedding in __init__, given a parameter of its own: "
+                             "two tensors trained apart"),
     Scenario("dtype_mismatch", "dtype_mismatch", _d("""\
         optimizer.zero_grad()
         logits = model(x.double())  # <-- root cause

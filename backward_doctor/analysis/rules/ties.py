@@ -9,7 +9,7 @@ the embedding learns, the model trains a second vocabulary-sized matrix, and a c
 where the config promises one.
 
 Read from ``trace.untied_weights`` (the declared ties that were separate tensors at the end of the step,
-``capture/tie_watch.py``) and ``trace.params`` (both got a gradient and were stepped: trained apart). Placed at
+``capture/tie_watch.py``) and ``trace.params`` (both stepped, in a model the step ran: trained apart). Placed at
 the cell's line that broke the tie when the cell shows it (``to_empty(``, an assignment to one of the two, a
 ``load_state_dict(..., assign=True)``), else at the optimizer's step. Silent on a tied model, a model whose
 config does not tie (``tie_word_embeddings=False``), and a pair that did not train in the step.
@@ -26,6 +26,7 @@ import ast
 import re
 
 from ..findings import Finding, at, looped, placed, source_line
+from ...trace.parts import OptimizerStep
 from ...trace.records import Trace, Where
 from ...trace.ties import UntiedWeights
 
@@ -33,7 +34,8 @@ _WHY = {
     "to_empty": "`to_empty()` gives every parameter new memory of its own, so the tie made when the model was built "
                 "(on the meta device) is lost",
     "assign": "assigning a new parameter to one of them replaces it on that module only",
-    "load": "`load_state_dict(..., assign=True)` puts one checkpoint tensor per key in place of the model's",
+    "load": "`load_state_dict(..., assign=True)` puts a parameter of its own in place for each key of the "
+            "checkpoint, the tied one's too",
 }
 
 
@@ -49,6 +51,14 @@ def _code(name: str) -> str:
 def _dotted(node: ast.expr) -> str:
     """An expression as a dotted name (``model.h[0].weight`` -> ``model.h.0.weight``)."""
     return re.sub(r"\[(\d+)\]", r".\1", ast.unparse(node))
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except SyntaxError:
+        return False
+    return bool(code)
 
 
 def breaking_lines(source: str, names: list[str], model: str) -> list[tuple[int, str]]:
@@ -78,10 +88,21 @@ def breaking_lines(source: str, names: list[str], model: str) -> list[tuple[int,
 
 def untied_weights(trace: Trace) -> list[Finding]:
     """One finding per model whose declared ties are separate tensors that both trained in the step."""
-    params = {p.key: p for p in trace.params if p.key}
-    trained = lambda key: key in params and params[key].got_grad and params[key].stepped  # noqa: E731
-    apart = [u for u in trace.untied_weights if trained(u.target_key) and trained(u.source_key)]
-    steps = [s for s in trace.optimizer_steps]
+    by_name = {p.name: p for p in trace.params}
+    by_key = {p.key: p for p in trace.params if p.key}
+
+    def info(name: str, key: int, other: int):
+        # (by name; by storage key where the two have memories of their own: over one memory, one key is both)
+        return by_name.get(name) or (by_key.get(key) if key != other else None)
+
+    pairs = [(u, info(u.target, u.target_key, u.source_key), info(u.source, u.source_key, u.target_key))
+             for u in trace.untied_weights]
+    # (stepped, and given a gradient or in a model the step ran: a parameter the cell made after the namespace
+    # scan is hooked only when its optimizer first steps, and its first gradient can go unseen)
+    trained = lambda p: p is not None and p.stepped and (p.got_grad or p.in_run_model)  # noqa: E731
+    apart = [u for u, a, b in pairs if trained(a) and trained(b)]
+    params = {u.target: a for u, a, _ in pairs if a}
+    steps = trace.optimizer_steps
     if not apart or not steps:
         return []
     out = []
@@ -90,7 +111,7 @@ def untied_weights(trace: Trace) -> list[Finding]:
     return out
 
 
-def _finding(trace: Trace, pairs: list[UntiedWeights], step, params: dict) -> Finding:
+def _finding(trace: Trace, pairs: list[UntiedWeights], step: OptimizerStep, params: dict) -> Finding:
     u = pairs[0]
     step_line = step.cell_line if step.cell_line is not None else step.line
     names = [n for p in pairs for n in (p.target, p.source)]
@@ -105,19 +126,21 @@ def _finding(trace: Trace, pairs: list[UntiedWeights], step, params: dict) -> Fi
         declared = f"`{u.cls}.__init__` ties them: `{u.declared}`"
     step_code = source_line(trace, step.line, step.file) or "optimizer.step()"
     step_at = f"line {step.line}" if step.file is None else f"`{step.file.rsplit('/', 1)[-1]}:{step.line}`"
-    extra = sum(params[p.target_key].numel for p in pairs)
+    extra = sum(params[p.target].numel for p in pairs)
     tie = f"{_code(u.model)}.tie_weights()" if u.tie_weights else "; ".join(
         f"{_code(p.target)} = {_code(p.source)}" for p in pairs)
     if brk is not None:
         line, how = brk
         code = source_line(trace, line)
-        broke = f"Line {line} (`{code}`) made them two: {_WHY[how]}."
+        whole = _parses(code)  # (a statement over several lines: its first line is not code to repeat)
+        broke = f"Line {line} (`{code}`{'' if whole else ' ...'}) made them two: {_WHY[how]}."
         where = Where(line=line, file=None, cell_line=line, module=u.model)
         # (a new tensor given to the tied one itself: the line goes, the tie takes its place; anything else,
         # the weights it put in place are wanted: the tie comes after it)
         own = how == "assign" and code.split("=", 1)[0].strip() in {_code(p.target) for p in pairs}
         fix = (f"{tie}  # instead of line {line}: one tensor again" if own else
-               f"{code}; {tie}  # tie again after it, before the optimizer is built")
+               f"{code}; {tie}  # tie again after it, before the optimizer is built" if whole else
+               f"{tie}  # after line {line}'s statement, before the optimizer is built")
         fix_line, iteration = line, None
     else:
         broke = ("Something after the model was built gave one of them a tensor of its own (`to_empty()` after a "
@@ -127,12 +150,20 @@ def _finding(trace: Trace, pairs: list[UntiedWeights], step, params: dict) -> Fi
                       function=where.function)
         fix = f"{tie}  # after the model is loaded or materialised, before the optimizer is built"
         fix_line, iteration = None, looped(trace, 0)
-    msg = (f"{shown} are meant to be one tensor ({declared}), but in this step they are two separate tensors, "
-           f"each trained on its own: both got a gradient and `{step_code}` ({step_at}, {step.optimizer}) "
-           f"updated each apart. {broke} The output layer no longer follows what the embedding learns, the model "
-           f"trains {extra:,} values it was built to share, and a checkpoint saved now holds two different "
-           f"matrices where the model declares one. Tie them again with `{tie}` once the weights are in place, and "
-           "build the optimizer after it (an optimizer built before holds the separate tensor).")
+    if all(p.target_key == p.source_key for p in pairs):  # two parameters over one memory
+        two = "two parameters over one memory, each trained on its own"
+        harm = ("Each gets only its own part of the gradient, and the optimizer updates the shared values twice "
+                "per step, with two sets of moments and weight decay applied twice: not what one tied matrix "
+                "learns.")
+    else:
+        two = "two separate tensors, each trained on its own"
+        harm = (f"The output layer no longer follows what the embedding learns, the model trains {extra:,} values "
+                "it was built to share, and a checkpoint saved now holds two different matrices where the model "
+                "declares one.")
+    msg = (f"{shown} are meant to be one tensor ({declared}), but in this step they are {two}: "
+           f"`{step_code}` ({step_at}, {step.optimizer}) updated each apart. {broke} {harm} Tie them "
+           f"again with `{tie}` once the weights are in place, and build the optimizer after it (an optimizer "
+           "built before holds the separate parameter).")
     return at("untied_weights", where, msg, severity="warning", title="Tied weights trained apart",
               iteration=iteration,
               evidence={"parameters": names, "model": u.model, "class": u.cls, "declared": u.declared,
