@@ -132,6 +132,14 @@ def test_a_tied_gpt2_and_one_whose_config_does_not_tie_are_silent(engine):
     _silent(bd.diagnose(META, _gpt2(tie_word_embeddings=False), engine=engine))
 
 
+def test_untied_on_purpose_through_the_config_is_silent(engine):
+    """``config.tie_word_embeddings = False`` set after the model was built, then a head of its own: what
+    ``tie_weights()`` would read now says two tensors."""
+    cell = REASSIGNED.replace("model.lm_head.weight =",
+                              "model.config.tie_word_embeddings = False\nmodel.lm_head.weight =")
+    _silent(bd.diagnose(cell, _gpt2(), engine=engine))
+
+
 def test_untied_but_not_trained_says_nothing(engine):
     """An evaluation of the untied model: nothing trains apart (no gradient, no step)."""
     cell = META.split("opt =")[0] + "model.eval()\nwith torch.no_grad():\n    logits = model(input_ids=ids).logits\n"

@@ -15,7 +15,8 @@ key in place. Two kinds of declared intent are read, once per run at its end (ne
   scan: ``state.py``), so a model built with ``tie=False``, or built and untied within the cell, says nothing.
 
 Only the pairs that are two parameters now are recorded, with their storage keys (equal: two parameters over one
-memory): whether both trained in the step is the rule's to read (``ParamInfo``). Nothing here runs a tensor op: attributes and storage identities only.
+memory): whether both trained in the step is the rule's to read (``ParamInfo``). Nothing here runs a tensor op:
+attributes and storage identities only.
 
 >>> import torch.nn as nn
 >>> class TinyLM(nn.Module):
@@ -151,13 +152,18 @@ def _hf_ties(mod: nn.Module) -> list[tuple[str, str, str]]:
     if config is None or not callable(getattr(mod, "tie_weights", None)):
         return []
     declared = "config.tie_word_embeddings=True"
-    keys = vars(mod).get("all_tied_weights_keys")  # (transformers 5: the config already applied)
-    if isinstance(keys, dict):
-        return [(t, s, declared if t.endswith("lm_head.weight") or "embed" in s else
-                 f"{type(mod).__name__}._tied_weights_keys")
-                for t, s in list(keys.items())[:_MAX_PAIRS] if isinstance(t, str) and isinstance(s, str)]
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    if not getattr(text, "tie_word_embeddings", False):
+    wants = getattr(config, "tie_word_embeddings", None)
+    wants = getattr(text, "tie_word_embeddings", None) if wants is None else wants
+    keys = vars(mod).get("all_tied_weights_keys")  # (transformers 5: the config as the model was built)
+    if isinstance(keys, dict):
+        # (the embeddings' tie as the config says now: set to False since, on purpose, the model unties them,
+        # as ``tie_weights()`` would read it)
+        pairs = [(t, s, t.endswith("lm_head.weight") or "embed" in s)
+                 for t, s in list(keys.items())[:_MAX_PAIRS] if isinstance(t, str) and isinstance(s, str)]
+        return [(t, s, declared if embedding else f"{type(mod).__name__}._tied_weights_keys")
+                for t, s, embedding in pairs if wants is not False or not embedding]
+    if not wants:
         return []
     try:
         out_emb, in_emb = mod.get_output_embeddings(), mod.get_input_embeddings()
