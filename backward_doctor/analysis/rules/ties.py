@@ -157,9 +157,11 @@ def _finding(trace: Trace, pairs: list[UntiedWeights], step: OptimizerStep, para
                 "learns.")
     else:
         two = "two separate tensors, each trained on its own"
-        harm = (f"The output layer no longer follows what the embedding learns, the model trains {extra:,} values "
-                "it was built to share, and a checkpoint saved now holds two different matrices where the model "
-                "declares one.")
+        follows = ("The output layer no longer follows what the embedding learns" if u.declared.startswith("config.")
+                   or "embed" in u.source.rsplit(".", 2)[-2] else
+                   f"`{_code(u.target)}` no longer follows what `{_code(u.source)}` learns")
+        harm = (f"{follows}, the model trains {extra:,} values it was built to share, and a checkpoint saved now "
+                "holds two different matrices where the model declares one.")
     msg = (f"{shown} are meant to be one tensor ({declared}), but in this step they are {two}: "
            f"`{step_code}` ({step_at}, {step.optimizer}) updated each apart. {broke} {harm} Tie them "
            f"again with `{tie}` once the weights are in place, and build the optimizer after it (an optimizer "
