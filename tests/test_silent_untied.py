@@ -239,3 +239,12 @@ def test_one_step_after_the_untie_is_enough(engine):
     cell = PLAIN_UNTIED.replace("for step in range(3):", "for step in range(1):")
     f = _only(bd.diagnose(cell, _plain(), engine=engine), "untied_weights")
     assert (f.line, f.evidence["step_line"]) == (1, 7)
+
+
+def test_beside_a_loop_that_goes_nan_it_comes_after_the_nan(engine):
+    """A run that went wrong leads with that; the untied weights are a warning after it."""
+    cell = PLAIN_UNTIED.replace("    loss.backward()\n", "    if step == 2:\n"
+                                "        loss = loss * torch.log(torch.tensor(-1.0))\n    loss.backward()\n")
+    report = bd.diagnose(cell, _plain(), engine=engine)
+    assert [(f.kind, f.line) for f in report.findings] == [("nonfinite", 7), ("untied_weights", 1)], \
+        _describe(report)
