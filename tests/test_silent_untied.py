@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import backward_doctor as bd
 from report_check import describe as _describe, only as _only, silent as _silent
+import library_loops as ll
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -248,3 +249,17 @@ def test_beside_a_loop_that_goes_nan_it_comes_after_the_nan(engine):
     report = bd.diagnose(cell, _plain(), engine=engine)
     assert [(f.kind, f.line) for f in report.findings] == [("nonfinite", 7), ("untied_weights", 1)], \
         _describe(report)
+
+
+def test_a_hugging_face_trainer_training_an_untied_gpt2(engine):
+    """The tie broken before the cell (no line of it to name): at the cell's ``trainer.train()``, the fix the
+    re-tie before the Trainer builds its optimizer; the tied model the Trainer trains is silent."""
+    _silent(bd.diagnose(ll.HF_TRAIN, ll.hf_trainer(task="lm", steps=3), engine=engine))
+    ns = ll.hf_trainer(task="lm", steps=3)
+    ns["model"].lm_head.weight = nn.Parameter(ns["model"].lm_head.weight.detach().clone())
+    report = bd.diagnose(ll.HF_TRAIN, ns, engine=engine)
+    f = _only(report, "untied_weights")
+    assert (f.line, f.file, f.module, f.evidence["break_line"]) == (1, None, "model", None), _describe(report)
+    assert f.evidence["fix_code"] == ("model.tie_weights()  # after the model is loaded or materialised, before "
+                                      "the optimizer is built")
+    assert "`trainer.train()` (line 1, AdamW) updated each apart" in f.message
