@@ -148,7 +148,7 @@ def _apart(a: Any, b: Any) -> bool:
 
 def _hf_ties(mod: nn.Module) -> list[tuple[str, str, str]]:
     """``(target, source, declared)`` names inside ``mod`` for a Hugging Face model's ties."""
-    config = getattr(mod, "config", None)
+    config = vars(mod).get("config")  # (a plain attribute: no nn.Module.__getattr__ miss on every submodule)
     if config is None or not callable(getattr(mod, "tie_weights", None)):
         return []
     declared = "config.tie_word_embeddings=True"
