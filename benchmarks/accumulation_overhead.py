@@ -13,7 +13,6 @@ measured check included). Times are process CPU time, one torch thread, medians 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -27,7 +26,6 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import backward_doctor as bd  # noqa: E402
-from backward_doctor.capture import loop_hooks  # noqa: E402
 from backward_doctor.capture.native_capture import native_available  # noqa: E402
 import whole_path as W  # noqa: E402
 
@@ -51,61 +49,22 @@ WORKLOADS = {"mlp": W.mlp, "cnn": W.cnn, "transformer": W.transformer, "loop_200
              "loop_2000": W.loop(2000), "accumulating_2000": accumulating(2000)}
 
 
-class _Idle:
-    """Stands in for a watch: every hook does nothing."""
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
-
-
-def _without_watches(self: Any) -> None:
-    """``LoopHooks._watch_backward`` as it was before the accumulation and precision watches."""
-    real, watch = torch.autograd.backward, self._watch
-    self._undo.push("torch.autograd.backward", lambda: setattr(torch.autograd, "backward", real))
-
-    @functools.wraps(real)
-    def backward(*args: Any, **kwargs: Any) -> Any:
-        watch.saw_backward(args[0] if args else kwargs.get("tensors"))
-        return real(*args, **kwargs)
-
-    torch.autograd.backward = backward
-    self._accum = self._precision = _Idle()  # (finish() and the compile callbacks still ask them)
-
-
-def _iteration_ended_before(self: Any) -> None:
-    """``LoopHooks._iteration_ended`` as it was before the watches (no step_ended for them)."""
-    its = self.trace.iterations
-    if not its.recorded:
-        its.recorded.append(0)
-        its.starts.append(0)
-    if not self._asleep:
-        self._note_loop_values(its.steps)
-    self._watch.iteration_ended()
-    its.steps += 1
-    self._iter_seq.append(loop_hooks._sequence_nr())
-    if self.rollback is not None:
-        self.rollback.iteration_began(its.steps)
-    self._begin_iteration(its.steps)
-
-
 class Before:
-    """The capture without the watches, for the duration of a ``with`` (put back after)."""
+    """The capture with the loop's series as its only watch (the registry's other members taken out), for the
+    duration of a ``with`` (put back after): the run as it was before the accumulation and precision watches."""
 
     def __enter__(self) -> "Before":
-        self.saved = (loop_hooks.LoopHooks._watch_backward, loop_hooks.LoopHooks._outer_step_began,
-                      loop_hooks.LoopHooks._iteration_ended, loop_hooks.LoopHooks._patch_training,
-                      loop_hooks.LoopHooks._unpatch_training)
-        loop_hooks.LoopHooks._watch_backward = _without_watches
-        loop_hooks.LoopHooks._outer_step_began = lambda cap, opt, a, k: cap._watch.before_step(opt)
-        loop_hooks.LoopHooks._iteration_ended = _iteration_ended_before
-        loop_hooks.LoopHooks._patch_training = lambda cap: None
-        loop_hooks.LoopHooks._unpatch_training = lambda cap, final=False: None
+        from backward_doctor.capture import training_watches  # noqa: F401  (registered before they are saved)
+        from backward_doctor.capture import watches
+
+        self.saved = list(watches._REGISTRY)
+        watches._REGISTRY[:] = [(n, f) for n, f in self.saved if n == "loop"]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        (loop_hooks.LoopHooks._watch_backward, loop_hooks.LoopHooks._outer_step_began,
-         loop_hooks.LoopHooks._iteration_ended, loop_hooks.LoopHooks._patch_training,
-         loop_hooks.LoopHooks._unpatch_training) = self.saved
+        from backward_doctor.capture import watches
+
+        watches._REGISTRY[:] = self.saved
 
 
 def measure(name: str, build: Callable[[], tuple[dict, str]], rounds: int) -> dict[str, Any]:
@@ -158,8 +117,8 @@ def hooks_cost(n: int = 200_000) -> tuple[float, float]:
         acc.backward_ended()
         acc.step_began(opt, (), {})
         pre.step_began(opt)
-        pre.step_ended()
-        acc.step_ended()
+        pre.iteration_ended()
+        acc.iteration_ended()
 
     for _ in range(100):  # past the first windows, which are kept in detail
         one()

@@ -257,7 +257,7 @@ def test_the_counter_counts_again_after_python_took_a_window_back():
             w.step_began(opt, (), {})
             if i in (20, 30):
                 w.skipped_step() if i == 20 else w.zeroed_first()
-            w.step_ended()
+            w.iteration_ended()
             cores.append(w._core is not None)
         w.finish({})
         records.append((dataclasses.asdict(acc), cores))

@@ -101,7 +101,7 @@ BREAK = {
     "loop": _native_loop_watch_broken,
     "accumulation": lambda mp: mp.setattr(AccumulationWatch, "step_began", boom),
     "precision": lambda mp: mp.setattr(PrecisionWatch, "scaler_stepped", boom),
-    "frozen": lambda mp: mp.setattr(FrozenWatch, "step_began", boom),
+    "frozen": lambda mp: mp.setattr(FrozenWatch, "recorded_update", boom),
     "sampling": lambda mp: (mp.setattr(loop_hooks.LoopHooks, "_begin_iteration", boom),
                             mp.setattr(LoopSampling, "_begin_iteration", boom)),
     "rollback": lambda mp: mp.setattr(IterationRollback, "iteration_began", boom),

@@ -19,7 +19,7 @@ at most 1 GiB) for one window, the first that accumulated, and frees them at its
 >>> w = AccumulationWatch(acc := Accumulation(), frames=None, iteration=lambda: 0, params=list)
 >>> w.backward_began(torch.tensor(2.0)), w.backward_began(torch.tensor(2.0))  # (both counted)
 (True, True)
->>> w.step_began(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), (), {}); w.step_ended()
+>>> w.step_began(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), (), {}); w.iteration_ended()
 >>> acc.per_step
 [0, 0, 1]
 """
@@ -37,6 +37,7 @@ import torch
 from ..trace.accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWindow, ZeroGradCall
 from .accum_check import EquivalenceCheck, divisor, number
 from .guard import nothing
+from .watches import Watch
 from .patches import Patches, named_like
 from .process import doctors_own
 from ..util.units import available_ram, format_bytes
@@ -50,11 +51,14 @@ _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident  # (read at every backward() and zero_grad() of a loop)
 
 
-class AccumulationWatch:
+class AccumulationWatch(Watch):
     """Writes ``record`` (see the module docstring). ``frames``: the capture's ``UserFrames``;
     ``iteration()``: optimizer steps so far; ``params()``: the parameters the capture knows;
     ``quiet``: a context in which the doctor's own ops are neither recorded nor counted; ``counter``: the native
     recorder's ``AccumCounter`` type, which counts the counting-only windows in C (see :meth:`_count_natively`)."""
+
+    events = ("backward_began", "backward_ended", "step_began", "skipped_step", "iteration_ended", "zeroed_first",
+              "finish")
 
     def __init__(self, record: Accumulation, *, frames: Any, iteration: Callable[[], int],
                  params: Callable[[], list[torch.Tensor]],
@@ -77,7 +81,7 @@ class AccumulationWatch:
         self._syncs: set[bool] = set()  # Accelerate's sync flag as backward() saw it (both: accumulate() ran)
         self._accelerate = sys.modules.get("accelerate.state")  # (imported before the run, or not in use)
         # Every detailed window kept, no library's sync flag to read: a window of one backward() and no
-        # zero_grad() after it is only counted (step_ended's first branch).
+        # zero_grad() after it is only counted (iteration_ended's first branch).
         self._counting = False
         self._counter_type = counter  # the native recorder's AccumCounter (counting-only windows in C), or None
         self._core: Any = None        # the counter counting now (see _count_natively)
@@ -235,7 +239,7 @@ class AccumulationWatch:
         self._opt, self._n_step = opt, self._n
         self._step_where = self._where() if len(self.record.windows) < _DETAILED or self._zeros else None
 
-    def step_ended(self) -> None:
+    def iteration_ended(self) -> None:
         """The outermost optimizer step returned: its window closes."""
         if self._counting and self._n == 1 and not self._zeros and self._check is None:
             # A long loop's common window, once the detailed ones are kept: one backward(), no zero_grad() after
@@ -283,13 +287,13 @@ class AccumulationWatch:
             self._count_natively()
 
     # ---------------------------------------------------------------- counting-only windows, in C
-    _NATIVE = ("backward_began", "zeroing", "step_began", "step_ended")  # (the order of AccumCounter.bound())
+    _NATIVE = ("backward_began", "zeroing", "step_began", "iteration_ended")  # (the order of AccumCounter.bound())
 
     def _count_natively(self) -> None:
         """From the next window on, only counting (past the detailed windows, no library's flag, no check): the
         four methods a window calls become the native counter's C functions, instance attributes over the
         class's methods, until something only the Python path records happens (the counter then calls
-        :meth:`_leave_counting`). What they write is what the fast path of :meth:`step_ended` writes
+        :meth:`_leave_counting`). What they write is what the fast path of :meth:`iteration_ended` writes
         (``tests/test_native_loop_watch.py`` holds the three ways to the same record)."""
         if self._counter_type is None or self._core is not None or self._depth:
             return
@@ -326,8 +330,11 @@ class AccumulationWatch:
         thread = self._thread
         self.backward_began = lambda t: _get_ident() == thread and _graph_task_id() == -1  # type: ignore
         self.zeroed_first = lambda: True  # type: ignore[method-assign]
-        for name in ("backward_ended", "zeroing", "step_began", "step_ended", "skipped_step"):
+        for name in ("backward_ended", "zeroing", "step_began", "iteration_ended", "skipped_step"):
             setattr(self, name, nothing)
+
+    def cleared(self, trace: Any) -> None:
+        trace.accumulation = Accumulation()
 
     def skipped_step(self) -> None:
         """A GradScaler skipped the optimizer step (inf/NaN gradients): the window ends without a step."""

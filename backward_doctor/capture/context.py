@@ -168,7 +168,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         self._compile_watch.install()
         self._workers.install(self._undo)
         self._watch = self._make_watch()
-        self._watch_backward()
+        self._make_watches()
         self._find_library_loop()
 
     def _take_off(self, mode: _DoctorMode) -> None:
@@ -393,7 +393,8 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
         """Resolve names, downsample the timeline, decide what NaN/Inf reached; returns the trace."""
         from .finish import finish
 
-        self._accum.finish(self.namespace)
+        if self.watches is not None:
+            self.watches.finish(self.namespace)
         if self._unhooked:
             self._unfrozen()
         return finish(self)

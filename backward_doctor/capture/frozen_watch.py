@@ -9,13 +9,15 @@ compared after it. The values are copied into small tensors of the doctor's own 
 referenced), with the recorders paused (``quiet``), and only a change that really happened is recorded.
 
 >>> import contextlib, torch
->>> w = FrozenWatch(quiet=contextlib.nullcontext)
+>>> w = FrozenWatch([], quiet=contextlib.nullcontext)
 >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.zeros(4); _ = p.requires_grad_(False)
 >>> opt = torch.optim.SGD([p], lr=0.1, weight_decay=0.5)
->>> w.step_began(opt); opt.step(); [(u.sampled, u.moved, round(u.max_change, 3), u.grad_zero) for u in w.step_ended()]
+>>> w.recorded_update(opt); opt.step(); w.recorded_step_ended()
+>>> [(u.sampled, u.moved, round(u.max_change, 3), u.grad_zero) for u in w.record]
 [(4, 4, 0.05, True)]
->>> w.step_began(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)); w.step_ended()  # nothing frozen
-[]
+>>> w.recorded_update(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)); w.recorded_step_ended()
+>>> len(w.record)  # (nothing frozen: nothing more)
+1
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 from .memory import storage_key
 from ..trace.frozen import FrozenUpdate
 from ..trace.parts import OptimizerStep
+from .watches import Watch
 
 _PER_PARAM = 256   # values sampled per frozen parameter
 _PARAMS = 64       # frozen parameters sampled per step, at most
@@ -41,17 +44,20 @@ def _sample(t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return t[flat_index].to(device="cpu", dtype=torch.float64)
 
 
-class FrozenWatch:
+class FrozenWatch(Watch):
     """Samples the frozen parameters with a gradient around one optimizer step (see the module docstring).
     ``quiet``: a context under which the doctor's own ops are neither recorded nor part of any graph."""
 
-    def __init__(self, quiet: Callable[[], ContextManager[Any]]) -> None:
+    events = ("recorded_update", "recorded_step_ended")
+
+    def __init__(self, record: list[FrozenUpdate], quiet: Callable[[], ContextManager[Any]]) -> None:
+        self.record = record
         self._quiet = quiet
         self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, bool]] = []
         self._step: OptimizerStep | None = None
         self.kept = 0
 
-    def step_began(self, opt: torch.optim.Optimizer, step: OptimizerStep | None = None) -> None:
+    def recorded_update(self, opt: torch.optim.Optimizer, step: OptimizerStep | None = None) -> None:
         """The update is about to use the gradients: sample the frozen parameters that have one. ``step``: where
         it was called (the records carry it)."""
         self._pending = []
@@ -75,13 +81,13 @@ class FrozenWatch:
                 zero = grad is not None and grad.shape == p.shape and not bool(_sample(grad.detach(), offsets).any())
                 self._pending.append((weakref.ref(p), offsets, before, zero))
 
-    def step_ended(self, iteration: int = 0) -> list[FrozenUpdate]:
-        """The step of the loop's ``iteration`` returned: the sampled frozen parameters it changed (empty when it
-        changed none)."""
+    def recorded_step_ended(self, iteration: int = 0) -> None:
+        """The step of the loop's ``iteration`` returned: the sampled frozen parameters it changed join the
+        record."""
         pending, self._pending = self._pending, []
         out: list[FrozenUpdate] = []
         if not pending:
-            return out
+            return
         with self._quiet():
             for ref, offsets, before, zero in pending:
                 p = ref()
@@ -96,12 +102,15 @@ class FrozenWatch:
                                             max_change=float(change.max()), max_abs=float(before.abs().max()),
                                             grad_zero=zero))
         self.kept += len(out)
-        return out
+        self.record.extend(out)
 
     def off(self) -> None:
         """Switched off for the rest of the run (its bookkeeping failed, ``guard.py``)."""
         self._pending = []
         self.kept = _KEPT
+
+    def cleared(self, trace: Any) -> None:
+        pass  # (what it recorded before it stopped happened: each record is a change measured whole)
 
 
 __all__ = ["FrozenWatch"]

@@ -1,6 +1,7 @@
-"""The capture's side of a training loop in one cell: where an iteration ends and the next begins, the
-per-iteration watch (``loop_watch.py``), the loop variables of an iteration, and the run-level
-``rollback`` told when an iteration begins and when NaN/Inf shows in one the recorder did not record.
+"""The capture's side of a training loop in one cell: where an iteration ends and the next begins, the training
+watches made from the registry (``watches.py``, ``training_watches.py``) and told the loop's events, the loop
+variables of an iteration, and the run-level ``rollback`` told when an iteration begins and when NaN/Inf shows in
+one the recorder did not record.
 
 A mixin of :class:`~backward_doctor.capture.context.Capture` (its fields are in ``state.py``); the
 native recorder overrides ``_begin_iteration`` to sample iterations and ``_make_watch`` to read in C++.
@@ -18,16 +19,12 @@ from typing import Any, Iterator
 import torch
 
 from . import namespace as ns_mod
-from .accum_watch import AccumulationWatch
+from . import training_watches  # noqa: F401  (the doctor's watches registered)
 from .loop_watch import LoopWatch, python_sumsq
-from .precision_watch import PrecisionWatch
-from .schedule_watch import ScheduleWatch
-from ..trace.accumulation import Accumulation
-from ..trace.precision import Precision
 from .process import doctors_own, patch
+from .watches import WatchContext, Watches
 
 _sequence_nr = torch._C._autograd._get_sequence_nr
-_SEQUENCES = (tuple, list)
 
 
 class LoopHooks:
@@ -44,64 +41,25 @@ class LoopHooks:
         return LoopWatch(self.trace.iterations, live=lambda: self._ledger.total, sumsq=python_sumsq,
                          on_nonfinite=self._went_nonfinite)
 
-    def _watch_backward(self) -> None:
-        """``torch.autograd.backward`` (what ``Tensor.backward`` calls) tells the watches the loss first: the
-        accumulation watch counts the calls per optimizer step there, whatever phase the ops get, and a call it
-        counts (the cell thread's, not one nested in another) is the loss the loop watch reads."""
-        watch, guards = self._watch, self.guards
-        accum = self._accum = AccumulationWatch(self.trace.accumulation, frames=self._frames, params=self.parameters,
-                                                iteration=lambda: self.trace.iterations.steps, quiet=self._quiet_ops,
-                                                scalar=watch.scalar, counter=self._accum_counter(), guards=guards)
-
-        def wrap(real: Any) -> Any:
-            def backward(*args: Any, **kwargs: Any) -> Any:
-                # (each watch's part under its guard, the user's backward() outside both: ``guard.py``)
-                counted = False
-                try:
-                    tensors = args[0] if args else kwargs.get("tensors")
-                    if isinstance(tensors, _SEQUENCES) and len(tensors) == 1:  # (the loss, once for both watches)
-                        tensors = tensors[0]
-                    counted = accum.backward_began(tensors)
-                except Exception as exc:
-                    if not guards.failed("accumulation", exc):
-                        raise
-                if counted:  # (not a reentrant checkpoint's inner backward(), nor another thread's: not the loss)
-                    try:
-                        watch.saw_backward(tensors)
-                    except Exception as exc:
-                        if not guards.failed("loop", exc):
-                            raise
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    try:
-                        accum.backward_ended(counted)
-                    except Exception as exc:
-                        if not guards.failed("accumulation", exc):
-                            raise
-            return backward
+    def _make_watches(self) -> None:
+        """The registered watches made for this run (``watches.py``), their wrappers installed, and
+        ``torch.autograd.backward`` (what ``Tensor.backward`` calls) wrapped to tell them the loss first: the
+        accumulation watch counts the calls per optimizer step there, whatever phase the ops get, and a call a
+        watch counts (the cell thread's, not one nested in another) is the loss the loop's series reads."""
+        loop, its = self._watch, self.trace.iterations
+        watches = self.watches = Watches.made(WatchContext(
+            trace=self.trace, frames=self._frames, guards=self.guards, iteration=lambda: its.steps,
+            backwards=lambda: loop.backward_calls, quiet=self._quiet_ops, params=self.parameters, scalar=loop.scalar,
+            loop=loop, counter=self._accum_counter()))
 
         # (The undo goes on the stack before the patch: a Ctrl-C in between leaves nothing installed. The undo
         # puts the original back only while the wrapper is still the doctor's: a cell's own wrapper stays.)
         undo: list[Any] = []
         self._undo.push("torch.autograd.backward", lambda: undo and undo.pop()())
-        undo.append(patch(torch.autograd, "backward", wrap))
-        self._precision = PrecisionWatch(self.trace.precision, frames=self._frames, on_skipped=accum.skipped_step,
-                                         iteration=lambda: self.trace.iterations.steps, guards=guards,
-                                         backwards=lambda: watch.backward_calls)
-        self._schedule = ScheduleWatch(self.trace.schedules, frames=self._frames, guards=guards,
-                                       iteration=lambda: self.trace.iterations.steps,
-                                       backwards=lambda: watch.backward_calls,
-                                       scaler_skipped=lambda: self.trace.precision.scaler.skipped)
-        self._undo.push("zero_grad, GradScaler and clipping wrappers", lambda: self._unpatch_training(final=True))
+        undo.append(patch(torch.autograd, "backward", watches.backward_wrapper))
+        self._undo.push("the watches' wrappers (zero_grad, GradScaler, clipping, schedulers)",
+                        lambda: self._unpatch_training(final=True))
         self._patch_training()
-        guards.on_stop("loop", watch.off)
-        guards.on_stop("accumulation", accum.off)
-        guards.on_stop("accumulation", lambda: setattr(self.trace, "accumulation", Accumulation()))
-        guards.on_stop("precision", self._precision.off)
-        guards.on_stop("precision", lambda: setattr(self.trace, "precision", Precision()))
-        guards.on_stop("schedule", self._schedule.off)
-        guards.on_stop("schedule", lambda: self.trace.schedules.clear())
 
     def _accum_counter(self) -> Any:
         """The type that counts the accumulation watch's counting-only windows in C (the native recorder's), or None."""
@@ -110,16 +68,15 @@ class LoopHooks:
     def _patch_training(self) -> None:
         """``zero_grad``, ``GradScaler`` and gradient clipping wrapped for the watches (not while torch.compile
         compiles: it would trace the wrappers; never again once the capture stopped)."""
-        if self._accum is None or self._training_closed:
+        if self.watches is None or self._training_closed:
             return
-        for patches in (self._accum.patches, self._precision.patches, self._schedule.patches):
+        for patches in self.watches.patches():
             if not patches.installed:
                 patches.install()
 
     def _unpatch_training(self, final: bool = False) -> None:
         self._training_closed = self._training_closed or final
-        for patches in (self._schedule.patches, self._precision.patches, self._accum.patches) \
-                if self._accum is not None else ():
+        for patches in reversed(self.watches.patches()) if self.watches is not None else ():
             if patches.installed:
                 patches.remove()
 
@@ -131,20 +88,6 @@ class LoopHooks:
         with _disable_current_modes(), torch.no_grad():
             yield
 
-    def _outer_step_began(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The outermost ``optimizer.step()`` is about to run (recorded iteration or not): before its closure,
-        if it has one, so that the closure's ``backward()`` counts in this step's window. (The loop watch reads
-        the gradients later, in ``_before_update``: after the closure made them.)"""
-        try:
-            self._accum.step_began(opt, args, kwargs)
-        except Exception as exc:
-            if not self.guards.failed("accumulation", exc):
-                raise
-        try:
-            self._precision.step_began(opt)
-        except Exception as exc:
-            if not self.guards.failed("precision", exc):
-                raise
 
     def _went_nonfinite(self, iteration: int, what: str) -> None:
         """NaN/Inf in this iteration's loss or gradients, seen before its optimizer step: a run-level
@@ -166,22 +109,7 @@ class LoopHooks:
             its.starts.append(0)
         if not self._asleep:  # the iteration that ended was recorded: what its loop variables were
             self._note_loop_values(its.steps)
-        # (each watch under its guard: one failing stops only itself, ``guard.py``)
-        try:
-            self._watch.iteration_ended()
-        except Exception as exc:
-            if not self.guards.failed("loop", exc):
-                raise
-        try:
-            self._precision.step_ended()
-        except Exception as exc:
-            if not self.guards.failed("precision", exc):
-                raise
-        try:
-            self._accum.step_ended()
-        except Exception as exc:
-            if not self.guards.failed("accumulation", exc):
-                raise
+        self.watches.iteration_ended()  # (each watch under its guard: one failing stops only itself)
         steps = its.steps = its.steps + 1
         self._iter_seq.append(self._seq_nr())
         rollback = self.rollback

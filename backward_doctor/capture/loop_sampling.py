@@ -98,7 +98,7 @@ class LoopSampling:
             if self._asleep:  # an unsampled iteration: only its end is counted (and its numbers read)
                 outermost = self._opt_depth == 0
                 if outermost:
-                    self._outer_step_began(opt, args, kwargs)
+                    self.watches.step_began(opt, args, kwargs)
                     if self.history is not None and id(opt) not in self._stale_checked:
                         self._check_stale_unrecorded(opt, sys._getframe(1))
                 self._opt_depth += 1
@@ -107,12 +107,8 @@ class LoopSampling:
                                                  lambda: self._before_update(opt, None, outermost))
                     if wrapped is not None:
                         return wrapped
-                if outermost:  # (_before_update of an unrecorded step: the loop watch alone)
-                    try:
-                        self._watch.before_step(opt)
-                    except Exception as exc:
-                        if not self.guards.failed("loop", exc):
-                            raise
+                if outermost:  # (_before_update of an unrecorded step: no stale check, no recorded_update)
+                    self.watches.before_step(opt)
                 return None
             self._count = self._ext.op_count()
             wrapped = super()._optim_pre(opt, args, kwargs)

@@ -29,6 +29,7 @@ import torch
 from .memory import grad_of
 from ..trace.parts import Iterations
 from .guard import nothing
+from .watches import Watch
 from .process import doctors_own
 
 _Tensor = torch.Tensor
@@ -104,7 +105,7 @@ def groups_sumsq(groups: Any, sumsq: Callable[[Sequence[torch.Tensor]], float | 
         return None
 
 
-class LoopWatch:
+class LoopWatch(Watch):
     """The per-iteration series of one run, written into ``its`` (an :class:`Iterations`).
 
     ``live``: live bytes now (plus ``live_base``: a C function's count from a start, called as it is);
@@ -114,6 +115,8 @@ class LoopWatch:
     for NaN/Inf gradients from a finite loss, before the optimizer step that would write them into the
     weights.
     """
+
+    events = ("saw_backward", "before_step", "iteration_ended")
 
     def __init__(self, its: Iterations, *, live: Callable[[], int | None],
                  sumsq: Callable[[Sequence[torch.Tensor]], float | None] | None = None,

@@ -37,6 +37,7 @@ from .loop_sampling import LoopSampling
 from .sampling import PowersOfTwo, Sampling
 from .record import _tensors
 from .loop_watch import LoopWatch, groups_sumsq
+from .watches import Watch
 from .context import Capture
 from .guard import nothing
 from .memory import MemoryLedger, local_tensor
@@ -120,11 +121,13 @@ class _NativeLedger(MemoryLedger):
         return dict(final) if final is not None else super().bytes_by_producer()
 
 
-class NativeLoopWatch:
+class NativeLoopWatch(Watch):
     """:class:`LoopWatch`'s interface over the native recorder's ``LoopSeries``: ``saw_backward``, ``before_step``
     and ``iteration_ended`` are C functions (called with no Python frame, at every iteration), and so is the count
     behind ``backward_calls``; ``scalar`` is the module's in-place read, the one the C++ watch makes. ``on_nonfinite`` is held weakly by the C++ object (which the garbage collector
     cannot see into: a strong reference to the capture that owns this watch would keep both alive for good)."""
+
+    events = LoopWatch.events
 
     def __init__(self, ext: Any, its: Any, live_base: int, on_nonfinite: Any) -> None:
         fallback = functools.partial(groups_sumsq, sumsq=ext.grad_sumsq)  # (param_groups that are no list)

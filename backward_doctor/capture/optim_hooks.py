@@ -53,8 +53,8 @@ class OptimizerHooks:
 
     def _recorded_step_began(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         outermost = self._opt_depth == 0
-        if outermost:
-            self._outer_step_began(opt, args, kwargs)
+        if outermost:  # (before its closure, if it has one: the closure's backward() counts in this step's window)
+            self.watches.step_began(opt, args, kwargs)
         self._opt_depth += 1
         self._where_cache.clear()
         if self._unhooked:
@@ -74,17 +74,13 @@ class OptimizerHooks:
 
     def _before_update(self, opt: torch.optim.Optimizer, step: OptimizerStep | None, outermost: bool) -> None:
         """The optimizer's own update is about to use the gradients (after its closure, if it got one):
-        the loop watch reads them, and whether an earlier step had already used them."""
+        the watches read them, and whether an earlier step had already used them."""
         if outermost:
-            try:
-                self._watch.before_step(opt)
-            except Exception as exc:
-                if not self.guards.failed("loop", exc):
-                    raise
+            self.watches.before_step(opt)
         if self.history is not None and step is not None:
             self._check_stale(opt, step)
         if step is not None:  # (a recorded step: an asleep one does not look)
-            self._guarded("frozen", self._frozen.step_began, opt, step)
+            self.watches.recorded_update(opt, step)
 
     def _wrap_closure(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict,
                       first_returned: Any) -> tuple[tuple, dict] | None:
@@ -147,7 +143,7 @@ class OptimizerHooks:
         gradient whose version moved since the run began says it (a ``zero_grad()`` before this window's
         backward, which moves it too, means nothing is stale)."""
         self._stale_checked.add(id(opt))
-        if not self._mark_versions or self._watch.backward_calls == 0 or self._accum.zeroed_first():
+        if not self._mark_versions or self._watch.backward_calls == 0 or self.watches.zeroed_first():
             return
         marks, versions = self.history.stepped_grads, self._mark_versions
         stale = [(p, marks[g]) for group in opt.param_groups for p in group["params"]
@@ -161,8 +157,7 @@ class OptimizerHooks:
 
     def _recorded_step_ended(self, opt: torch.optim.Optimizer) -> None:
         self._opt_depth = max(0, self._opt_depth - 1)
-        moved = self._guarded("frozen", self._frozen.step_ended, self.trace.iterations.steps)
-        self.trace.frozen_updates.extend(moved or ())
+        self.watches.recorded_step_ended(self.trace.iterations.steps)
         for t in ns_mod.optimizer_state_tensors(opt):
             self._ledger.reclassify(t, "optimizer")
         self._mark_stepped(opt)

@@ -14,7 +14,7 @@ pays one dictionary read per optimizer step.
 >>> w = PrecisionWatch(rec := Precision(), frames=None, iteration=lambda: 0)
 >>> p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16)); p.grad = torch.ones_like(p)
 >>> opt = torch.optim.SGD([p], lr=1e-4)
->>> w.step_began(opt); opt.step(); w.step_ended()
+>>> w.step_began(opt); opt.step(); w.iteration_ended()
 >>> rec.updates[0].sampled, rec.updates[0].unchanged   # 1 - 1e-4 rounds back to 1.0 in bfloat16
 (8, 8)
 """
@@ -30,6 +30,7 @@ import torch
 
 from .accum_watch import number
 from .guard import Guards, nothing
+from .watches import Watch
 from .patches import Patches, named_like
 from .memory import storage_key
 from ..trace.precision import ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep
@@ -62,11 +63,13 @@ def _view(t: torch.Tensor) -> tuple[Any, int] | None:
     return (kind[0] * t.numel()).from_address(ptr), kind[1]
 
 
-class PrecisionWatch:
+class PrecisionWatch(Watch):
     """Writes ``record`` (see the module docstring). ``on_skipped()``: a GradScaler skipped the optimizer
     step (the accumulation watch's window ends there). ``guards``: the run's (``guard.py``): the wrappers' own
     bookkeeping failing switches the watch off (:meth:`off`) and the user's call goes on; without them it
     raises (a unit test's watch)."""
+
+    events = ("step_began", "iteration_ended")
 
     def __init__(self, record: Precision, *, frames: Any, iteration: Callable[[], int],
                  on_skipped: Callable[[], None] = lambda: None, guards: Guards | None = None,
@@ -210,7 +213,7 @@ class PrecisionWatch:
             got = self._low[id(opt)] = (weakref.ref(opt), params)
         return got[1]
 
-    def step_began(self, opt: torch.optim.Optimizer) -> None:
+    def step_began(self, opt: torch.optim.Optimizer, args: tuple = (), kwargs: dict | None = None) -> None:
         """The outermost optimizer step begins: sample its low-precision weights (which of them had a gradient
         is read after the step: a closure computes the gradients inside it)."""
         got = self._low.get(id(opt))
@@ -237,7 +240,7 @@ class PrecisionWatch:
                                         lr=float(lr) if isinstance(lr, (int, float)) else None,
                                         **self._place(self._where()))
 
-    def step_ended(self) -> None:
+    def iteration_ended(self) -> None:
         """The step returned: of the sampled values whose gradient is not zero, which it left as they were."""
         if self._step is None:
             return
@@ -262,8 +265,11 @@ class PrecisionWatch:
         """Switched off for the rest of the run (its bookkeeping failed, ``guard.py``): the wrappers put back for
         good, the optimizer-step calls do nothing."""
         self.patches.disable()
-        self.step_began = self.step_ended = nothing  # type: ignore[method-assign]
+        self.step_began = self.iteration_ended = nothing  # type: ignore[method-assign]
         self._pending, self._step = [], None
+
+    def cleared(self, trace: Any) -> None:
+        trace.precision = Precision()
 
 
 def _enabled(scaler: Any) -> bool:

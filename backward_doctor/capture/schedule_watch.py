@@ -40,6 +40,7 @@ from threading import get_ident
 from typing import Any, Callable
 
 from .guard import Guards
+from .watches import Watch
 from .patches import Patches, named_like
 from ..trace.schedules import SchedulerCall, SchedulerRecord
 
@@ -85,7 +86,7 @@ def _first_step(sched: Any, counted: int) -> bool:
     return bool(children) and getattr(children[0], "_step_count", None) == 1
 
 
-class ScheduleWatch:
+class ScheduleWatch(Watch):
     """Appends a :class:`SchedulerRecord` per scheduler stepped to ``record`` (see the module docstring).
     ``iteration()``: optimizer steps completed; ``backwards()``: the run's ``backward()`` calls so far;
     ``scaler_skipped()``: GradScaler steps skipped so far. ``guards``: the run's (``guard.py``)."""
@@ -177,6 +178,9 @@ class ScheduleWatch:
     def off(self) -> None:
         """Switched off for the rest of the run (its bookkeeping failed): the wrappers put back for good."""
         self.patches.disable()
+
+    def cleared(self, trace: Any) -> None:
+        trace.schedules.clear()
 
 
 __all__ = ["ScheduleWatch"]

@@ -23,7 +23,6 @@ import torch
 
 from .frames import UserFrames
 from .elsewhere import Elsewhere
-from .frozen_watch import FrozenWatch
 from .guard import Guards
 from .memory import MemoryLedger, Timeline, grad_of
 from .process import UndoStack
@@ -71,9 +70,6 @@ class CaptureState:
         self.trace.run_id = self._run_id
         #: each watch's switch (``guard.py``): its bookkeeping failing switches it off, with a note
         self.guards = Guards(self.trace.notes)
-        #: frozen parameters an optimizer step still changed (``frozen_watch.py``; ``_quiet_ops``: ``loop_hooks.py``)
-        self._frozen = FrozenWatch(quiet=lambda: self._quiet_ops())  # type: ignore[attr-defined]
-        self.guards.on_stop("frozen", self._frozen.off)
         #: the thread that runs the step: the process-wide hooks ignore every other (a background thread training
         #: its own model runs exactly as without the doctor, and is not counted in this run)
         self._thread = threading.get_ident()
@@ -158,9 +154,9 @@ class CaptureState:
         #: set by the run (``run/iteration_replay.py``): told when each iteration begins and when NaN/Inf
         #: shows in one the recorder did not record, so that iteration can be replayed from its state
         self.rollback: Any = None
-        self._watch: Any = None  # the per-iteration LoopWatch (installed with the hooks)
-        self._accum: Any = None      # the AccumulationWatch (capture/accum_watch.py), with the backward wrapper
-        self._precision: Any = None  # the PrecisionWatch (capture/precision_watch.py)
+        self._watch: Any = None  # the per-iteration series (``loop_watch.py``: the loop watch, made with the hooks)
+        #: the run's training watches (``watches.py``), told the loop's events; made with the hooks
+        self.watches: Any = None
         self._training_closed = False  # the watches' wrappers were put back for good (the capture stopped)
 
 

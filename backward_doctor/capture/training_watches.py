@@ -1,0 +1,51 @@
+"""The doctor's training watches in the registry (``watches.py``), in the order they are told each event: the
+loop's series first (what the others read: the ``backward()`` count), the precision watch before the accumulation
+watch (a GradScaler's skipped step ends the accumulation window before it closes), then the schedulers and the
+frozen parameters. A new capability is one more watch module and one more ``register`` line here.
+
+>>> from backward_doctor.capture.watches import registered
+>>> registered()
+['loop', 'precision', 'accumulation', 'schedule', 'frozen']
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .accum_watch import AccumulationWatch
+from .frozen_watch import FrozenWatch
+from .precision_watch import PrecisionWatch
+from .schedule_watch import ScheduleWatch
+from .watches import WatchContext, register
+
+
+def _loop(ctx: WatchContext) -> Any:
+    """The per-iteration series: made by the capture (each tier reads live bytes and gradients its own way)."""
+    return ctx.loop
+
+
+def _precision(ctx: WatchContext) -> PrecisionWatch:
+    return PrecisionWatch(ctx.trace.precision, frames=ctx.frames, on_skipped=lambda: ctx.tell("skipped_step"),
+                          iteration=ctx.iteration, guards=ctx.guards, backwards=ctx.backwards)
+
+
+def _accumulation(ctx: WatchContext) -> AccumulationWatch:
+    return AccumulationWatch(ctx.trace.accumulation, frames=ctx.frames, params=ctx.params, iteration=ctx.iteration,
+                             quiet=ctx.quiet, scalar=ctx.scalar, counter=ctx.counter, guards=ctx.guards)
+
+
+def _schedule(ctx: WatchContext) -> ScheduleWatch:
+    return ScheduleWatch(ctx.trace.schedules, frames=ctx.frames, guards=ctx.guards, iteration=ctx.iteration,
+                         backwards=ctx.backwards, scaler_skipped=lambda: ctx.trace.precision.scaler.skipped)
+
+
+def _frozen(ctx: WatchContext) -> FrozenWatch:
+    return FrozenWatch(ctx.trace.frozen_updates, quiet=ctx.quiet)
+
+
+register("loop", _loop)
+register("precision", _precision)
+register("accumulation", _accumulation)
+register("schedule", _schedule)
+register("frozen", _frozen)
+
+__all__: list[str] = []
