@@ -83,6 +83,7 @@ class PrecisionWatch(Watch):
         self._run = 0                                    # scaler.step calls skipped in a row
         self._run_start: ScalerStep | None = None
         self._low: dict[int, tuple[Any, list[Any]]] = {}  # optimizer id -> (weakref, its low-precision params)
+        self._plain: dict[int, Any] = {}  # optimizer id -> weakref, for those with none (every step asks: few reads)
         self._pending: list[tuple[Any, list[int], list[int]]] = []
         self._step: LowPrecisionUpdate | None = None
         self._guards = guards
@@ -211,13 +212,15 @@ class PrecisionWatch(Watch):
             params = [weakref.ref(p) for g in opt.param_groups for p in g["params"]
                       if p.dtype in _LOW and p.requires_grad]
             got = self._low[id(opt)] = (weakref.ref(opt), params)
+            if not params:
+                self._plain[id(opt)] = got[0]
         return got[1]
 
     def step_began(self, opt: torch.optim.Optimizer, args: tuple = (), kwargs: dict | None = None) -> None:
         """The outermost optimizer step begins: sample its low-precision weights (which of them had a gradient
         is read after the step: a closure computes the gradients inside it)."""
-        got = self._low.get(id(opt))
-        if got is not None and not got[1] and got[0]() is opt:  # (the common case: no low-precision weights)
+        plain = self._plain.get(id(opt))
+        if plain is not None and plain() is opt:  # (the common case: no low-precision weights)
             return
         if len(self.record.updates) >= _UPDATES or not self._low_params(opt):
             return
