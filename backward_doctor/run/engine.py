@@ -160,7 +160,10 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
                            f"output checked, it did not appear again{steps}, so where it was born is not known. The "
                            "cell's code ran twice")
         first.needs_detail = "nonfinite:not_reproduced"  # (the rule says so rather than ask for a replay)
+        # transient: the same state did not make it again (unknown where the replay did other work than the run)
+        first.nonfinite_reproduced = False if not steps else None
         return first
+    detailed.nonfinite_reproduced = True
     detailed.stale_steps = first.stale_steps
     detailed.graph_holders = first.graph_holders
     detailed.history = first.history
