@@ -140,16 +140,30 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
 
     The replay is silent (its prints are swallowed: the user saw them once). What
     only the first run could judge, comparisons with earlier runs of the cell, is
-    carried over from ``first``.
+    carried over from ``first``. The state the run left (weights, optimizer state, RNG, the names and their
+    containers) is put back after the replay where a copy fits: a NaN/Inf the replay does not make again
+    (transient) would otherwise leave the replay's finite weights where the run left NaN.
     """
     from ..capture.native_capture import native_available
     from ..capture.runner import run_source
+    from .snapshot import Bindings, take_if_it_fits
 
     engine = "native" if first.engine == "native" and native_available() else "python"
+    end, why_not = take_if_it_fits(namespace, source=source)
+    left = Bindings(namespace)
     snapshot.restore(namespace)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        detailed = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit,
-                              filename=first.cell_file, detail=True, engine=engine)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            detailed = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit,
+                                  filename=first.cell_file, detail=True, engine=engine)
+    finally:
+        if end is not None:
+            end.restore(namespace)
+            left.restore(namespace)
+    if end is None:  # (into both: one of them is the report's)
+        for t in (first, detailed):
+            t.notes.append(f"The state the run left could not be kept to put back after the replay ({why_not}): "
+                           "the namespace holds the replay's")
     if not detailed.nonfinite and detailed.iterations.first_nonfinite is None:
         # Replayed, the step stayed finite (or did other work: a library's trainer that had reached its last step
         # returns at once): the first run's report stands, with what it could not locate.
