@@ -140,9 +140,10 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
 
     The replay is silent (its prints are swallowed: the user saw them once). What
     only the first run could judge, comparisons with earlier runs of the cell, is
-    carried over from ``first``. The state the run left (weights, optimizer state, RNG, the names and their
-    containers) is put back after the replay where a copy fits: a NaN/Inf the replay does not make again
-    (transient) would otherwise leave the replay's finite weights where the run left NaN.
+    carried over from ``first``. The state the run left (weights, optimizer state, RNG, the objects its names
+    were bound to) is put back after the replay where a copy fits: a NaN/Inf the replay does not make again
+    (transient) would otherwise leave the replay's finite weights where the run left NaN. (What the cell did
+    to other objects, a list it appends to, happened twice: the note says so.)
     """
     from ..capture.native_capture import native_available
     from ..capture.runner import run_source
@@ -150,7 +151,7 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
 
     engine = "native" if first.engine == "native" and native_available() else "python"
     end, why_not = take_if_it_fits(namespace, source=source)
-    left = Bindings(namespace)
+    left = Bindings(namespace, contents=False)
     snapshot.restore(namespace)
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
