@@ -51,9 +51,19 @@ class Net(nn.Module):
         return self.body(self.fault(x))
 
 
-def _ns(fault_call: int | None = None) -> dict:
+class MaskedNet(Net):
+    """``Net`` with a causal mask of ``-inf`` over its rows, which softmax turns into zeros: NaN/Inf made in every
+    iteration on purpose, which reaches nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fault(x)
+        scores = (h @ h.T).masked_fill(torch.ones(len(h), len(h)).triu(1).bool(), float("-inf"))
+        return self.body(torch.softmax(scores, dim=-1) @ h)
+
+
+def _ns(fault_call: int | None = None, net: type = Net) -> dict:
     torch.manual_seed(0)
-    model = Net(fault_at(fault_call))
+    model = net(fault_at(fault_call))
     x = torch.rand(12, 8) + 0.5
     bad = x.clone()
     bad[3, 2] = 0.0
@@ -147,3 +157,20 @@ def test_a_nan_seen_op_by_op_in_the_one_run_is_not_called_either() -> None:
     assert (f.kind, f.op, f.line, f.iteration) == ("nonfinite", "aten::log", LOG_LINE, 250), str(report)
     assert report.trace.nonfinite_reproduced is None and "reproduced" not in f.evidence
     assert "deterministic" not in f.message and "transient" not in f.message.lower()
+
+
+def test_a_masks_intended_inf_in_the_replay_does_not_make_a_transient_nan_deterministic(replaying: str) -> None:
+    """The replay of the transient iteration makes the mask's ``-inf`` again (every iteration does), which reaches
+    neither the loss, a gradient nor a weight: that is not the NaN made again. (It counted as made again: the
+    iteration's replay was merged with no origin in it, and the cell's replay, the Python tier's, made the report
+    OK over a loop that went NaN.) Its healthy twin stays silent."""
+    cell = CELL.format(bad=-1)
+    plain, doctored = _ns(fault_call=251, net=MaskedNet), _ns(fault_call=251, net=MaskedNet)
+    exec(cell, plain)
+    report = bd.diagnose(cell, doctored, engine=replaying)
+    _same_results(plain, doctored)
+    assert report.trace.nonfinite_reproduced is False, report.trace.notes
+    f = report.findings[0]
+    assert f.title == "Transient NaN/Inf (its replay did not make it again)" and f.op is None, str(report)
+    healthy = bd.diagnose(cell, _ns(net=MaskedNet), engine=replaying)
+    assert healthy.ok and healthy.trace.nonfinite_reproduced is None, str(healthy)

@@ -147,6 +147,7 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
     """
     from ..capture.native_capture import native_available
     from ..capture.runner import run_source
+    from ..trace.queries import made_nonfinite_again
     from .snapshot import Bindings, take_if_it_fits
 
     engine = "native" if first.engine == "native" and native_available() else "python"
@@ -165,7 +166,9 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
         for t in (first, detailed):
             t.notes.append(f"The state the run left could not be kept to put back after the replay ({why_not}): "
                            "the namespace holds the replay's")
-    if not detailed.nonfinite and detailed.iterations.first_nonfinite is None:
+    # (a NaN/Inf that reached nothing, a mask's -inf, is not the one the run saw, unless that one reached nothing)
+    loose = first.iterations.first_nonfinite is None and not any(first.nonfinite_reached.values())
+    if not made_nonfinite_again(detailed, loose=loose):
         # Replayed, the step stayed finite (or did other work: a library's trainer that had reached its last step
         # returns at once): the first run's report stands, with what it could not locate.
         steps = ("" if detailed.iterations.steps == first.iterations.steps else

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..trace.queries import made_nonfinite_again
 from ..trace.records import SampledRun, Trace
 from ..util.loops import loop_names, one_iteration, training_loop
 from ..capture.state import cuda_in_use
@@ -248,7 +249,7 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
                                "built from the run itself")
             return first
         return _merged(first, detailed, k, values, failed=True, whole=whole, ran=ran)
-    if not _made_again(detailed, rollback_scalar):
+    if not made_nonfinite_again(detailed, loose=rollback_scalar):
         first.nonfinite_reproduced = False  # (transient: the rules name no op, the replay saw none make it)
         first.notes.append(f"NaN/Inf first appeared in iteration {k}, {ran}; replayed "
                            "from its saved state (weights, optimizer state, RNG and its loop variables) it stayed "
@@ -259,20 +260,6 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
     merged = _merged(first, detailed, k, values, whole=whole, ran=ran)
     merged.nonfinite_reproduced = True  # (deterministic: the same state made it again)
     return merged
-
-
-def _made_again(detailed: Trace, scalar: bool) -> bool:
-    """Whether the replay made NaN/Inf again: its loss or gradients went non-finite, or an op's NaN/Inf reached
-    the loss, a gradient or a parameter; not a NaN/Inf that reached none of them (a mask's ``-inf`` that softmax
-    turns into zeros: it is made in every iteration). ``scalar``: the run kept the state at a NaN/Inf scalar of a
-    forward (CUDA's first tier), so any NaN/Inf of the replay counts.
-
-    >>> _made_again(Trace(), scalar=False)
-    False
-    """
-    if detailed.iterations.first_nonfinite is not None or any(detailed.nonfinite_reached.values()):
-        return True
-    return any(e.reached or scalar for e in detailed.nonfinite)
 
 
 def _out_of_reach(first: Trace, end: Snapshot) -> str:
