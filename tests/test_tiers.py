@@ -99,7 +99,10 @@ def test_a_replay_that_does_not_go_nan_again_keeps_the_first_runs_report(monkeyp
     report = bd.diagnose(cell, ns)
     f = report.findings[0]
     assert f.kind == "nonfinite" and f.evidence["located"] is False and f.line == 3, str(report)
-    assert "replayed from the state saved before it the step stayed finite" in f.message
+    assert ("The cell was run again from the state saved before it (weights, optimizer state, random state), with "
+            "every op checked, and it stayed finite: the NaN/Inf is transient" in f.message), f.message
+    assert report.trace.nonfinite_reproduced is False and f.evidence["reproduced"] is False
+    assert "state the replay does not restore (a counter or global your code keeps" in f.message
     assert any("it did not appear again" in n and "where it was born is not known" in n for n in report.trace.notes)
     assert ns["runs"] == [1, 1]
 

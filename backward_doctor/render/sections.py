@@ -23,7 +23,7 @@ from .style import CATEGORY_LABELS, COLORS, esc, sev_color
 from .workers import workers_html
 from .view import (SORT_KEYS, OpRow, _line_label, applicable_fixes, hang_threads, offending_record, op_place, op_rows,
                    phase_counts, source_context, tensor_bytes, used_parameters, verdict_parts)
-from .wording import finding_title, fix_code_lines, fix_failed, fix_next_step, frame_label, kind_words
+from .wording import finding_title, fix_code_lines, fix_failed, fix_next_step, frame_label, kind_words, line_role
 
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
@@ -204,7 +204,7 @@ def finding_html(report: "Report", f: Finding, detailed: bool = True) -> str:
         where_bits.append(f"module <code>{esc(f.module)}</code>" + (f" ({esc(f.module_type)})" if f.module_type else ""))
     if where_bits:
         out.append(f'<div class="sub">{" · ".join(where_bits)}</div>')
-    out.append(source_html(tr, f.line, f.file, caption=_src_caption(f.line, f.file, "root cause", places)))
+    out.append(source_html(tr, f.line, f.file, caption=_src_caption(f.line, f.file, line_role(f), places)))
     if rec is not None and rec.phase == "backward":
         fw = forward_where(tr, rec)
         raw = rec.where

@@ -53,6 +53,18 @@ def finding_title(f: Finding) -> str:
     return f.title or kind_words(f.kind)
 
 
+def line_role(f: Finding) -> str:
+    """What a finding's line is, over its source: the root cause, or for NaN/Inf no op was named as the origin of
+    (a replay that did not make it again: transient) only where the run saw it.
+
+    >>> line_role(Finding("nonfinite", "", evidence={"located": False})), line_role(Finding("oom", ""))
+    ('where NaN/Inf was seen (not its origin)', 'root cause')
+    """
+    if f.kind == "nonfinite" and f.evidence.get("located") is False:
+        return "where NaN/Inf was seen (not its origin)"
+    return "root cause"
+
+
 def fix_code_lines(f: Finding) -> list[str]:
     """The lines of a finding's fix as code (``evidence["fix_code"]``), blank lines at its ends dropped and
     trailing spaces cut; ``[]`` when it has none, so no renderer shows a ``fix:`` label over nothing.

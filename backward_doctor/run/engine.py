@@ -140,17 +140,35 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
 
     The replay is silent (its prints are swallowed: the user saw them once). What
     only the first run could judge, comparisons with earlier runs of the cell, is
-    carried over from ``first``.
+    carried over from ``first``. The state the run left (weights, optimizer state, RNG, the objects its names
+    were bound to) is put back after the replay where a copy fits: a NaN/Inf the replay does not make again
+    (transient) would otherwise leave the replay's finite weights where the run left NaN. (What the cell did
+    to other objects, a list it appends to, happened twice: the note says so.)
     """
     from ..capture.native_capture import native_available
     from ..capture.runner import run_source
+    from ..trace.queries import made_nonfinite_again
+    from .snapshot import Bindings, take_if_it_fits
 
     engine = "native" if first.engine == "native" and native_available() else "python"
+    end, why_not = take_if_it_fits(namespace, source=source)
+    left = Bindings(namespace, contents=False)
     snapshot.restore(namespace)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        detailed = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit,
-                              filename=first.cell_file, detail=True, engine=engine)
-    if not detailed.nonfinite and detailed.iterations.first_nonfinite is None:
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            detailed = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit,
+                                  filename=first.cell_file, detail=True, engine=engine)
+    finally:
+        if end is not None:
+            end.restore(namespace)
+            left.restore(namespace)
+    if end is None:  # (into both: one of them is the report's)
+        for t in (first, detailed):
+            t.notes.append(f"The state the run left could not be kept to put back after the replay ({why_not}): "
+                           "the namespace holds the replay's")
+    # (a NaN/Inf that reached nothing, a mask's -inf, is not the one the run saw, unless that one reached nothing)
+    loose = first.iterations.first_nonfinite is None and not any(first.nonfinite_reached.values())
+    if not made_nonfinite_again(detailed, loose=loose):
         # Replayed, the step stayed finite (or did other work: a library's trainer that had reached its last step
         # returns at once): the first run's report stands, with what it could not locate.
         steps = ("" if detailed.iterations.steps == first.iterations.steps else
@@ -160,7 +178,10 @@ def replay_in_detail(first: Trace, source: str, namespace: dict[str, Any], snaps
                            f"output checked, it did not appear again{steps}, so where it was born is not known. The "
                            "cell's code ran twice")
         first.needs_detail = "nonfinite:not_reproduced"  # (the rule says so rather than ask for a replay)
+        # transient: the same state did not make it again (unknown where the replay did other work than the run)
+        first.nonfinite_reproduced = False if not steps else None
         return first
+    detailed.nonfinite_reproduced = True
     detailed.stale_steps = first.stale_steps
     detailed.graph_holders = first.graph_holders
     detailed.history = first.history

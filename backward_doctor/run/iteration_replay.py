@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..trace.queries import made_nonfinite_again
 from ..trace.records import SampledRun, Trace
 from ..util.loops import loop_names, one_iteration, training_loop
 from ..capture.state import cuda_in_use
@@ -209,7 +210,7 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
     from ..capture.namespace import loop_values
 
     k = rollback.iteration
-    rollback_failed = rollback.failed
+    rollback_failed, rollback_scalar = rollback.failed, rollback.seen_in_scalar
     ran = _how_it_ran(rollback.scalars_only and rollback.seen_in_scalar)
     values = loop_values(rollback.values, list(rollback.values)) if rollback.values else ""
     try:
@@ -248,12 +249,17 @@ def replay_iteration(first: Trace, rollback: IterationRollback, namespace: dict[
                                "built from the run itself")
             return first
         return _merged(first, detailed, k, values, failed=True, whole=whole, ran=ran)
-    if detailed.iterations.first_nonfinite is None and not detailed.nonfinite:
+    if not made_nonfinite_again(detailed, loose=rollback_scalar):
+        first.nonfinite_reproduced = False  # (transient: the rules name no op, the replay saw none make it)
         first.notes.append(f"NaN/Inf first appeared in iteration {k}, {ran}; replayed "
-                           "from its saved state it stayed finite (it depends on something outside the model, "
-                           "the optimizer and the loop variables)")
+                           "from its saved state (weights, optimizer state, RNG and its loop variables) it stayed "
+                           "finite: it came from something the replay did not repeat (the hardware, a "
+                           "nondeterministic kernel, a race, or state outside the model, the optimizer and the loop "
+                           "variables)")
         return first
-    return _merged(first, detailed, k, values, whole=whole, ran=ran)
+    merged = _merged(first, detailed, k, values, whole=whole, ran=ran)
+    merged.nonfinite_reproduced = True  # (deterministic: the same state made it again)
+    return merged
 
 
 def _out_of_reach(first: Trace, end: Snapshot) -> str:

@@ -253,11 +253,12 @@ class Bindings:
     True
     """
 
-    def __init__(self, namespace: dict[str, Any]) -> None:
+    def __init__(self, namespace: dict[str, Any], contents: bool = True) -> None:
         self.names = dict(namespace)
         self.contents: list[tuple[Any, Any]] = []
         seen: set[int] = set()
-        self._keep([v for k, v in self.names.items() if not k.startswith("__")], 2, seen)
+        if contents:  # (False: the names only, what the containers hold left as the replay leaves it)
+            self._keep([v for k, v in self.names.items() if not k.startswith("__")], 2, seen)
 
     def _keep(self, values: Iterable[Any], depth: int, seen: set[int]) -> None:
         for v in values:

@@ -33,6 +33,21 @@ def recorded_nothing(trace: Trace) -> bool:
     return not trace.op_count and not its.recorded and its.replayed is None
 
 
+def made_nonfinite_again(replay: Trace, loose: bool = False) -> bool:
+    """Whether a replay from the saved state made NaN/Inf again (``Trace.nonfinite_reproduced``): its loss or
+    gradients went non-finite, or an op's NaN/Inf reached the loss, a gradient or a parameter; not a NaN/Inf that
+    reached none of them (a mask's ``-inf`` that softmax turns into zeros is made in every iteration). ``loose``:
+    what the run saw reached none of them either (a NaN/Inf scalar of a forward, a value the cell kept), so any
+    NaN/Inf of the replay counts.
+
+    >>> made_nonfinite_again(Trace()), made_nonfinite_again(Trace(nonfinite_reached={"loss": True}))
+    (False, True)
+    """
+    if replay.iterations.first_nonfinite is not None or any(replay.nonfinite_reached.values()):
+        return True
+    return any(e.reached or loose for e in replay.nonfinite)
+
+
 def sharded_by_fsdp(trace: Trace) -> bool:
     """The run's model is sharded by FSDP2 (its ``fsdp::`` ops are in the trace): its parameters are read under
     no_grad by FSDP's machinery, and its training state is split across the ranks.

@@ -339,6 +339,9 @@ class Trace:
     needs_detail: str | None = None  # the cheap first tier found something only a detailed run can place
     engine: str = "python"  # what recorded the ops: "python" (dispatch mode) or "native" (C++ observer)
     nonfinite_hint: NonFiniteScalar | None = None  # first tier: the first NaN/Inf scalar (the loss) it saw
+    #: NaN/Inf run again from the state saved before it (a sampled loop's iteration, or the step): True, it came
+    #: again (deterministic); False, it did not (transient); None, no replay ran (``run/iteration_replay.py``)
+    nonfinite_reproduced: bool | None = None
     params: list[ParamInfo] = field(default_factory=list)
     graph_holders: list[GraphHolder] = field(default_factory=list)
     stale_steps: list[StaleStep] = field(default_factory=list)

@@ -157,9 +157,10 @@ def _with_history(trace: Trace, found: list[Finding]) -> list[Finding]:
             f.evidence["lr_change"] = change
         return found
     if pattern["pattern"] == "jump":
+        source = "" if trace.nonfinite_reproduced is False else "from this iteration's data or op, "
         f.message += (f" Before iteration {k} the {series} was steady (about {pattern['from']:.3g}; "
-                      f"{pattern['to']:.3g} in the iteration before): NaN/Inf came at once, from this "
-                      "iteration's data or op, not from a slow divergence.")
+                      f"{pattern['to']:.3g} in the iteration before): NaN/Inf came at once, {source}not from a "
+                      "slow divergence.")
         return found
     if pattern.get("early"):  # diverged from the first steps: the learning rate
         return [diverged_from_start(trace, f, pattern, k)] + found[1:]
@@ -191,10 +192,70 @@ def _with_history(trace: Trace, found: list[Finding]) -> list[Finding]:
 def nonfinite(trace: Trace) -> list[Finding]:
     """Report the first origin whose NaN/Inf reached the loss, a gradient or a parameter (with the loop's
     history before it)."""
-    return _with_history(trace, _nonfinite(trace))
+    return _said_reproduced(trace, _with_history(trace, _nonfinite(trace)))
+
+
+def _said_reproduced(trace: Trace, found: list[Finding]) -> list[Finding]:
+    """A replay from the saved state made the NaN/Inf again (``trace.nonfinite_reproduced``): the first finding
+    says it is deterministic. Not where the replay began with NaN/Inf weights already (it could not but make it
+    again: that says nothing of chance)."""
+    ev = next((e for e in trace.nonfinite if e.is_origin and e.reached), None)
+    if trace.nonfinite_reproduced is not True or not found or ev is None or ev.kind == "weights":
+        return found
+    its, f = trace.iterations, found[0]
+    if its.replayed is not None:
+        what = f"iteration {its.replayed}" if its.steps > 1 else "the step"
+        f.message += (f" Replayed from the same weights, optimizer state, batch and random state, {what} made "
+                      "NaN/Inf again: it is deterministic, this data and these weights, not chance.")
+    else:
+        f.message += (" Run again from the state saved before the cell (weights, optimizer state, random state), "
+                      "it made NaN/Inf again: it is deterministic, this data and these weights, not chance.")
+    f.evidence["reproduced"] = True
+    return found
+
+
+#: what a NaN/Inf its replay did not make again comes from (``_transient``)
+_TRANSIENT_CAUSES = (
+    "the NaN/Inf is transient, not made by this data or these weights. Likely causes: the hardware (a faulty GPU "
+    "or its memory), a nondeterministic kernel (atomic adds in `index_add_`/`scatter_add_`, some cuDNN "
+    "algorithms), a race (another thread or CUDA stream writing a tensor the step reads), or state the replay does "
+    "not restore (a counter or global your code keeps, a library's own state).")
+
+
+def _transient(trace: Trace) -> list[Finding]:
+    """NaN/Inf the run saw, which its replay from the saved state did not make again (``trace.nonfinite_reproduced``
+    False): transient. No op is named: the replay saw none make it; the line is where the run saw it."""
+    its, hint = trace.iterations, trace.nonfinite_hint
+    k = its.first_nonfinite
+    reached = [r for r, v in trace.nonfinite_reached.items() if v]
+    where = (Where(line=hint.line, file=hint.file, cell_line=hint.line) if hint is not None and hint.line
+             else _loop_line(trace))
+    in_loop = k is not None and its.steps > 1
+    what = "its loss" if its.first_nonfinite_in == "loss" else "its gradients" if its.first_nonfinite_in else ""
+    seen = (f"NaN/Inf first appeared in iteration {k} of the loop" if in_loop else "NaN/Inf appeared in this step") \
+        + (f", in {what}" if what else "") + (f", and reached the {', '.join(reached)}" if reached else "")
+    if trace.needs_detail == "nonfinite:not_reproduced":  # (the first tier's replay: the whole cell, run_step)
+        again = ("The cell was run again from the state saved before it (weights, optimizer state, random state), "
+                 "with every op checked, and it stayed finite: ")
+        advice = ("Run the cell once more under the doctor, or on the CPU, where every op is checked in the one "
+                  "run.")
+    else:
+        again = (f"{'That iteration' if in_loop else 'The step'} was replayed from the same weights, optimizer "
+                 "state, batch and random state, with every op checked, and it stayed finite: ")
+        advice = ("Run the cell again with `every_iteration=True` (`%%backward_doctor --every-iteration`), which "
+                  "checks every op as it runs, to catch it when it happens.")
+    shown = (f" No op can be named as its origin: line {where.line} is where the run saw it, not where it was born."
+             if where.line is not None else " No op can be named as its origin.")
+    msg = (f"{seen}. {again}{_TRANSIENT_CAUSES}{shown} {advice} If it comes and goes between runs, "
+           "`torch.use_deterministic_algorithms(True)` or another device tells the kernel from the hardware.")
+    return [at("nonfinite", where, msg, title="Transient NaN/Inf (its replay did not make it again)",
+               iteration=k if in_loop else None,
+               evidence={"reached": reached, "located": False, "reproduced": False, "first_in": its.first_nonfinite_in})]
 
 
 def _nonfinite(trace: Trace) -> list[Finding]:
+    if trace.nonfinite_reproduced is False:  # (a replay from the saved state stayed finite: no op is named)
+        return _transient(trace)
     origins: list[NonFiniteEvent] = [e for e in trace.nonfinite if e.is_origin and e.reached]
     its = trace.iterations
     if its.first_nonfinite is not None and its.replayed is None and (  # (a sampled loop's unrecorded iteration)
