@@ -98,9 +98,13 @@ class LoopSampling:
             if self._asleep:  # an unsampled iteration: only its end is counted (and its numbers read)
                 outermost = self._opt_depth == 0
                 if outermost:
-                    self.watches.step_began(opt, args, kwargs)
                     if self.history is not None and id(opt) not in self._stale_checked:
                         self._check_stale_unrecorded(opt, sys._getframe(1))
+                    if not kwargs and len(args) < 2:  # (no closure, the common step: both events in one call)
+                        self.watches.step_began_and_before_step(opt, args, kwargs)
+                        self._opt_depth = 1
+                        return None
+                    self.watches.step_began(opt, args, kwargs)
                 self._opt_depth += 1
                 if kwargs or len(args) > 1:  # (step(closure): the gradients are read after it ran)
                     wrapped = self._wrap_closure(opt, args, kwargs,

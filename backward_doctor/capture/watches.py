@@ -151,6 +151,10 @@ class Watches:
                 guards.on_stop(name, lambda w=watch: w.cleared(trace))
         for event in EVENTS:
             setattr(self, event, _dispatcher(event, self._members, guards))
+        #: ``step_began`` then ``before_step``, in one call: a step with no closure (its gradients are there as it
+        #: begins), as an asleep iteration of a long loop takes it at every step
+        self.step_began_and_before_step = _chained("step_began_and_before_step", ("step_began", "before_step"),
+                                                   self._members, guards)
 
     @classmethod
     def made(cls, ctx: WatchContext) -> "Watches":
@@ -223,6 +227,18 @@ def _dispatcher(event: str, members: list[tuple[str, Watch]], guards: Guards) ->
             lines += ["    if answer:"] + _calls("saw_backward", seen, env, "        ", False, first=len(listening))
     lines.append("    return answer" if combined else "    return None")
     return _compiled(event, lines, env)
+
+
+def _chained(name: str, events: tuple[str, ...], members: list[tuple[str, Watch]], guards: Guards) -> Callable[..., Any]:
+    """One caller telling ``events`` (none of them answering) in turn, their parameters those of the first."""
+    env: dict[str, Any] = {"failed": guards.failed}
+    lines, first = [f"def {name}({EVENTS[events[0]][0]}):"], 0
+    for event in events:
+        listening = _listening(event, members)
+        lines += _calls(event, listening, env, "    ", False, first=first)
+        first += len(listening)
+    lines.append("    return None")
+    return _compiled(name, lines, env)
 
 
 def _listening(event: str, members: list[tuple[str, Watch]]) -> list[tuple[str, Watch]]:
