@@ -218,7 +218,7 @@ def test_lightning_callback_replays_a_mixed_precision_step_in_its_precision_cont
 def test_hf_nan_screened_only_at_scalars_is_replayed_at_its_step(tmp_path, monkeypatch):
     """CUDA's first tier, simulated on the CPU: the Python recorder records every step but screens only the
     scalars a forward makes; the step whose loss went NaN/Inf is replayed alone with every op screened."""
-    from backward_doctor.run import watch
+    from backward_doctor.run import open_diagnosis as watch
 
     monkeypatch.setattr(watch, "screens_every_op", lambda: False)
     cb = integrations.DoctorCallback(tmp_path, engine="python")
@@ -239,7 +239,7 @@ def test_hf_on_cuda_simulated_samples_steps_and_replays_the_nan_one(tmp_path, mo
     asleep with its dispatch mode off the stack; the step that went NaN/Inf, asleep, is replayed alone. A
     correct run trains bit-identically."""
     from backward_doctor.capture import python_sampling
-    from backward_doctor.run import watch
+    from backward_doctor.run import open_diagnosis as watch
 
     monkeypatch.setattr(watch, "screens_every_op", lambda: False)
     monkeypatch.setattr(python_sampling, "samples_here", lambda: True)

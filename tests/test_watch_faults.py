@@ -185,7 +185,7 @@ def test_a_broken_collective_log_lets_every_collective_run(monkeypatch):
 def test_a_broken_library_callback_lets_the_trainer_finish(tmp_path, monkeypatch, capsys):
     import library_loops as ll
     from backward_doctor.integrations import DoctorCallback
-    from backward_doctor.run import watch as watch_mod
+    from backward_doctor.run import open_diagnosis as watch_mod
 
     def trained(callbacks):
         ns = ll.hf_trainer(steps=4, callbacks=callbacks, output_dir=str(tmp_path))
@@ -193,7 +193,7 @@ def test_a_broken_library_callback_lets_the_trainer_finish(tmp_path, monkeypatch
         return {n: p.detach().clone() for n, p in ns["model"].named_parameters()}
 
     expected = trained(None)
-    monkeypatch.setattr(watch_mod.Watch, "end", boom)
+    monkeypatch.setattr(watch_mod.OpenDiagnosis, "end", boom)
     got = trained([DoctorCallback(str(tmp_path))])
     assert_identical(got, expected)
     assert "no report for this training run (the doctor's own error: RuntimeError: injected fault)" in \
@@ -233,7 +233,7 @@ def test_a_watch_that_fails_to_end_leaves_nothing_installed(monkeypatch):
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
-    from backward_doctor.run.watch import Watch
+    from backward_doctor.run.open_diagnosis import OpenDiagnosis
 
     shell = InteractiveShell.instance()
     setup = ("import torch\ntorch.manual_seed(0)\nm = torch.nn.Linear(3, 1)\n"
@@ -249,7 +249,7 @@ def test_a_watch_that_fails_to_end_leaves_nothing_installed(monkeypatch):
         shell.run_cell("%backward_doctor on")
         try:
             with monkeypatch.context() as mp:
-                mp.setattr(Watch, "end", boom)
+                mp.setattr(OpenDiagnosis, "end", boom)
                 with capture_output() as broken:
                     result = shell.run_cell(cell)
             weight = shell.user_ns["m"].weight.detach().clone()

@@ -229,7 +229,8 @@ def _dispatcher(event: str, members: list[tuple[str, Watch]], guards: Guards) ->
     return _compiled(event, lines, env)
 
 
-def _chained(name: str, events: tuple[str, ...], members: list[tuple[str, Watch]], guards: Guards) -> Callable[..., Any]:
+def _chained(name: str, events: tuple[str, ...], members: list[tuple[str, Watch]],
+             guards: Guards) -> Callable[..., Any]:
     """One caller telling ``events`` (none of them answering) in turn, their parameters those of the first."""
     env: dict[str, Any] = {"failed": guards.failed}
     lines, first = [f"def {name}({EVENTS[events[0]][0]}):"], 0

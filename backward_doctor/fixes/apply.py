@@ -18,7 +18,7 @@ from ..trace.records import Trace
 from ..util.units import format_bytes, parse_size
 from . import accumulate, amp, checkpoint, library_knobs, sync
 from ..util.cell import Cell, NotApplicable, stored_names
-from .compare import GradProbe, Watch, grad_max_rel_err, loss_value, run_numbers
+from .compare import GradProbe, FixProgress, grad_max_rel_err, loss_value, run_numbers
 from ..report.fix_result import FixResult
 from ..run.snapshot import Snapshot, take_if_it_fits
 from ..run.step import check_cell, check_timeout, remember, run_step
@@ -118,7 +118,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
             return _stop(Report(exception="FixCancelled: cancelled by the user"), result, snap, ns,
                          "Cancelled before anything ran.")
         say(lo, "running the original cell")
-        with Watch(ns, names, lo, 0.45, "running the original cell", progress, cancel), probe_before:
+        with FixProgress(ns, names, lo, 0.45, "running the original cell", progress, cancel), probe_before:
             if run_original is not None:
                 original = run_original()
             else:
@@ -173,7 +173,7 @@ def run_fix(source: str, namespace: dict[str, Any] | None, fix: str, *, original
         hi = 0.95 if spec.arg is not None or spec.kind != "accumulate" else hi
         say(lo, f"running the cell with {name}")
         probe_after = GradProbe(ns, enabled=compare)
-        with Watch(ns, names, lo, hi, f"running the cell with {name}", progress, cancel,
+        with FixProgress(ns, names, lo, hi, f"running the cell with {name}", progress, cancel,
                    rw.details.get("k", 1)), probe_after:
             fixed = run_step(rw.code, ns, timeout=timeout, memory_limit=limit, engine="python", rollback=False,
                              history=False, detail=True, fix=name)

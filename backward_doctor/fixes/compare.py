@@ -109,7 +109,7 @@ class FixCancelled(BaseException):
     """Raised inside a run when the user asked to stop (a BaseException: a cell's ``except Exception`` lets it by)."""
 
 
-class Watch:
+class FixProgress:
     """Progress and cancel checks while a cell runs: at each call of a top-level model, before each optimizer step.
 
     ``expected``: how many top-level model calls the run should make (for the fraction).
@@ -142,7 +142,7 @@ class Watch:
     def _step(self, opt: Any, args: Any, kwargs: Any) -> None:
         self._check()
 
-    def __enter__(self) -> "Watch":
+    def __enter__(self) -> "FixProgress":
         if self.progress is not None or self.cancel is not None:
             self._handles = [_nn_module.register_module_forward_pre_hook(self._forward),
                              _optim.register_optimizer_step_pre_hook(self._step)]

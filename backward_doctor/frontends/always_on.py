@@ -13,8 +13,8 @@ by a trigger (``cell_watch.BackwardTrigger``), armed except while a watched cell
   ``backward()`` pays for the guess; run again, a cell decided by its text (no call, ``x = 1``) or by its
   text and its names being data (``n = len(x)``) pays for a dictionary lookup and those names' types. A
   ``backward()`` the guess did not expect finds the cell itself (IPython's ``ExecutionResult`` of the cell
-  running, which knows its text) and opens a :class:`~backward_doctor.run.watch.Watch` there, for the rest of
-  the cell, ended by IPython's ``post_run_cell`` event for that cell (no cell pays for arming the trigger).
+  running, which knows its text) and opens a :class:`~backward_doctor.run.open_diagnosis.OpenDiagnosis` there,
+  for the rest of the cell, ended by IPython's ``post_run_cell`` event for that cell (no cell pays for arming the trigger).
 
 When a watched cell fails (an exception after the step began, NaN/Inf in the loss or weights, a hang
 past ``--timeout``, a Ctrl-C, an OOM) the report (the panel in Jupyter) is displayed, then IPython's
@@ -39,7 +39,7 @@ from ..capture.trains import INERT, is_data, might_train, names_of
 from ..report import Report
 from ..run.engine import choose_engine
 from ..run.step import run_step
-from ..run.watch import Watch
+from ..run.open_diagnosis import OpenDiagnosis
 from .magic import _release_failed_frames, _show, ipython_places
 from ..util.units import format_bytes
 from .cell_watch import BackwardTrigger, HeldTracebacks, Outer, failed
@@ -233,7 +233,7 @@ class AlwaysOn:
             self._after(report, source, held, result)
         return result
 
-    def _open_at(self, frame: Any) -> Watch | None:
+    def _open_at(self, frame: Any) -> OpenDiagnosis | None:
         """The watch a cell not expected to train opens at its first ``backward()`` (``frame``, its caller), or
         None: no cell running (a widget's callback), another thread's, a silent run, a diagnosis records it."""
         if _get_ident() != self._main or running_captures:  # (a training thread's backward: asked at each)
@@ -255,7 +255,7 @@ class AlwaysOn:
             frame = frame.f_back
         opened.update(source=source, file=filename, line=frame.f_lineno if frame is not None else None)
         del frame
-        watch = Watch(shell.user_ns, source=source, cell_file=filename, timeout=opts.timeout,
+        watch = OpenDiagnosis(shell.user_ns, source=source, cell_file=filename, timeout=opts.timeout,
                       memory_limit=opts.memory_limit, engine=opts.engine, every_iteration=opts.every_iteration,
                       places=ipython_places(shell, filename, number))
         held = opened["held"] = HeldTracebacks(shell).__enter__()  # (from here: a traceback waits for the report)

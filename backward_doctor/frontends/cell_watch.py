@@ -3,7 +3,7 @@
 - :class:`HeldTracebacks`: IPython's traceback kept while the cell runs and shown after the report, so the
   diagnosis sits above it (the doctor's own frames left out);
 - :class:`BackwardTrigger`: ``torch.autograd.backward`` replaced from ``on`` to ``off`` by a function that,
-  armed (between watched cells), opens a :class:`~backward_doctor.run.watch.Watch` at the first
+  armed (between watched cells), opens a :class:`~backward_doctor.run.open_diagnosis.OpenDiagnosis` at the first
   ``backward()`` of a cell that was not expected to train;
 - :func:`failed` and :func:`quiet_line`: whether a report takes the screen, or one line, or nothing;
   :func:`write_report`: where it goes when a script or a library's loop failed.
@@ -24,7 +24,7 @@ from ..capture.process import doctors_own
 from ..report import Report
 from ..render.view import verdict_parts
 from ..report.renderers import renderer
-from ..run.watch import Watch
+from ..run.open_diagnosis import OpenDiagnosis
 from ..util.writing import write_atomic
 from .running import without_doctor_frames
 
@@ -134,8 +134,8 @@ class BackwardTrigger:
     """
 
     def __init__(self) -> None:
-        self._opener: Callable[[types.FrameType], Watch | None] | None = None
-        self.watch: Watch | None = None
+        self._opener: Callable[[types.FrameType], OpenDiagnosis | None] | None = None
+        self.watch: OpenDiagnosis | None = None
         self._real: Any = None
         self._fn: Any = None
         self._paused = False
@@ -180,7 +180,7 @@ class BackwardTrigger:
             torch.autograd.backward = self._real
             self._paused = True
 
-    def resume(self, open_watch: Callable[[types.FrameType], Watch | None]) -> None:
+    def resume(self, open_watch: Callable[[types.FrameType], OpenDiagnosis | None]) -> None:
         """Back in place after :meth:`pause` (over what the cell left there, if it wrapped ``backward`` itself:
         this one was not in that chain), and armed with ``open_watch``."""
         if self._paused:
@@ -192,12 +192,12 @@ class BackwardTrigger:
                     self.install()
         self.arm(open_watch)
 
-    def arm(self, open_watch: Callable[[types.FrameType], Watch | None]) -> None:
+    def arm(self, open_watch: Callable[[types.FrameType], OpenDiagnosis | None]) -> None:
         """Ask ``open_watch`` at the next ``backward()`` calls (nothing while not installed)."""
         if self._fn is not None:
             self.watch, self._opener = None, open_watch
 
-    def disarm(self) -> Watch | None:
+    def disarm(self) -> OpenDiagnosis | None:
         """Disarm; the watch it opened since it was armed, if one did (still open: the caller ends it)."""
         self._opener = None
         watch, self.watch = self.watch, None

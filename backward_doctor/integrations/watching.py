@@ -2,9 +2,9 @@
 fails or goes NaN/Inf, and the run stopped at the first non-finite loss when asked.
 
 :class:`LoopDoctor` is told that training began (with the model and optimizer the library holds), asked
-after each optimizer step whether to stop, and told how training ended. It runs a
-:class:`~backward_doctor.run.watch.Watch` (the sampled recorder, every iteration's loss, gradient norm and
-memory, the hang watchdog) in between. When a diagnosis already runs in the process (``%backward_doctor
+after each optimizer step whether to stop, and told how training ended. It runs an
+:class:`~backward_doctor.run.open_diagnosis.OpenDiagnosis` (the sampled recorder, every iteration's loss, gradient
+norm and memory, the hang watchdog) in between. When a diagnosis already runs in the process (``%backward_doctor
 on``, ``%%backward_doctor``, ``diagnose()``: the cell holding ``trainer.train()`` is watched) it stands
 aside: that run sees the same loop, and the callback only stops training at the first NaN/Inf.
 
@@ -32,7 +32,7 @@ from ..frontends.deliver import deliver
 from ..report import Report
 from ..report.places import Namer, cell_code_names
 from ..run.step import remember
-from ..run.watch import Watch, active
+from ..run.open_diagnosis import OpenDiagnosis, active
 
 log = logging.getLogger(__name__)
 _open: list["LoopDoctor"] = []  # doctors whose watch is open (the ends a library may never announce)
@@ -58,7 +58,7 @@ class LoopDoctor:
         self.quiet = bool(quiet)
         self.report: Report | None = None   # the latest run's report
         self.written: list[str] = []        # the files it was written to
-        self._watch: Watch | None = None
+        self._watch: OpenDiagnosis | None = None
         self._aside = False
         self._folder: str | None = None
         self._hooks: list[Any] = []
@@ -72,8 +72,8 @@ class LoopDoctor:
               cleanup: Callable[[], None] | None = None, library: str = "") -> None:
         """Training began: watch it. ``namespace`` names the model and optimizer (``{"model": ...}``);
         ``find_body``: how to run the current iteration's step again (the replay of the iteration that
-        first went NaN/Inf, see :class:`~backward_doctor.run.watch.Watch`); ``cleanup``: what to undo when
-        the watch ends (a wrapper the callback put on the library's objects); ``library``: whose loop it is
+        first went NaN/Inf, see :class:`~backward_doctor.run.open_diagnosis.OpenDiagnosis`); ``cleanup``: what to
+        undo when the watch ends (a wrapper the callback put on the library's objects); ``library``: whose loop it is
         (``"transformers"``, ``"lightning"``: findings then carry their iteration, the first one too)."""
         for other in list(_open):  # a run whose end was never announced (it raised, caught) ends here
             other.end(None, unannounced="when the next training run began")
@@ -86,7 +86,7 @@ class LoopDoctor:
             return
         self._cleanup = cleanup
         try:
-            watch = Watch(namespace, cell_file=cell_file or _main_file(), timeout=self.timeout,
+            watch = OpenDiagnosis(namespace, cell_file=cell_file or _main_file(), timeout=self.timeout,
                           memory_limit=self.memory_limit, engine=self.engine, every_iteration=self.every_iteration,
                           build=True, stall=True, find_body=find_body, library=library, places=_cell_names())
             watch.begin()

@@ -1,19 +1,19 @@
-"""A watch opened by one event and closed by another: :func:`run_step` for code the doctor cannot wrap.
+"""A diagnosis opened by one event and closed by another: :func:`run_step` for code the doctor cannot wrap.
 
 ``run_step`` runs a cell: it calls it, so it knows when it begins and ends. A library's loop is called by
 the user, not by the doctor: a ``transformers`` or Lightning callback hears that training began and,
 later, that it ended or raised; a notebook cell the doctor did not expect to train is already running
-when its first ``backward()`` comes. :class:`Watch` is the same run (engine, capture in the sampled mode,
-the per-iteration watch, the hang watchdog, the replay of the iteration where a cell's loop first went
-NaN/Inf, the rules, the report) between :meth:`Watch.begin` and :meth:`Watch.end`.
+when its first ``backward()`` comes. :class:`OpenDiagnosis` is the same run (engine, capture in the sampled mode,
+the loop watch, the hang watchdog, the replay of the iteration where a cell's loop first went
+NaN/Inf, the rules, the report) between :meth:`OpenDiagnosis.begin` and :meth:`OpenDiagnosis.end`.
 
-One diagnosis at a time: :meth:`Watch.begin` raises ``RuntimeError`` while another thread diagnoses a
+One diagnosis at a time: :meth:`OpenDiagnosis.begin` raises ``RuntimeError`` while another thread diagnoses a
 step, and ``active()`` says whether one runs in this process (a callback inside a doctored cell stands
 aside: the cell's own run sees its loop).
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(2))
->>> watch = Watch({"w": w}, engine="python")
+>>> watch = OpenDiagnosis({"w": w}, engine="python")
 >>> watch.begin()
 >>> (w * 2).sum().backward()
 >>> report = watch.end()
@@ -44,7 +44,7 @@ def active() -> bool:
     return current_capture() is not None
 
 
-class Watch:
+class OpenDiagnosis:
     """What :func:`~backward_doctor.run.step.run_step` does around a cell, for code already running.
 
     ``namespace``: what names the modules and optimizers and counts the memory there before (a callback
@@ -146,4 +146,4 @@ class Watch:
         return self._run.capture.trace.iterations.first_nonfinite
 
 
-__all__ = ["Watch", "active"]
+__all__ = ["OpenDiagnosis", "active"]
