@@ -25,16 +25,15 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from .. import native
 from ..capture.open_run import OpenRun
 from ..capture.process import claim_run, release_run
 from ..capture.runner import cell_filename, current_capture, make_capture
 from ..report import Report
-from ..report.places import Namer, name_places
+from ..report.places import Namer
 from ..util.loops import training_loop
-from .engine import choose_engine, python_tier_reason, screens_every_op
-from .iteration_replay import IterationRollback, replay_iteration
-from .step import build_report
+from .engine import choose_engine, screens_every_op
+from .plan import iteration_replay, replayed, rollback_for
+from .step import finished_report
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +67,11 @@ class OpenDiagnosis:
         self._claimed = False
         self.engine = choose_engine(engine, memory_limit=memory_limit, build=build)
         detail = screens_every_op()
-        # The iteration where NaN/Inf first showed, unrecorded, is replayed alone: the body of the cell's loop,
-        # or a library's step (``find_body``, asked then: its batch bound in).
-        # On CUDA (the Python recorder, scalars screened only) the iteration whose loss went NaN/Inf likewise.
-        replayable = memory_limit is None and (find_body is not None or training_loop(source) is not None)
-        sampled = replayable and detail and self.engine == "native" and not every_iteration
-        scalars_only = replayable and not detail and self.engine == "python"
-        self.rollback = IterationRollback(source, namespace, native.load(build=False) if sampled else None,
-                                          find_body=find_body, scalars_only=scalars_only) \
-            if sampled or scalars_only else None
+        # The iteration where NaN/Inf first showed, unrecorded, is replayed alone (``plan.py``, as ``run_step``
+        # decides it): the body of the cell's loop, or a library's step (``find_body``, asked then: its batch bound in).
+        kind = iteration_replay(self.engine, detail=detail, every_iteration=every_iteration, memory_limit=memory_limit,
+                                wanted=find_body is not None or training_loop(source) is not None)
+        self.rollback = rollback_for(kind, source, namespace, find_body)
         capture = make_capture(self.engine, namespace, cell_file=cell_file or cell_filename(), source=source,
                                memory_limit=memory_limit, detail=detail, every_iteration=every_iteration,
                                watching=True)
@@ -103,14 +98,9 @@ class OpenDiagnosis:
             trace = self._run.close(exc)
         finally:
             self._release()
-        if self.rollback is not None and self.rollback.iteration is not None:
-            trace = replay_iteration(trace, self.rollback, self.namespace, timeout=self.timeout, engine=self.engine)
+        trace = replayed(trace, self.rollback, self.namespace, timeout=self.timeout, engine=self.engine)
         self.rollback = None
-        report = build_report(trace)
-        name_places(report, self.namespace, self._places)
-        if self._engine_asked == "auto" and trace.engine == "python":
-            report.engine_note = python_tier_reason()
-        return report
+        return finished_report(trace, self.namespace, places=self._places, engine_asked=self._engine_asked)
 
     def abandon(self) -> None:
         """Uninstall what is still installed and release the run, without a report: a frontend calls it when

@@ -25,9 +25,8 @@ from ..capture.library_step import library_step
 from ..report import Report
 from ..report.places import Namer, name_places
 from ..trace import Trace
-from .. import native
-from .iteration_replay import IterationRollback, replay_iteration
 from . import compile_replay
+from .plan import iteration_replay, replayed, rollback_for
 from .engine import choose_engine, python_tier_reason, replay_in_detail, screens_every_op, snapshot_for, wants_replay
 
 _last: list[Report | None] = [None]
@@ -83,6 +82,17 @@ def build_report(trace: Trace, fix: str | None = None) -> Report:
     return remember(Report(findings=findings, exception=exc, trace=trace, fix=fix))
 
 
+def finished_report(trace: Trace, namespace: dict[str, Any], *, places: Namer | None = None,
+                    engine_asked: str = "auto", fix: str | None = None) -> Report:
+    """The report of a run that ended (``build_report``), its places named as the frontend names them, and why
+    the Python tier ran when the engine was left to choose."""
+    report = build_report(trace, fix)
+    name_places(report, namespace, places)
+    if engine_asked == "auto" and trace.engine == "python":
+        report.engine_note = python_tier_reason()
+    return report
+
+
 def remember(report: Report) -> Report:
     """Make ``report`` what :func:`last_report` returns (one item assignment: atomic, no lock a Ctrl-C
     could leave held)."""
@@ -117,27 +127,24 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     chosen = choose_engine(engine, memory_limit=memory_limit, build=build)
     if detail is None:  # one run, every op screened where that is cheap: no replay, no snapshot (engine.py)
         detail = screens_every_op()
-    # CUDA (scalars screened only): always on copies no state before every cell, and a library's loop is not
-    # replayed whole (the library does not start again from the same state): the iteration whose loss goes
-    # NaN/Inf keeps its own (``scalars_only``) and is replayed alone with every op screened (a library's loop:
+    # Which iteration replay (``plan.py``): a sampled loop (native, CPU) replays the iteration where NaN/Inf first
+    # shows unrecorded; with scalars screened only (CUDA) always on copies no state before every cell, and a
+    # library's loop is not replayed whole (the library does not start again from the same state): the iteration
+    # whose loss goes NaN/Inf keeps its own and is replayed alone with every op screened (a library's loop:
     # through its own step, ``capture/library_step.library_step``).
-    scalars_only = rollback and not detail and chosen == "python" and memory_limit is None
-    # A sampled loop (native, CPU): the iteration where NaN/Inf first shows unrecorded is replayed alone (a
-    # library's loop: through its own step too).
-    sampled = rollback and detail and chosen == "native" and not every_iteration and memory_limit is None
-    lib_step = library_step(namespace, source) if scalars_only or sampled else None
+    kind = iteration_replay(chosen, detail=detail, every_iteration=every_iteration, memory_limit=memory_limit,
+                            wanted=rollback)
+    lib_step = library_step(namespace, source) if kind is not None else None
     try:
-        scalars_only = scalars_only and (budget or lib_step is not None)
+        if kind == "scalars" and not (budget or lib_step is not None):
+            kind = None  # (a cell the doctor runs whole: the rollback snapshot replays it)
+        sampled, scalars_only = kind == "sampled", kind == "scalars"
         snapshot = snapshot_for(source, namespace) if rollback and not detail and not scalars_only else None
         # torch.compile: a compiled step that goes NaN/Inf or raises is replayed eagerly from this state
         # (compile_replay.py)
         compile_plan = compile_replay.plan(source, namespace, rollback, snapshot)
         past = history_for(source, namespace) if history else None
-        body = lib_step[0] if lib_step is not None else None
-        iteration_rollback = (IterationRollback(source, namespace, native.load(build=False), find_body=body)
-                              if sampled else
-                              IterationRollback(source, namespace, find_body=body, scalars_only=True) if scalars_only
-                              else None)
+        iteration_rollback = rollback_for(kind, source, namespace, lib_step[0] if lib_step is not None else None)
         budget = budget and (sampled or scalars_only) and compile_plan is None
         if execute is None:
             trace = run_source(source, namespace, timeout=timeout, memory_limit=memory_limit, filename=cell_file,
@@ -152,8 +159,7 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     finally:
         if lib_step is not None:
             lib_step[1]()  # (the trainer's training_step as it was: the replay runs the one it wrapped)
-    if iteration_rollback is not None and iteration_rollback.iteration is not None:
-        trace = replay_iteration(trace, iteration_rollback, namespace, timeout=timeout, engine=chosen)
+    trace = replayed(trace, iteration_rollback, namespace, timeout=timeout, engine=chosen)
     if compile_plan is not None:
         trace = compile_plan.check(trace, lambda: run_step(
             source, namespace, timeout=timeout, memory_limit=memory_limit, engine=chosen, cell_file=trace.cell_file,
@@ -168,8 +174,4 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
         note = nothing_recorded(trace)
         if note:
             trace.notes.append(note)
-    report = build_report(trace, fix)
-    name_places(report, namespace, places)
-    if engine == "auto" and trace.engine == "python":
-        report.engine_note = python_tier_reason()
-    return report
+    return finished_report(trace, namespace, places=places, engine_asked=engine, fix=fix)
