@@ -403,7 +403,7 @@ def test_a_rank_stuck_in_its_own_code_is_named_by_its_stack(tmp_path):
 
 
 def test_process_group_timeout_is_a_hang_at_the_busy_rank_and_the_timeout_a_consequence():
-    from backward_doctor.trace.records import FrameInfo, ThreadStack
+    from backward_doctor.trace.stacks import FrameInfo, ThreadStack
 
     waiting = RankRecord(0, 2, exitcode=1, output_tail="RuntimeError: Timed out waiting 5000ms for recv operation",
                          collectives=[Collective(0, "all_reduce", seq=0, count=1, sizes=[[3]], line=8,

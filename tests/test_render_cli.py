@@ -146,7 +146,8 @@ def test_hang_report_shows_the_threads_that_matter():
     never named, in the stacks nor in the finding's message; the last op named is the user's, not the
     profiler's ``record_function`` marker after it."""
     from backward_doctor.analysis import analyze
-    from backward_doctor.trace.records import FrameInfo, OpRecord, ThreadStack, Where
+    from backward_doctor.trace.records import OpRecord, Where
+    from backward_doctor.trace.stacks import FrameInfo, ThreadStack
 
     threads = [ThreadStack("MainThread", 1, True, [FrameInfo("<cell>", 3, "<module>", in_cell=True,
                                                              code="while True:")])]

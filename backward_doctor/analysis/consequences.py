@@ -30,7 +30,8 @@ from ..trace.records import Trace
 def _guard_raised(trace: Trace) -> bool:
     """The cell's exception came from a ``raise`` statement (or an ``assert``) in the user's own code.
 
-    >>> from backward_doctor.trace.records import ExceptionInfo, FrameInfo
+    >>> from backward_doctor.trace.records import ExceptionInfo
+    >>> from backward_doctor.trace.stacks import FrameInfo
     >>> t = Trace(exception=ExceptionInfo("SystemExit", "diverged", raised=True,
     ...                                   frames=[FrameInfo("<cell>", 7, "<module>", in_cell=True, user=True)]))
     >>> _guard_raised(t), _guard_raised(Trace(exception=ExceptionInfo("RuntimeError", "boom")))

@@ -20,7 +20,8 @@ import traceback
 import types
 from typing import Iterable
 
-from ..trace.records import FrameInfo, ThreadStack, Where
+from ..trace.records import Where
+from ..trace.stacks import FrameInfo, ThreadStack
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root
 

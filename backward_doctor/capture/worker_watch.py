@@ -8,6 +8,8 @@ While the run lasts, ``_MultiProcessingDataLoaderIter`` (the iterator of a DataL
   remembers the iterator weakly;
 - ``_next_index``/``_try_put_index`` note which indices went to which worker as which task (the
   worker processes its tasks in order, so the oldest one it has not delivered is the one it is on);
+- ``_process_data`` fingerprints the first batches of an ``IterableDataset``'s loader with two workers or more
+  (``worker_batches.py``: every worker delivering the whole stream);
 - ``_shutdown_workers`` notes the workers' exit codes once it has ended them (a worker killed by a signal
   can make torch raise from its SIGCHLD handler anywhere in the loop's body: the iterator is then gone with
   the cell's frame before the run ends, and with it the processes that knew how the worker died).
@@ -33,20 +35,22 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 import weakref
 from typing import Any
 
-from ..trace.records import FrameInfo, LoaderRecord, WorkerRecord
+from ..trace.stacks import FrameInfo, LoaderRecord, WorkerRecord
 from .code_names import CodeNames
 from .process import doctors_own
 from .janitor import Janitor
 from .worker_files import crash_stack, fetching, read_errors, ready_signal, task_words, worker_stack
+from .worker_batches import BatchPrints, duplicates_possible, iter_source
 from .worker_side import WorkerInit, dump_path, error_path
 
-_WRAPPED = ("__init__", "_next_index", "_try_put_index", "_shutdown_workers")
+_WRAPPED = ("__init__", "_next_index", "_try_put_index", "_process_data", "_shutdown_workers")
 _MISSING = object()
 _PHOTO_WAIT_S = 2.0
 #: how torch re-raises a worker's error in the main process (``ExceptionWrapper.reraise``)
@@ -78,6 +82,10 @@ class _Watched:
         self.doing: dict[int, Any] = {}  # worker -> the indices of the oldest task it had not delivered
         self.waiting: int | None = None   # the worker the main process waited for when photographed
         self.exitcodes: list[int | None] = []  # by worker, as the iterator's shutdown left them
+        #: an IterableDataset with 2+ workers: its first batches' fingerprints, and the user's line iterating it
+        self.prints = BatchPrints() if duplicates_possible(loader) else None
+        self.iter_source = iter_source(ds) if self.prints is not None else None
+        self.where: Any = None
 
     def started(self, it: Any) -> None:
         self.pids = [w.pid for w in it._workers]
@@ -122,7 +130,7 @@ class WorkerWatch:
         undo.push("DataLoader workers", self.remove)
         self._cls = cls
         self._saved = {name: cls.__dict__.get(name, _MISSING) for name in _WRAPPED}
-        init, next_index, put, shutdown = (getattr(cls, name) for name in _WRAPPED)
+        init, next_index, put, process, shutdown = (getattr(cls, name) for name in _WRAPPED)
         watch = self
 
         # (each wrapper's own part under the watch's guard, ``guard.py``: the iterator's methods run as they would)
@@ -135,6 +143,9 @@ class WorkerWatch:
                 wrapper = WorkerInit(user_fn, watch._folder_now(), watch._capture)
                 loader.worker_init_fn = wrapper  # (a loader that refuses: its workers run unwatched, no failure)
                 seen = watch._by_iter[it] = _Watched(it, loader)  # (before: __init__ sends the first tasks)
+                frames = getattr(watch._capture, "_frames", None)
+                if seen.prints is not None and frames is not None:  # (the line of the user's `for`)
+                    seen.where = frames.where(sys._getframe(1))
             except Exception as exc:
                 refused, loader.worker_init_fn = wrapper is not None and loader.worker_init_fn is not wrapper, user_fn
                 watch._failed(exc, quietly=refused)
@@ -172,6 +183,15 @@ class WorkerWatch:
             except Exception as exc:
                 watch._failed(exc)
 
+        def _process_data(it: Any, data: Any, *rest: Any) -> Any:
+            try:  # (torch 2.13 passes the worker that delivered the batch; an older one does not: nothing counted)
+                seen = watch._by_iter.get(it)
+                if seen is not None and seen.prints is not None:
+                    seen.prints.saw(rest[0] if rest else None, data)
+            except Exception as exc:
+                watch._failed(exc)
+            return process(it, data, *rest)
+
         def _shutdown_workers(it: Any) -> None:
             try:
                 shutdown(it)
@@ -180,7 +200,7 @@ class WorkerWatch:
                 if seen is not None:
                     seen.ended(it)
 
-        for name, fn in zip(_WRAPPED, (__init__, _next_index, _try_put_index, _shutdown_workers)):
+        for name, fn in zip(_WRAPPED, (__init__, _next_index, _try_put_index, _process_data, _shutdown_workers)):
             setattr(cls, name, fn)
 
     def _failed(self, exc: Exception, quietly: bool = False) -> None:
@@ -330,11 +350,24 @@ class WorkerWatch:
                     rec.frames = self._frames(seen.names, [tuple(f) for f in err["frames"]])
                 rec.made_at = self._frames(seen.names, [tuple(f[:3]) for f in err.get("made_at") or [] if f[0]])
                 workers[wid] = rec
-        if not workers:
+        prints = seen.prints
+        duplicated = prints is not None and prints.duplicates_stream()
+        if not workers and not duplicated:
             return None
-        return LoaderRecord(loader=seen.loader, dataset=seen.dataset, num_workers=seen.num_workers,
-                            context=seen.context, workers=[workers[k] for k in sorted(workers)],
-                            photographed=bool(seen.photos))
+        rec = LoaderRecord(loader=seen.loader, dataset=seen.dataset, num_workers=seen.num_workers,
+                           context=seen.context, workers=[workers[k] for k in sorted(workers)],
+                           photographed=bool(seen.photos))
+        if duplicated:
+            rec.batches_checked, rec.duplicated = prints.checked, prints.duplicated
+            rec.loop_line = seen.where.cell_line if seen.where is not None else None
+            rec.iter_file, rec.iter_line, rec.reads_worker_info = seen.iter_source or (None, None, None)
+            if rec.iter_file is not None and seen.where is not None and self._user_cell(rec.iter_file):
+                rec.iter_file = None  # (defined in the cell: a line of the cell, as every Where says it)
+        return rec
+
+    def _user_cell(self, file: str) -> bool:
+        frames = getattr(self._capture, "_frames", None)
+        return frames is not None and file == frames.cell_file
 
     def _frames(self, names: CodeNames, rows: list[tuple]) -> list[FrameInfo]:
         """(file, line, function) rows, outermost first, as the capture's frame records (``names``: the user's

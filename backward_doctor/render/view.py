@@ -328,7 +328,7 @@ def hang_threads(trace: Trace) -> tuple[list, list[str]]:
     DataLoader's own show; the doctor's and the kernel's threads (Heartbeat, IOPub, Shell channel, the
     progress poller) are left out altogether.
 
-    >>> from backward_doctor.trace.records import FrameInfo, ThreadStack
+    >>> from backward_doctor.trace.stacks import FrameInfo, ThreadStack
     >>> t = Trace(threads=[ThreadStack("MainThread", 1, True), ThreadStack("Heartbeat", 2, False,
     ...                    [FrameInfo("/zmq/heartbeat.py", 5, "run")]), ThreadStack("pool-1", 3, False)])
     >>> [s.name for s in hang_threads(t)[0]], hang_threads(t)[1]
@@ -338,7 +338,7 @@ def hang_threads(trace: Trace) -> tuple[list, list[str]]:
     exc = trace.exception
     if not any(st.is_main and st.frames for st in trace.threads) and exc is not None and exc.frames:
         # A Ctrl-C without a timeout photographs no stacks: the interrupt's traceback is the main one.
-        from ..trace.records import ThreadStack
+        from ..trace.stacks import ThreadStack
 
         shown.append(ThreadStack("MainThread", 0, True, list(exc.frames)))
     for st in trace.threads:

@@ -16,7 +16,8 @@ from ..trace.queries import recorded_nothing
 if TYPE_CHECKING:
     from ..report.fix_result import FixResult
     from ..report.report import Report
-    from ..trace.records import FrameInfo, Trace
+    from ..trace.records import Trace
+    from ..trace.stacks import FrameInfo
 
 #: Each kind of finding in plain words, for badges and headlines (the kind itself stays in the JSON).
 KIND_WORDS = {
@@ -214,7 +215,7 @@ def frame_label(fi: "FrameInfo", places: dict[str, str] | None = None) -> str:
     """A frame of a thread's stack: ``Cell In[2], line 4`` when the frontend named it, else ``cell:4`` /
     ``threading.py:320``.
 
-    >>> from backward_doctor.trace.records import FrameInfo
+    >>> from backward_doctor.trace.stacks import FrameInfo
     >>> frame_label(FrameInfo("<cell>", 4, "<module>", in_cell=True)), frame_label(FrameInfo("/a/b.py", 3, "f"))
     ('cell:4', 'b.py:3')
     """

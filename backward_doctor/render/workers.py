@@ -2,7 +2,8 @@
 worker that raised, died or was photographed in a hang, with what it was loading and its stack (the
 frames from torch's worker loop inward: the worker's own code, not the main process's).
 
->>> from backward_doctor.trace.records import FrameInfo, LoaderRecord, Trace, WorkerRecord
+>>> from backward_doctor.trace.records import Trace
+>>> from backward_doctor.trace.stacks import FrameInfo, LoaderRecord, WorkerRecord
 >>> t = Trace(loaders=[LoaderRecord("DataLoader(DS, num_workers=2)", workers=[WorkerRecord(
 ...     0, pid=7, state="fetching", task="dataset[3]", frames=[FrameInfo("/a/ds.py", 9, "DS.__getitem__",
 ...     user=True, code="with lock:")])])])
@@ -13,7 +14,8 @@ DataLoader workers: DataLoader(DS, num_workers=2)
 """
 from __future__ import annotations
 
-from ..trace.records import FrameInfo, Trace, WorkerRecord
+from ..trace.records import Trace
+from ..trace.stacks import FrameInfo, LoaderRecord, WorkerRecord
 from .style import esc
 from .wording import frame_label
 
@@ -41,11 +43,19 @@ def _head(w: WorkerRecord) -> str:
     return head
 
 
+def _duplicated(rec: LoaderRecord) -> str:
+    """``of its first 16 batches, 8 were equal to a batch another worker delivered`` ('': none counted)."""
+    return (f"of its first {rec.batches_checked} batches, {rec.duplicated} were equal to a batch another worker "
+            "delivered") if rec.duplicated else ""
+
+
 def worker_lines(trace: Trace, places: dict[str, str] | None = None) -> list[str]:
     """The workers as text lines (nothing when the run started none that went wrong)."""
     out: list[str] = []
     for rec in trace.loaders:
         out.append(f"DataLoader workers: {rec.loader}")
+        if rec.duplicated:
+            out.append(f"  {_duplicated(rec)}")
         for w in rec.workers:
             out.append(f"  {_head(w)}:")
             if w.error:
@@ -64,6 +74,8 @@ def workers_html(trace: Trace, places: dict[str, str] | None = None) -> str:
     out = []
     for rec in trace.loaders:
         out.append(f"<div><b>DataLoader workers</b> of <code>{esc(rec.loader)}</code> (innermost last)</div>")
+        if rec.duplicated:
+            out.append(f'<div class="muted">{esc(_duplicated(rec))}</div>')
         for w in rec.workers:
             rows = "".join(f"<div>{esc(frame_label(fi, places))} in {esc(fi.function)}: <code>{esc(fi.code)}</code>"
                            "</div>" for fi in _frames(w))

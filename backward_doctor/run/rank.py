@@ -35,7 +35,7 @@ from ..capture.process import one_run_at_a_time
 from .engine import ENGINES
 from ..report.schema import ReportError, loads, validate
 from ..trace.distributed import Collective, RankRecord
-from ..trace.records import FrameInfo, ThreadStack
+from ..trace.stacks import FrameInfo, ThreadStack
 from ..util.files import MAX_REPORT_BYTES, UnsafeFile, read_bounded
 from ..util.orphans import die_with_parent
 from ..util.serde import from_dict

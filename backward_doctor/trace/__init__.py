@@ -12,11 +12,12 @@ from .accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWin
 from .precision import ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep, ScalerSteps
 from .parts import (Carrier, Compilation, GraphHolder, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
                     OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep)
-from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, FrameInfo, IndexCheck, InplaceEvent, MemoryTimeline,
-                      NonFiniteEvent, OpRecord, ParamInfo, TensorMeta, TensorStats, ThreadStack, Trace, Where)
+from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, IndexCheck, InplaceEvent, MemoryTimeline,
+                      NonFiniteEvent, OpRecord, ParamInfo, TensorMeta, TensorStats, Trace, Where)
+from .stacks import FrameInfo, LoaderRecord, ThreadStack, WorkerRecord
 
 __all__ = ["Accumulation", "AccumulationCheck", "BackwardCall", "ClipCall", "LowPrecisionUpdate", "ParamUpdate",
            "Precision", "ScalerStep", "ScalerSteps", "StepWindow", "ZeroGradCall", "CATEGORIES", "PHASES", "Carrier", "Compilation", "ExceptionInfo", "FailedOp", "FrameInfo", "GraphHolder",
            "InplaceEvent", "LossInfo", "MemoryTimeline", "NonFiniteEvent", "NonFiniteScalar", "OomInfo", "OpRecord",
            "OptimizerStep", "OptimizerSummary", "ParamInfo", "ParameterTotals", "RunHistory", "SourceExcerpt", "StaleStep",
-           "TensorMeta", "ThreadStack", "Trace", "Where"]
+           "TensorMeta", "ThreadStack", "Trace", "Where", "LoaderRecord", "WorkerRecord"]

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..util.serde import from_dict, to_dict
-from .records import ThreadStack, Trace
+from .records import Trace
+from .stacks import ThreadStack
 
 #: How a DDP gradient all-reduce appears in a rank's log: issued by the reducer (C++) during backward,
 #: so it is recorded around ``backward()`` and counted by the process group's sequence number.

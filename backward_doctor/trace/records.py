@@ -19,6 +19,7 @@ from .frozen import FrozenUpdate
 from .precision import Precision
 from .schedules import SchedulerRecord
 from .ties import UntiedWeights
+from .stacks import FrameInfo, LoaderRecord, ThreadStack
 from .parts import (Carrier, Compilation, CompileCheck, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo,
                     OptimizerStep, OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep,
                     StorageEvents)
@@ -178,52 +179,6 @@ class FailedOp:
     error: str
     fwd_index: int | None = None
     index_check: IndexCheck | None = None
-
-
-@dataclass
-class FrameInfo:
-    file: str
-    line: int
-    function: str
-    in_cell: bool = False
-    user: bool = False
-    code: str = ""
-
-
-@dataclass
-class ThreadStack:
-    name: str
-    ident: int
-    is_main: bool
-    frames: list[FrameInfo] = field(default_factory=list)
-
-
-@dataclass
-class WorkerRecord:
-    """One DataLoader worker process as the main process saw it when something went wrong
-    (``capture/worker_watch.py``): what it was doing, its stack, its error."""
-
-    worker: int                    # the worker's id in its DataLoader (0 .. num_workers-1)
-    pid: int = 0
-    state: str = ""                # "fetching", "idle", "raised", "could not send", "exited", "crashed", "no answer"
-    task: str = ""                 # what it was loading: "dataset[5]", "batch [4, 5, 6, 7]"
-    frames: list[FrameInfo] = field(default_factory=list)  # its stack (outermost first): photographed or at its error
-    error: str = ""                # its own error, "ValueError: bad sample 5"
-    exitcode: int | None = None    # how it ended, for a worker that is gone (negative: killed by that signal)
-    made_at: list[FrameInfo] = field(default_factory=list)  # where a tensor requiring grad it held was made
-    waited_on: bool = False        # the main process was waiting for this worker's batch
-
-
-@dataclass
-class LoaderRecord:
-    """A DataLoader whose workers were started during the run and did not simply deliver their batches."""
-
-    loader: str                    # "DataLoader(Tokens, batch_size=4, num_workers=2, persistent_workers=True)"
-    dataset: str = ""              # the dataset's class (``Tokens``)
-    num_workers: int = 0
-    context: str = ""              # how workers start: "fork", "spawn", "forkserver"
-    workers: list[WorkerRecord] = field(default_factory=list)
-    photographed: bool = False     # the workers' stacks were taken (a hang: on the timeout or Ctrl-C)
 
 
 @dataclass

@@ -6,7 +6,8 @@ from __future__ import annotations
 from backward_doctor.analysis import analyze
 from backward_doctor.report import Report
 from backward_doctor.trace.parts import CompileCheck
-from backward_doctor.trace.records import ExceptionInfo, FrameInfo, LoaderRecord, Trace, Where, WorkerRecord
+from backward_doctor.trace.records import ExceptionInfo, Trace, Where
+from backward_doctor.trace.stacks import FrameInfo, LoaderRecord, WorkerRecord
 
 FOR = "for x, y in loader:\n    loss = model(x).sum()\n"
 
@@ -61,7 +62,7 @@ def test_report_with_workers_and_compile_check_round_trips():
 
 
 def test_waiting_on_a_worker_started_before_the_run_is_said_so():
-    from backward_doctor.trace.records import ThreadStack
+    from backward_doctor.trace.stacks import ThreadStack
 
     main = ThreadStack("MainThread", 1, True, [FrameInfo("<cell>", 1, "<module>", in_cell=True, user=True),
                                                 FrameInfo("/x/torch/utils/data/dataloader.py", 1505, "_next_data"),

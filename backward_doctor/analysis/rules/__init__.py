@@ -24,6 +24,7 @@ from .frozen import frozen_params_updated
 from .functions import invalid_gradient
 from .hang import hang
 from .labels import label_misalignment
+from .loader_duplicates import duplicated_stream
 from .loop_memory import loop_leak
 from .loss_inputs import loss_on_probabilities
 from .memory import oom
@@ -48,7 +49,7 @@ RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, 
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities,
                             train_eval_mode, scheduler_misuse, frozen_params_updated, label_misalignment,
-                            unshifted_targets, untied_weights]
+                            unshifted_targets, untied_weights, duplicated_stream]
 
 
 def analyze(trace: Trace) -> list[Finding]:

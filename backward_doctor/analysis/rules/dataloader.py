@@ -20,7 +20,8 @@ from __future__ import annotations
 import re
 
 from ..findings import Finding, at
-from ...trace.records import FrameInfo, LoaderRecord, Trace, Where, WorkerRecord
+from ...trace.records import Trace, Where
+from ...trace.stacks import FrameInfo, LoaderRecord, WorkerRecord
 
 _RERAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)\.")
 #: a worker gone: seen by the main process's periodic check, or by its SIGCHLD handler (a signal, an exit code)

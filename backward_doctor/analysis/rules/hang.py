@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ..findings import Finding, at
 from ...trace.queries import is_bookkeeping
-from ...trace.records import FrameInfo, OpRecord, ThreadStack, Trace, Where  # noqa: F401 (FrameInfo: the doctests)
+from ...trace.records import OpRecord, Trace, Where
+from ...trace.stacks import FrameInfo, ThreadStack  # noqa: F401 (FrameInfo: the doctests)
 
 
 def _main_where(trace: Trace) -> Where:
