@@ -9,14 +9,14 @@ True
 from __future__ import annotations
 
 from .accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWindow, ZeroGradCall
-from .precision import ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep, ScalerSteps
+from .precision import ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep, ScalerSteps, UnpairedStep
 from .parts import (Carrier, Compilation, GraphHolder, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
                     OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep)
 from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, FrameInfo, IndexCheck, InplaceEvent, MemoryTimeline,
                       NonFiniteEvent, OpRecord, ParamInfo, TensorMeta, TensorStats, ThreadStack, Trace, Where)
 
 __all__ = ["Accumulation", "AccumulationCheck", "BackwardCall", "ClipCall", "LowPrecisionUpdate", "ParamUpdate",
-           "Precision", "ScalerStep", "ScalerSteps", "StepWindow", "ZeroGradCall", "CATEGORIES", "PHASES", "Carrier", "Compilation", "ExceptionInfo", "FailedOp", "FrameInfo", "GraphHolder",
+           "Precision", "ScalerStep", "ScalerSteps", "UnpairedStep", "StepWindow", "ZeroGradCall", "CATEGORIES", "PHASES", "Carrier", "Compilation", "ExceptionInfo", "FailedOp", "FrameInfo", "GraphHolder",
            "InplaceEvent", "LossInfo", "MemoryTimeline", "NonFiniteEvent", "NonFiniteScalar", "OomInfo", "OpRecord",
            "OptimizerStep", "OptimizerSummary", "ParamInfo", "ParameterTotals", "RunHistory", "SourceExcerpt", "StaleStep",
            "TensorMeta", "ThreadStack", "Trace", "Where"]
