@@ -117,7 +117,8 @@ def _finding(trace: Trace, u: UnpairedStep, raised: bool) -> Finding:
            f"`{fix.replace(chr(10), '; ')}`.")
     where = Where(line=line, cell_line=line) if u.file is None and line is not None else placed(u)
     return at("amp_misuse", where, msg, title=_TITLE, severity="error" if raised else "warning",
-              iteration=looped(trace, u.iteration) if u.iteration >= 0 else None,
+              # (a step in a loop of the cell has its iteration even when torch raised at the loop's second step)
+              iteration=None if u.iteration < 0 else u.iteration if got is not None else looped(trace, u.iteration),
               evidence={"problem": "update_skipped", "how": how, "step_line": u.line, "update_line": update,
                         "iterations": sorted({x.iteration for x in trace.precision.scaler.unpaired
                                               if not x.direct and x.iteration >= 0})[:16],
