@@ -99,6 +99,18 @@ def test_a_skipped_update_is_named_where_it_is_skipped_not_at_the_step_that_rais
     assert (u.iteration, u.line, u.direct, u.at_end) == (iteration, 6, False, False)
 
 
+def test_a_skipped_update_before_unscale_and_clipping_is_named_too(engine):
+    """With ``scaler.unscale_(opt)`` before the clip, torch raises at the next ``unscale_`` ("unscale_() is being
+    called after step()"), before any step: the same ``continue`` is named."""
+    cell = CONTINUE.replace("    scaler.step(opt)\n", "    scaler.unscale_(opt)\n"
+                            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n    scaler.step(opt)\n")
+    report = bd.diagnose(cell, _ns(), engine=engine)
+    assert "unscale_() is being called after step()" in report.exception
+    f = report.root_cause
+    assert (f.kind, f.line, f.iteration, f.evidence["how"], f.evidence["step_line"]) == \
+        ("amp_misuse", 10, 1, "continue", 8), describe(report)
+
+
 def test_a_break_before_the_update_is_a_warning_at_the_break(engine):
     """Nothing raises in this cell: the scaler is left waiting, and the next cell's first step would raise."""
     report = fits_the_schema(bd.diagnose(BREAK, _ns(), engine=engine))

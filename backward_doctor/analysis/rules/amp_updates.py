@@ -130,7 +130,10 @@ def skipped_update(trace: Trace) -> list[Finding]:
     exc = trace.exception
     if exc is None or exc.type != "RuntimeError" or not any(m in (exc.message or "") for m in STEPPED_TWICE):
         return []
-    u = next((x for x in trace.precision.scaler.unpaired if not x.direct and not x.at_end), None)
+    unpaired = [x for x in trace.precision.scaler.unpaired if not x.direct]
+    # (the step that went without its update: found at the next scaler.step, or, where the next unscale_() raised
+    # first, still waiting when the run ended)
+    u = next((x for x in unpaired if not x.at_end), None) or next(iter(unpaired), None)
     return [_finding(trace, u, raised=True)] if u is not None else []
 
 
