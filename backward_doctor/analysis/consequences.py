@@ -46,7 +46,8 @@ def _guard_raised(trace: Trace) -> bool:
 
 def _cause(f: Finding) -> bool:
     """A problem a training guard reacts to (what makes a loss NaN/Inf or a scaler give up)."""
-    return f.kind == "nonfinite" or (f.kind == "amp_misuse" and f.evidence.get("problem") == "scale_collapse")
+    return f.kind == "nonfinite" or (f.kind == "amp_misuse" and f.evidence.get("problem") in (
+        "scale_collapse", "step_without_scaler"))
 
 
 def cause_first(trace: Trace, findings: list[Finding]) -> list[Finding]:

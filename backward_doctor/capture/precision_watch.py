@@ -33,6 +33,7 @@ from .guard import Guards, nothing
 from .watches import Watch
 from .patches import Patches, named_like
 from .memory import storage_key
+from .scaler_pairing import Pairing, stage
 from ..trace.precision import ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep
 
 _LOW = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -69,7 +70,7 @@ class PrecisionWatch(Watch):
     bookkeeping failing switches the watch off (:meth:`off`) and the user's call goes on; without them it
     raises (a unit test's watch)."""
 
-    events = ("step_began", "iteration_ended")
+    events = ("step_began", "iteration_ended", "finish")
 
     def __init__(self, record: Precision, *, frames: Any, iteration: Callable[[], int],
                  on_skipped: Callable[[], None] = lambda: None, guards: Guards | None = None,
@@ -87,6 +88,8 @@ class PrecisionWatch(Watch):
         self._pending: list[tuple[Any, list[int], list[int]]] = []
         self._step: LowPrecisionUpdate | None = None
         self._guards = guards
+        self._pairing = Pairing(record.scaler)
+        self._paired = False  # the step methods that pair steps with updates swapped in (a loss was scaled)
         self.patches = Patches()
         from torch.amp.grad_scaler import GradScaler
         from torch.nn.utils import clip_grad
@@ -119,6 +122,8 @@ class PrecisionWatch(Watch):
             try:
                 if self._mine():
                     self._scalers[id(scaler)] = (weakref.ref(scaler), True, _caller_library(sys._getframe(1)))
+                    if not self._paired and _enabled(scaler):
+                        self._pair()
             except Exception as exc:
                 self._failed(exc)
             return real(scaler, outputs)
@@ -131,6 +136,7 @@ class PrecisionWatch(Watch):
                 if self._mine():
                     self._scalers[id(scaler)] = (weakref.ref(scaler), False, "")
                     self.record.scaler.scale_last = _scale_of(scaler)
+                    self._pairing.updated(scaler)
             except Exception as exc:
                 self._failed(exc)
             return out
@@ -139,23 +145,34 @@ class PrecisionWatch(Watch):
     def _wrap_step(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             mine = False
+            opt = args[0] if args else kwargs.get("optimizer")
             try:
                 if self._mine():
                     before, scale = self._iteration(), _scale_of(scaler)
+                    self._pairing.step_starting(scaler, opt, lambda: self._place(self._where()))
                     mine = True
             except Exception as exc:
                 self._failed(exc)
-            out = real(scaler, *args, **kwargs)
+            try:
+                out = real(scaler, *args, **kwargs)
+            finally:
+                if mine:
+                    self._pairing.step_left()
             if mine:
                 try:
-                    self.scaler_stepped(skipped=_enabled(scaler) and self._iteration() == before, scale=scale)
+                    entry = self.scaler_stepped(skipped=_enabled(scaler) and self._iteration() == before,
+                                                scale=scale)
+                    steps = self.record.scaler.steps
+                    shown = entry if entry is not None else steps[-1] if steps else None
+                    self._pairing.step_done(scaler, opt, before, _place_of(shown))
                 except Exception as exc:
                     self._failed(exc)
             return out
         return named_like(step, real)
 
-    def scaler_stepped(self, *, skipped: bool, scale: float | None) -> None:
-        """``scaler.step(optimizer)`` returned; ``skipped``: the optimizer step did not run."""
+    def scaler_stepped(self, *, skipped: bool, scale: float | None) -> ScalerStep | None:
+        """``scaler.step(optimizer)`` returned; ``skipped``: the optimizer step did not run. The call's record
+        when one is kept."""
         rec = self.record.scaler
         call = rec.calls
         rec.calls += 1
@@ -173,6 +190,34 @@ class PrecisionWatch(Watch):
             if self._run > rec.longest_skipped:
                 rec.longest_skipped, rec.run_start, rec.run_end = self._run, self._run_start, entry
             self._on_skipped()
+        return entry
+
+    # ---------------------------------------------------------------- steps paired with updates
+    def _pair(self) -> None:
+        """A scaler scaled a loss: from now on each outermost optimizer step is checked for going around it
+        (instance attributes: a run that scales nothing never runs these)."""
+        self._paired = True
+        self.step_began, self.iteration_ended = self._step_began_paired, self._iteration_ended_paired
+
+    def _step_began_paired(self, opt: torch.optim.Optimizer, args: tuple = (), kwargs: dict | None = None) -> None:
+        if not self._pairing.inside:
+            for ref, pending, _ in list(self._scalers.values()):
+                scaler = ref()
+                if scaler is None or not pending or not _enabled(scaler):
+                    continue
+                if stage(scaler, opt) != "UNSCALED":  # (unscaled by hand: true gradients, only unchecked)
+                    where = self._place(self._where()) if self._pairing.wants_place() else {}
+                    self._pairing.direct_began(type(opt).__name__, self._iteration(), _scale_of(scaler), where)
+                break
+        PrecisionWatch.step_began(self, opt, args, kwargs)
+
+    def _iteration_ended_paired(self) -> None:
+        self._pairing.direct_ended()
+        PrecisionWatch.iteration_ended(self)
+
+    def finish(self, namespace: Any = None) -> None:
+        """The run ended: optimizers a scaler stepped and did not update since."""
+        self._pairing.finish()
 
     # ---------------------------------------------------------------- clipping
     def _wrap_clip(self, real: Callable[..., Any]) -> Callable[..., Any]:
@@ -268,7 +313,8 @@ class PrecisionWatch(Watch):
         """Switched off for the rest of the run (its bookkeeping failed, ``guard.py``): the wrappers put back for
         good, the optimizer-step calls do nothing."""
         self.patches.disable()
-        self.step_began = self.iteration_ended = nothing  # type: ignore[method-assign]
+        self._paired = True
+        self.step_began = self.iteration_ended = self.finish = nothing  # type: ignore[method-assign]
         self._pending, self._step = [], None
 
     def cleared(self, trace: Any) -> None:
@@ -279,6 +325,11 @@ def _enabled(scaler: Any) -> bool:
     """Whether a GradScaler scales (a disabled one is a pass-through: ``enabled=False``, or fp32/bf16 runs)."""
     is_enabled = getattr(scaler, "is_enabled", None)
     return bool(is_enabled()) if callable(is_enabled) else False
+
+
+def _place_of(rec: Any) -> dict[str, Any]:
+    """The place a record keeps (``line``, ``file``, ``cell_line``, ``function``), as keyword arguments."""
+    return {k: getattr(rec, k) for k in ("line", "file", "cell_line", "function")} if rec is not None else {}
 
 
 def _caller_library(frame: Any) -> str:

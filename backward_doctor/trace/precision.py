@@ -50,6 +50,25 @@ class ScalerStep:
 
 
 @dataclass
+class UnpairedStep:
+    """An optimizer step beside a GradScaler that the scaler's ``update()`` did not follow as it should: a
+    ``scaler.step(optimizer)`` with no ``scaler.update()`` before that optimizer's next ``scaler.step`` (torch then
+    raises "step() has already been called since the last update()") or before the run ended (the next cell's
+    ``scaler.step`` raises), or an ``optimizer.step()`` called directly on gradients the scaler had scaled and not
+    unscaled (``direct``: no ``scaler.step`` ran inside it; nothing raises while ``update()`` is never called)."""
+
+    iteration: int                   # the loop's iteration of that step (-1: in an earlier run)
+    optimizer: str                   # its class name
+    direct: bool = False             # optimizer.step() itself, not scaler.step(optimizer)
+    at_end: bool = False             # still without its update when the run ended
+    scale: float | None = None       # the scale its gradients carried (CPU scalers; None: not read)
+    line: int | None = None          # where the step was called
+    file: str | None = None
+    cell_line: int | None = None
+    function: str | None = None
+
+
+@dataclass
 class ScalerSteps:
     """Every ``scaler.step`` of the run in counts, the first ones and the longest run of skips in detail."""
 
@@ -60,6 +79,9 @@ class ScalerSteps:
     run_start: ScalerStep | None = None  # the first call of the longest run of skips
     run_end: ScalerStep | None = None    # its last call
     scale_last: float | None = None      # the scale after the run's last update
+    #: steps beside the scaler without their ``update()`` (the first 16; ``UnpairedStep``), and how many in all
+    unpaired: list[UnpairedStep] = field(default_factory=list)
+    unpaired_count: int = 0
 
 
 @dataclass
@@ -99,4 +121,4 @@ class Precision:
     updates: list[LowPrecisionUpdate] = field(default_factory=list)  # the first steps on low-precision weights
 
 
-__all__ = ["ClipCall", "LowPrecisionUpdate", "ParamUpdate", "Precision", "ScalerStep", "ScalerSteps"]
+__all__ = ["ClipCall", "LowPrecisionUpdate", "ParamUpdate", "Precision", "ScalerStep", "ScalerSteps", "UnpairedStep"]

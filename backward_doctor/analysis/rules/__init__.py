@@ -13,7 +13,8 @@ from ..findings import Finding
 from ..loops import place_in_loops
 from .accumulation import grad_accumulation
 from .amp import amp_crossing, amp_misuse
-from .amp_steps import scaled_step
+from .amp_steps import direct_step, scaled_step
+from .amp_updates import skipped_update, update_left_out
 from ...trace.records import Trace
 from .autograd import backward_twice, inplace, no_grad_path
 from .compile import compile_divergence, compile_failure, compiled_first
@@ -42,10 +43,10 @@ Rule = Callable[[Trace], list[Finding]]
 #: Rules that explain the cell's exception; the first that answers wins.
 EXCEPTION_RULES: list[Rule] = [dataloader_worker, compile_failure, hang, eval_without_no_grad, oom, inplace,
                                backward_twice, left_frozen, no_grad_path, invalid_gradient, index_out_of_range,
-                               scaled_step, amp_crossing, mismatch]
+                               scaled_step, skipped_update, amp_crossing, mismatch]
 #: Rules that look at the whole run, whether or not it raised.
-RUN_RULES: list[Rule] = [compile_divergence, nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped,
-                         nonleaf_param, grad_accumulation, amp_misuse]
+RUN_RULES: list[Rule] = [compile_divergence, direct_step, nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped,
+                         nonleaf_param, grad_accumulation, amp_misuse, update_left_out]
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities,
                             train_eval_mode, scheduler_misuse, frozen_params_updated, label_misalignment,

@@ -5,17 +5,18 @@ The step applies gradients still multiplied by the scale (65,536 at first), unch
 the ``scaler.update()`` after it raises torch's ``AssertionError: No inf checks were recorded prior to
 update.`` at a line that is not the mistake. The root cause is the ``optimizer.step()`` line: named
 there, with the line rewritten. (Without the ``update()`` nothing raises and the weights take 65,536x
-steps: that silent form needs the capture to see the direct step and is not covered here.)
+steps: the silent form, :func:`direct_step`, reads the direct steps the precision watch saw,
+``trace.precision.scaler.unpaired``: named at the ``optimizer.step()`` line, ahead of the NaN/Inf it leads to.)
 
 >>> from backward_doctor.trace import Trace
->>> scaled_step(Trace())
+>>> scaled_step(Trace()) + direct_step(Trace())
 []
 """
 from __future__ import annotations
 
 import re
 
-from ..findings import Finding, at, code_at
+from ..findings import Finding, at, code_at, looped, placed
 from ...trace.records import Trace, Where
 from ...util.loops import outer_loops
 
@@ -78,4 +79,40 @@ def scaled_step(trace: Trace) -> list[Finding]:
                          "update_line": exc.where.line, **({"fix_code": fix.strip()} if fix else {})})]
 
 
-__all__ = ["NO_INF_CHECKS", "rewrite", "scaled_step"]
+def direct_step(trace: Trace) -> list[Finding]:
+    """``optimizer.step()`` on gradients a GradScaler scaled, in a run that never called ``scaler.step`` nor (torch
+    would have raised) ``scaler.update()``: the first such step's line, every iteration it ran at, the fix as
+    code. Before the NaN/Inf rule in the list: the huge steps are what makes the weights NaN."""
+    s = trace.precision.scaler
+    direct = [u for u in s.unpaired if u.direct]
+    exc = trace.exception
+    if not direct or s.calls or (exc is not None and NO_INF_CHECKS in (exc.message or "")):
+        return []  # (scaler.step ran somewhere: a second model stepped plainly is no proof; the raising form is
+        #          scaled_step's)
+    first = direct[0]
+    step_code = code_at(trace, first.line, first.file) or ""
+    m = _STEP.search(step_code)
+    opt = m.group(1) if m else "optimizer"
+    scaler = next((n for n in re.findall(r"\b([A-Za-z_][\w.]*)\.scale\(", trace.source)), "scaler")
+    fix = (rewrite(step_code, scaler) or f"{scaler}.step({opt})").strip() + f"\n{scaler}.update()"
+    said = f"`{step_code}` (line {first.line})" if step_code else f"the optimizer step at line {first.line}"
+    scale = f"{first.scale:g}" if first.scale is not None else "the scale (65,536 unless the scaler was built " \
+                                                              "otherwise)"
+    count = s.unpaired_count
+    its = sorted({u.iteration for u in direct})
+    shown = ", ".join(str(i) for i in its[:6]) + (", ..." if len(its) > 6 or count > len(direct) else "")
+    when = f" at iteration{'s' if count > 1 else ''} {shown} ({count} step{'s' if count > 1 else ''})" \
+        if looped(trace, first.iteration) is not None else ""
+    msg = (f"{said} steps the {first.optimizer} optimizer directly on gradients `{scaler}.scale(loss).backward()` "
+           f"multiplied by the GradScaler's loss scale ({scale}){when}: every update is {scale} times too large, "
+           f"and gradients that overflowed are applied instead of skipped, so the weights jump and the loss diverges "
+           f"or turns NaN later. Nothing raised: `{scaler}.update()` is never called, so torch's \"{NO_INF_CHECKS}\" "
+           f"check never ran. Step through the scaler, which unscales the gradients first and skips a step whose "
+           f"gradients overflowed, and update its scale after each step: `{fix.replace(chr(10), '; ')}`.")
+    return [at("amp_misuse", placed(first), msg, title="Optimizer stepped beside its GradScaler",
+               iteration=looped(trace, first.iteration),
+               evidence={"problem": "step_without_scaler", "raised": False, "optimizer": first.optimizer,
+                         "scale": first.scale, "iterations": its[:16], "steps": count, "fix_code": fix})]
+
+
+__all__ = ["NO_INF_CHECKS", "direct_step", "rewrite", "scaled_step"]
