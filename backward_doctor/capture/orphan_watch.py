@@ -51,7 +51,8 @@ class OrphanWatch(Watch):
 
     def finish(self, namespace: dict[str, Any]) -> None:
         opts: dict[int, tuple[str, Any]] = {}
-        for name, opt in ns_mod.held(namespace):
+        # (a variable's name before an attribute's: ``opt`` before ``trainer.optimizer``, Accelerate's wrapper of it)
+        for name, opt in sorted(ns_mod.held(namespace), key=lambda item: "." in item[0]):
             opts.setdefault(id(opt), (name, opt))
         for key, ref in self._seen.items():
             opt = ref()
