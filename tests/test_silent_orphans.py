@@ -262,3 +262,15 @@ def test_embeddings_resized_after_the_optimizer_keep_their_parameter(engine):
     model.resize_token_embeddings(128)
     assert model.transformer.wte.weight is before and before.shape[0] == 128
     _silent(bd.diagnose(HF_RESIZED, ll.hf_trainer(task="lm", steps=3), engine=engine))
+
+
+def test_a_parameter_put_on_the_model_after_the_optimizer(engine):
+    """A learnable temperature (``nn.Parameter`` on the model, CLIP's ``logit_scale``) added after the optimizer."""
+    cell = "model.scale = nn.Parameter(torch.ones(()))\n" + LOOP.replace("model(x), y", "model(x) * model.scale, y")
+    f = _only(bd.diagnose(cell, _ns(), engine=engine), "orphan_params")
+    assert (f.line, f.module, f.evidence["not_stepped"]) == (1, "model.scale", ["model.scale"])
+    assert f.evidence["fix_code"].startswith('opt.add_param_group({"params": [model.scale]})')
+    # the twin: the parameter put on the model before the optimizer was built
+    _silent(bd.diagnose(LOOP.replace("model(x), y", "model(x) * model.scale, y"),
+                        _ns(EARLIER.replace("opt =", "model.scale = nn.Parameter(torch.ones(()))\nopt =")),
+                        engine=engine))

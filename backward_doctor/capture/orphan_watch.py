@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import namespace as ns_mod
-from .memory import storage_key
+from .memory import grad_of, storage_key
 from ..trace.orphans import UnoptimizedModule
 from .watches import Watch
 
@@ -123,7 +123,7 @@ def _unheld(root: str, model: torch.nn.Module, holder: dict[int, int], opts: dic
                                      keys=[storage_key(p) or 0 for _, p in params],
                                      numel=sum(p.numel() for _, p in params), optimizer=opt_name,
                                      optimizer_cls=type(opt).__name__, optimizer_id=main, held=by_opt[main],
-                                     replaced=replaced))
+                                     replaced=replaced, grads=sum(grad_of(p) is not None for _, p in params)))
     return out
 
 

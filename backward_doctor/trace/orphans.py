@@ -33,6 +33,9 @@ class UnoptimizedModule:
     held: int = 0              # the model's values that optimizer holds
     #: parameters that optimizer holds which no module of the namespace holds any more (replaced since it was built)
     replaced: int = 0
+    #: of ``params``, those holding a ``.grad`` at the end of the run (what a parameter the capture never hooked says:
+    #: one put directly on a module it had registered already, ``model.scale = nn.Parameter(...)``)
+    grads: int = 0
 
 
 __all__ = ["UnoptimizedModule"]

@@ -107,8 +107,13 @@ def unoptimized_params(trace: Trace) -> list[Finding]:
     replaced = {p.name for p in orphans(trace)[1]}  # (a layer replaced in place: orphan_params says it already)
     left: list[tuple[UnoptimizedModule, list[ParamInfo]]] = []
     for u in trace.unoptimized:
-        infos = [by_name.get(n) or by_key.get(k) for n, k in zip(u.params, u.keys)]
-        infos = [p for p in infos if p is not None and p.requires_grad and p.got_grad and not p.stepped
+        found = [by_name.get(n) or by_key.get(k) for n, k in zip(u.params, u.keys)]
+        if not any(found) and u.grads:
+            # (none the capture hooked: put directly on a module it had registered already; the `.grad` they
+            # held at the end says they got one, as no optimizer's zero_grad() clears theirs)
+            found = [ParamInfo(name=n, key=k, requires_grad=True, got_grad=True, stepped=False,
+                               numel=u.numel if i == 0 else 0) for i, (n, k) in enumerate(zip(u.params, u.keys))]
+        infos = [p for p in found if p is not None and p.requires_grad and p.got_grad and not p.stepped
                  and p.name not in replaced]
         if infos:
             left.append((u, infos))
