@@ -8,6 +8,7 @@ plain run of as many steps) and the report is the cell's own."""
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 
 import pytest
@@ -149,6 +150,26 @@ def test_diagnose_with_the_training_thread_in_the_namespace(engine):
                                                          "(`background-training`)"), report.trace.notes
             names = {p.name for p in report.trace.params}
             assert any(n.startswith("model.") for n in names) and not any(n.startswith("bg.") for n in names), names
+    bg.check()
+
+
+def test_the_orphan_watch_leaves_the_training_threads_model_alone(engine):
+    """The registry's watches are told what is left alone (``WatchContext.left_alone``): the orphan watch, which
+    reads the namespace's models at the end of the run, does not read ``bg.model`` (a module its optimizer does
+    not hold included) while that thread trains it; with the thread not started, the same module is recorded."""
+    idle = Background()  # (not started)
+    idle.model[0].extra = torch.nn.Linear(2, 2)  # (trainable, in no optimizer, never run: what the watch records)
+    report = bd.diagnose(CELL, _with_background(idle), engine=engine)
+    assert [u.module for u in report.trace.unoptimized] == ["bg.model.0.extra"], report.trace.unoptimized
+    with Background() as bg:
+        bg.model[0].extra = torch.nn.Linear(2, 2)
+        while bg.steps < 3 and not bg.errors:  # (a thread that has not run PyTorch yet is not seen: elsewhere.py)
+            time.sleep(0.01)
+        for _ in range(5):
+            report = bd.diagnose(CELL, _with_background(bg), engine=engine)
+            assert report.exception is None and report.trace.unoptimized == [], (report.trace.unoptimized,
+                                                                                  report.trace.notes)
+    del bg.model[0].extra  # (the thread's own weights, checked against as many plain steps)
     bg.check()
 
 

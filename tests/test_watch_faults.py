@@ -17,6 +17,7 @@ from backward_doctor.capture import guard, loop_hooks, state as state_mod, worke
 from backward_doctor.capture.accum_watch import AccumulationWatch
 from backward_doctor.capture.context import Capture
 from backward_doctor.capture.frozen_watch import FrozenWatch
+from backward_doctor.capture.orphan_watch import OrphanWatch
 from backward_doctor.capture.loop_sampling import LoopSampling
 from backward_doctor.capture.loop_watch import LoopWatch
 from backward_doctor.capture.native_capture import NativeLoopWatch
@@ -102,6 +103,7 @@ BREAK = {
     "accumulation": lambda mp: mp.setattr(AccumulationWatch, "step_began", boom),
     "precision": lambda mp: mp.setattr(PrecisionWatch, "scaler_stepped", boom),
     "frozen": lambda mp: mp.setattr(FrozenWatch, "recorded_update", boom),
+    "orphans": lambda mp: mp.setattr(OrphanWatch, "finish", boom),
     "sampling": lambda mp: (mp.setattr(loop_hooks.LoopHooks, "_begin_iteration", boom),
                             mp.setattr(LoopSampling, "_begin_iteration", boom)),
     "rollback": lambda mp: mp.setattr(IterationRollback, "iteration_began", boom),

@@ -49,6 +49,8 @@ WATCHES: dict[str, tuple[str, str]] = {
     "precision": ("the precision watch (GradScaler and gradient clipping)", "the mixed-precision checks did not run"),
     "frozen": ("the frozen-parameter watch (values sampled around an optimizer step)",
                "frozen parameters the optimizer changed after that point are not known"),
+    "orphans": ("the optimizer-membership watch (parameters no optimizer holds)",
+                "modules of a model that no optimizer holds are not known"),
     "schedule": ("the scheduler watch (learning-rate scheduler steps)", "the learning-rate scheduler checks did not run"),
     "sampling": ("the loop sampler", "iterations after that point were recorded (or not) as the one before"),
     "rollback": ("the iteration rollback", "the iteration that went wrong cannot be replayed in detail"),

@@ -50,7 +50,7 @@ class LoopHooks:
         watches = self.watches = Watches.made(WatchContext(
             trace=self.trace, frames=self._frames, guards=self.guards, iteration=lambda: its.steps,
             backwards=lambda: loop.backward_calls, quiet=self._quiet_ops, params=self.parameters, scalar=loop.scalar,
-            loop=loop, counter=self._accum_counter()))
+            loop=loop, counter=self._accum_counter(), left_alone=lambda path: self.elsewhere.leaves(path) is not None))
 
         # (The undo goes on the stack before the patch: a Ctrl-C in between leaves nothing installed. The undo
         # puts the original back only while the wrapper is still the doctor's: a cell's own wrapper stays.)

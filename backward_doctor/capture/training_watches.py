@@ -1,11 +1,11 @@
 """The doctor's training watches in the registry (``watches.py``), in the order they are told each event: the
 loop's series first (what the others read: the ``backward()`` count), the precision watch before the accumulation
-watch (a GradScaler's skipped step ends the accumulation window before it closes), then the schedulers and the
-frozen parameters. A new capability is one more watch module and one more ``register`` line here.
+watch (a GradScaler's skipped step ends the accumulation window before it closes), then the schedulers, the
+frozen parameters and the optimizers' membership (read at the end: parts of a model no optimizer holds). A new capability is one more watch module and one more ``register`` line here.
 
 >>> from backward_doctor.capture.watches import registered
 >>> registered()
-['loop', 'precision', 'accumulation', 'schedule', 'frozen']
+['loop', 'precision', 'accumulation', 'schedule', 'frozen', 'orphans']
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 from .accum_watch import AccumulationWatch
 from .frozen_watch import FrozenWatch
+from .orphan_watch import OrphanWatch
 from .precision_watch import PrecisionWatch
 from .schedule_watch import ScheduleWatch
 from .watches import WatchContext, register
@@ -42,10 +43,15 @@ def _frozen(ctx: WatchContext) -> FrozenWatch:
     return FrozenWatch(ctx.trace.frozen_updates, quiet=ctx.quiet)
 
 
+def _orphans(ctx: WatchContext) -> OrphanWatch:
+    return OrphanWatch(ctx.trace.unoptimized, left_alone=ctx.left_alone)
+
+
 register("loop", _loop)
 register("precision", _precision)
 register("accumulation", _accumulation)
 register("schedule", _schedule)
 register("frozen", _frozen)
+register("orphans", _orphans)
 
 __all__: list[str] = []

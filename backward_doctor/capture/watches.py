@@ -89,6 +89,9 @@ class WatchContext:
     loop: Any = None                            #: the per-iteration series (the capture's ``LoopWatch``)
     counter: Any = None                         #: the native recorder's ``AccumCounter`` type, or None
     tell: Callable[[str], Any] = nothing        #: an event to every watch listening (filled in by Watches)
+    #: whether the namespace value at a path (``bg.model``) is left alone: another thread may be training it, and
+    #: reading its gradients then can crash the process (``elsewhere.py``)
+    left_alone: Callable[[str], bool] = lambda path: False
 
 
 #: (guard name, factory), in the order events are told

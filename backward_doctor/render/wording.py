@@ -26,7 +26,7 @@ KIND_WORDS = {
     "exception": "Error", "graph_leak": "Graphs kept alive", "hang": "Hang", "index_out_of_range":
     "Index out of range", "inf": "Inf", "inplace": "In-place write", "no_grad_path": "No gradient path",
     "nonfinite": "NaN / Inf", "nonleaf_param": "Parameters not leaves", "oom": "Out of memory",
-    "orphan_params": "Parameters without gradient", "shape_mismatch": "Shapes do not fit",
+    "orphan_params": "Parameters the optimizer misses", "shape_mismatch": "Shapes do not fit",
     "stale_grad": "Gradients never zeroed", "grad_accumulation": "Gradient accumulation", "amp_misuse":
     "Mixed precision misused", "timeout": "Time limit reached", "dataloader_worker": "DataLoader worker",
     "compile_divergence": "Compiled differs from eager", "loss_on_probabilities": "Loss fed the wrong scores",

@@ -346,7 +346,7 @@ def _merged(first: Trace, detailed: Trace, k: int, values: str, failed: bool = F
         detailed.iterations.values = {**first.iterations.values, str(k): values}
     kept = ("stale_steps", "graph_holders", "history", "run_id", "duration_s", "timed_out", "threads",
             "timeout_s", "timeout_stall", "completed", "accumulation", "precision", "loaders", "schedules",
-            "frozen_updates", "untied_weights") + (
+            "frozen_updates", "untied_weights", "unoptimized") + (
                 () if failed else ("exception",))  # (the watches saw every iteration of the run: theirs stand)
     for name in kept:
         setattr(detailed, name, getattr(first, name))

@@ -20,6 +20,7 @@ from .precision import Precision
 from .schedules import SchedulerRecord
 from .ties import UntiedWeights
 from .stacks import FrameInfo, LoaderRecord, ThreadStack
+from .orphans import UnoptimizedModule
 from .parts import (Carrier, Compilation, CompileCheck, GraphHolder, Iterations, LossInfo, NonFiniteScalar, OomInfo,
                     OptimizerStep, OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep,
                     StorageEvents)
@@ -324,6 +325,8 @@ class Trace:
     schedules: list[SchedulerRecord] = field(default_factory=list)
     #: weights a model declares tied (an embedding and its output layer) that were separate tensors (``UntiedWeights``)
     untied_weights: list[UntiedWeights] = field(default_factory=list)
+    #: modules of a model an optimizer trains whose parameters no optimizer holds (``UnoptimizedModule``)
+    unoptimized: list[UnoptimizedModule] = field(default_factory=list)
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

@@ -35,6 +35,7 @@ from .saved_writes import unseen_write
 from .schedules import scheduler_misuse
 from .ties import untied_weights
 from .train_eval import train_eval_mode
+from .unoptimized import unoptimized_params
 from .unshifted import unshifted_targets
 from .silent import amp_skipped, broadcast, detached, graph_leak, nonleaf_param, stale_grad
 
@@ -48,7 +49,7 @@ EXCEPTION_RULES: list[Rule] = [dataloader_worker, compile_failure, hang, eval_wi
 RUN_RULES: list[Rule] = [compile_divergence, direct_step, nonfinite, stale_grad, graph_leak, loop_leak, amp_skipped,
                          nonleaf_param, grad_accumulation, amp_misuse, update_left_out]
 #: Rules for a run that completed without an exception.
-SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, detached, broadcast, loss_on_probabilities,
+SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, unoptimized_params, detached, broadcast, loss_on_probabilities,
                             train_eval_mode, scheduler_misuse, frozen_params_updated, label_misalignment,
                             unshifted_targets, untied_weights, duplicated_stream]
 
