@@ -10,6 +10,8 @@ specific first:
   thrown away (Accelerate's ``accumulate()`` holds back ``optimizer.zero_grad()`` but not
   ``model.zero_grad()``);
 * the loss not divided by the number of micro-batches: the step's gradient is k times one full batch's;
+* the loss divided twice, by the user and again by the library that calls ``backward()`` (``accum_twice.py``):
+  the step's gradient is 1/k of one full batch's;
 * ``optimizer.step()`` after every micro-batch while the loss is divided for accumulation;
 * ``clip_grad_norm_`` after every micro-batch rather than once before the step (``clipping.py``);
 * whatever else made the measured check disagree (the step's gradient against one full batch's).
@@ -28,6 +30,7 @@ import linecache
 import re
 
 from ..findings import Finding, at, code_at, looped, placed
+from .accum_twice import divided_twice
 from .clipping import clip_per_micro_batch
 from ...trace.accumulation import Accumulation, AccumulationCheck, StepWindow
 from ...trace.records import Trace, Where
@@ -230,8 +233,8 @@ def _not_divided(trace: Trace) -> list[Finding]:
     for w in _accumulating(acc):
         k = w.backward
         d = min(c.divisor for c in w.calls)
-        if d >= 0.75 * k:
-            continue
+        if d >= 0.75 * k or min(c.library_divisor for c in w.calls) >= 0.75 * k:
+            continue  # (divided for accumulation, by the user or by the library that called backward())
         where = _loss_place(trace, w)
         code = code_at(trace, w.calls[0].line, w.calls[0].file)
         lib = _library(trace, w)
@@ -327,11 +330,16 @@ def grad_accumulation(trace: Trace) -> list[Finding]:
     """Gradient accumulation written wrong (see the module docstring); the first problem found."""
     if not trace.accumulation.windows:
         return []
-    for check in (_zeroed_inside, _not_divided, _step_every_micro_batch, _clipped_per_micro_batch, _check_disagrees):
+    for check in (_zeroed_inside, _not_divided, _divided_twice, _step_every_micro_batch, _clipped_per_micro_batch,
+                  _check_disagrees):
         found = check(trace)
         if found:
             return found
     return []
+
+
+def _divided_twice(trace: Trace) -> list[Finding]:
+    return divided_twice(trace, _accumulating(trace.accumulation))
 
 
 def _clipped_per_micro_batch(trace: Trace) -> list[Finding]:
