@@ -100,6 +100,8 @@ def tail_leak(trace: Trace) -> list[Finding]:
     if found is None or not acc.windows:
         return []
     k, r, m, epochs = found
+    if any(x.backward == k + r and any(z.after == r for z in x.zero_grads) for x in acc.windows):
+        return []  # zeroed before each epoch (such a window is kept in detail): the tail dropped, not leaked
     w = next((x for x in acc.windows if x.backward == k + r), acc.windows[0])
     iteration = w.iteration if w.backward == k + r else m
     step = code_at(trace, w.line, w.file) or "optimizer.step()"

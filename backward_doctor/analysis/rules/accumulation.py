@@ -139,13 +139,22 @@ def _zero_fix(source: str, zero_line: int | None, step_line: int | None, step: s
     return fix, f"Zero the gradients once per optimizer step, right after it: `{_one_line(fix)}`"
 
 
+def _usual(acc: Accumulation) -> int:
+    """The number of backward() calls most steps took (0: none took two or more)."""
+    counts = [(c, n) for n, c in enumerate(acc.per_step) if n >= 2 and c]
+    return max(counts)[1] if counts else 0
+
+
 # ---------------------------------------------------------------- zero_grad() between micro-batches
 def _zeroed_inside(trace: Trace) -> list[Finding]:
     acc = trace.accumulation
+    usual = _usual(acc)
     for w in _accumulating(acc):
         zeros = [z for z in w.zero_grads if z.stepped and 0 < z.after]
         if not zeros:
             continue
+        if w.backward > usual >= 2 and w.backward - max(z.after for z in zeros) == usual:
+            continue  # a full step's micro-batches after it: an epoch's tail dropped (zero_grad() before each epoch)
         z = zeros[0]
         k = w.backward
         lost = min(k, max(x.after for x in zeros))  # the last zero_grad before the step decides
@@ -204,12 +213,6 @@ def _loss_place(trace: Trace, w: StepWindow) -> Where:
         key = fwd.in_keys[0]
         fwd = next((op for op in reversed(trace.ops[:fwd.index]) if op.phase == "forward" and key in op.out_keys), None)
     return where
-
-
-def _usual(acc: Accumulation) -> int:
-    """The number of backward() calls most steps took (0: none took two or more)."""
-    counts = [(c, n) for n, c in enumerate(acc.per_step) if n >= 2 and c]
-    return max(counts)[1] if counts else 0
 
 
 def _not_divided(trace: Trace) -> list[Finding]:
