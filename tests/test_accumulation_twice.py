@@ -204,8 +204,16 @@ class MyTrainer(Trainer):
 """
 
 
-def test_trainer_divides_a_loss_compute_loss_divided_already(engine):
-    ns = ll.hf_trainer(DIVIDING_COMPUTE_LOSS, model=PlainClassifier(), steps=2, accum=2)
+#: the Trainer told the loss is a per-micro-batch mean (transformers' own advice for such a loss), on a BERT
+#: classifier whose ``forward`` takes ``**kwargs``: it divides it, on top of the user's division
+FLAGGED_COMPUTE_LOSS = DIVIDING_COMPUTE_LOSS.replace(
+    "class MyTrainer(Trainer):\n", "class MyTrainer(Trainer):\n    loss_is_scaled_for_ga = False\n\n")
+
+
+@pytest.mark.parametrize("source, model", [(DIVIDING_COMPUTE_LOSS, PlainClassifier), (FLAGGED_COMPUTE_LOSS, None)],
+                         ids=["forward_without_kwargs", "loss_is_scaled_for_ga_false"])
+def test_trainer_divides_a_loss_compute_loss_divided_already(source, model, engine):
+    ns = ll.hf_trainer(source, model=model() if model else None, steps=2, accum=2)
     report = bd.diagnose(ll.HF_TRAIN, ns, engine=engine)
     f = _only(report, "loss_divided_twice")
     assert f.line == ll.marked_line(ns, "MyTrainer", "# <-- divided") and f.file == ll.defined_in(ns, "MyTrainer")
