@@ -112,10 +112,11 @@ def tail_leak(trace: Trace) -> list[Finding]:
     where = Where(line=line, file=w.file, cell_line=line if w.file is None else None, function=w.function)
     how = (f"`{code_at(trace, line, w.file)}` steps every {k} micro-batches" if guard is not None
            else f"`{step}` runs every {k} micro-batches")
-    msg = (f"{how}, but an epoch has {m * k + r} batches ({m} x {k} + {r}): the last {r} of each epoch are never "
-           f"stepped nor zeroed, so their gradients leak into the first step of the next epoch ({k + r} "
-           f"micro-batches instead of {k}, two epochs mixed: {(k + r) / k:.3g}x one full batch's gradient) - "
-           f"iteration {iteration}, {epochs - 1} time(s) in this run - and the last epoch's {r} are never used. "
+    tail = "the last batch of each epoch is" if r == 1 else f"the last {r} batches of each epoch are"
+    msg = (f"{how}, but an epoch has {m * k + r} batches ({m} x {k} + {r}): {tail} never stepped nor zeroed, so "
+           f"their gradients leak into the first step of the next epoch ({k + r} micro-batches instead of {k}, two "
+           f"epochs mixed: {(k + r) / k:.3g}x one full batch's gradient) - iteration {iteration}, {epochs - 1} "
+           f"time{'s' if epochs > 2 else ''} in this run - and the last epoch's tail is never used. "
            f"Dividing differently does not fix it: step (or zero) the tail at the end of each epoch"
            + (f": `{fix}`" if fix else "") + ", or call `optimizer.zero_grad()` before each epoch to drop it.")
     return [at("grad_accumulation", where, msg, title=_TITLE, severity="warning", iteration=looped(trace, iteration),
