@@ -148,7 +148,8 @@ def hf_args_kwargs(steps: int = 4, batch: int = 4, accum: int = 1, lr: float = 5
 
 def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer", n: int = 32,
                callbacks: list | None = None, args_source: str | None = None, eval_n: int = 0,
-               task: str = "classify", train_ds: Any = None, **args: Any) -> dict[str, Any]:
+               task: str = "classify", train_ds: Any = None, model: nn.Module | None = None,
+               **args: Any) -> dict[str, Any]:
     """A namespace holding ``trainer`` (a `transformers.Trainer` on a tiny BERT classifier, or with
     ``task="lm"`` a tiny GPT-2 language model), ``model``, ``args``, ``train_ds``; run it with
     :data:`HF_TRAIN`. *trainer_source* defines a `Trainer` subclass named *trainer_name* (e.g. with its own
@@ -157,14 +158,14 @@ def hf_trainer(trainer_source: str | None = None, trainer_name: str = "MyTrainer
     ``args`` (defined like a cell), from ``base_args``: those keyword arguments without the learning rate
     (``args = TrainingArguments(**base_args, learning_rate=5e5)``). *eval_n*: an ``eval_ds`` of that many
     examples for the trainer to evaluate on (with ``eval_strategy`` in *args*). *train_ds*: a dataset of your
-    own (``dataloader_num_workers=2`` in *args* for worker processes)."""
+    own (``dataloader_num_workers=2`` in *args* for worker processes); *model*: a model of your own instead."""
     tf = _transformers()
     ns: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "Trainer": tf.Trainer,
                           "TrainingArguments": tf.TrainingArguments}
     cls = tf.Trainer
     if trainer_source is not None:
         cls = define(trainer_source, ns, name=trainer_name)[trainer_name]
-    ns["model"] = tiny_gpt2_lm() if task == "lm" else tiny_bert_classifier()
+    ns["model"] = model if model is not None else tiny_gpt2_lm() if task == "lm" else tiny_bert_classifier()
     if args_source is not None:
         ns["base_args"] = {k: v for k, v in hf_args_kwargs(**args).items() if k != "learning_rate"}
         define(args_source, ns, name="training_args")

@@ -44,7 +44,7 @@ def divisor(t: Any) -> tuple[float, str]:
     fn = getattr(t, "grad_fn", None)
     root = type(fn).__name__ if fn is not None else ""
     d = 1.0
-    for _ in range(4):
+    for _ in range(6):
         name = type(fn).__name__
         if name not in ("DivBackward0", "MulBackward0"):
             break

@@ -36,7 +36,7 @@ import torch
 
 from ..trace.accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWindow, ZeroGradCall
 from .accum_check import EquivalenceCheck, divisor, number
-from .accum_libraries import accelerate_state as _accelerate_state, settings as _settings
+from .accum_libraries import accelerate_state as _accelerate_state, library_division, settings as _settings
 from .guard import nothing
 from .watches import Watch
 from .patches import Patches, named_like
@@ -147,9 +147,10 @@ class AccumulationWatch(Watch):
         w = self._where()
         d, root = divisor(t) if isinstance(t, torch.Tensor) else (1.0, "")
         site = zlib.crc32(f"{w.file}:{w.line}:{w.lasti}".encode()) if w is not None else 0  # (stable in the JSON)
+        lib, lib_d = library_division(sys._getframe(2))
         return BackwardCall(line=getattr(w, "line", None), file=getattr(w, "file", None),
                             cell_line=getattr(w, "cell_line", None), function=getattr(w, "function", None),
-                            site=site, loss=self._scalar(t), divisor=d, root=root)
+                            site=site, loss=self._scalar(t), divisor=d, root=root, library=lib, library_divisor=lib_d)
 
     def backward_ended(self, counted: bool = True) -> None:
         """The backward() that began last returned (or raised); ``counted``: what its

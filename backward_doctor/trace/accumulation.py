@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 @dataclass
 class BackwardCall:
     """One ``backward()`` call (the first windows of a run only): where the user called it, the loss it
-    started from and how that loss was scaled just before (a division by a constant at its root)."""
+    started from and how that loss was scaled just before (a division by a constant at its root), and how much of
+    that a library did."""
 
     line: int | None = None
     file: str | None = None
@@ -32,6 +33,11 @@ class BackwardCall:
     loss: float | None = None      # the value backward() started from, when readable in place (CPU)
     divisor: float = 1.0           # the loss reached backward() divided by this (``loss / 4``: 4.0; none: 1.0)
     root: str = ""                 # the autograd node it started at (``DivBackward0``)
+    #: the library whose code called backward() and divided the loss on its way there (``accelerator.backward``,
+    #: the Trainer's ``training_step``, Lightning's automatic optimization): "accelerate", "transformers",
+    #: "lightning"; '' none did
+    library: str = ""
+    library_divisor: float = 1.0   # what those libraries divided it by (part of ``divisor``)
 
 
 @dataclass

@@ -9,7 +9,11 @@ specific first:
 * ``zero_grad()`` between the micro-batches of one step: the earlier micro-batches' gradients are
   thrown away (Accelerate's ``accumulate()`` holds back ``optimizer.zero_grad()`` but not
   ``model.zero_grad()``);
+* the tail of an epoch (fewer than k micro-batches) never stepped nor zeroed, leaking into the next epoch's first
+  step (``accum_tail.py``: not a loss divided by the wrong number);
 * the loss not divided by the number of micro-batches: the step's gradient is k times one full batch's;
+* the loss divided twice, by the user and again by the library that calls ``backward()`` (``accum_twice.py``):
+  the step's gradient is 1/k of one full batch's;
 * ``optimizer.step()`` after every micro-batch while the loss is divided for accumulation;
 * ``clip_grad_norm_`` after every micro-batch rather than once before the step (``clipping.py``);
 * whatever else made the measured check disagree (the step's gradient against one full batch's).
@@ -28,6 +32,8 @@ import linecache
 import re
 
 from ..findings import Finding, at, code_at, looped, placed
+from .accum_tail import modulo_guard, tail_leak
+from .accum_twice import divided_twice
 from .clipping import clip_per_micro_batch
 from ...trace.accumulation import Accumulation, AccumulationCheck, StepWindow
 from ...trace.records import Trace, Where
@@ -73,31 +79,6 @@ def _library(trace: Trace, w: StepWindow) -> str:
     return "trainer" if trace.iterations.library == "transformers" else ""
 
 
-def _scope(tree: ast.AST, line: int | None) -> ast.AST | None:
-    """The innermost loop holding ``line``, else the innermost function (a Lightning ``training_step``)."""
-    if line is None:
-        return None
-    holders = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While, ast.FunctionDef, ast.AsyncFunctionDef))
-               and n.lineno <= line <= (n.end_lineno or n.lineno)]
-    loops = [n for n in holders if isinstance(n, (ast.For, ast.While))]
-    return max(loops or holders, key=lambda n: n.lineno, default=None)
-
-
-def _modulo_name(source: str, line: int | None) -> tuple[str | None, ast.If | None]:
-    """The ``if ... % N == 0:`` near ``line`` (in its loop, else its function): the accumulation's guard,
-    and ``N`` as written."""
-    try:
-        scope = _scope(ast.parse(source), line)
-    except SyntaxError:
-        return None, None
-    for node in ast.walk(scope) if scope is not None else ():
-        if isinstance(node, ast.If):
-            mod = next((m for m in ast.walk(node.test) if isinstance(m, ast.BinOp) and isinstance(m.op, ast.Mod)), None)
-            if mod is not None:
-                return ast.unparse(mod.right), node
-    return None, None
-
-
 def _divides_by(source: str, name: str | None, d: float) -> bool:
     """The guard's ``N`` is what the loss was divided by: the number ``d`` itself, or a name the source divides
     by (``loss / accum_steps`` beside ``% accum_steps``)."""
@@ -140,7 +121,7 @@ def _one_line(fix: str) -> str:
 def _zero_fix(source: str, zero_line: int | None, step_line: int | None, step: str, zero: str) -> tuple[str, str]:
     """Where ``zero_grad()`` belongs: under the accumulation guard with the step, or out of the micro-batch
     loop (before it); returns the fix as code and the advice that says it."""
-    _, guard = _modulo_name(source, zero_line)
+    _, guard = modulo_guard(source, zero_line)
     if guard is not None:
         fix = f"if {ast.unparse(guard.test)}:\n    {step}\n    {zero}"
         return fix, f"Zero the gradients once per optimizer step, right after it: `{_one_line(fix)}`"
@@ -158,13 +139,22 @@ def _zero_fix(source: str, zero_line: int | None, step_line: int | None, step: s
     return fix, f"Zero the gradients once per optimizer step, right after it: `{_one_line(fix)}`"
 
 
+def _usual(acc: Accumulation) -> int:
+    """The number of backward() calls most steps took (0: none took two or more)."""
+    counts = [(c, n) for n, c in enumerate(acc.per_step) if n >= 2 and c]
+    return max(counts)[1] if counts else 0
+
+
 # ---------------------------------------------------------------- zero_grad() between micro-batches
 def _zeroed_inside(trace: Trace) -> list[Finding]:
     acc = trace.accumulation
+    usual = _usual(acc)
     for w in _accumulating(acc):
         zeros = [z for z in w.zero_grads if z.stepped and 0 < z.after]
         if not zeros:
             continue
+        if w.backward > usual >= 2 and w.backward - max(z.after for z in zeros) == usual:
+            continue  # a full step's micro-batches after it: an epoch's tail dropped (zero_grad() before each epoch)
         z = zeros[0]
         k = w.backward
         lost = min(k, max(x.after for x in zeros))  # the last zero_grad before the step decides
@@ -227,11 +217,14 @@ def _loss_place(trace: Trace, w: StepWindow) -> Where:
 
 def _not_divided(trace: Trace) -> list[Finding]:
     acc = trace.accumulation
+    usual = _usual(acc)
     for w in _accumulating(acc):
         k = w.backward
         d = min(c.divisor for c in w.calls)
-        if d >= 0.75 * k:
-            continue
+        if d >= 0.75 * k or min(c.library_divisor for c in w.calls) >= 0.75 * k:
+            continue  # (divided for accumulation, by the user or by the library that called backward())
+        if k > usual >= 2 and abs(d - usual) < 1e-6:
+            continue  # divided by what most steps took: this step took more (a tail leaked into it, accum_tail.py)
         where = _loss_place(trace, w)
         code = code_at(trace, w.calls[0].line, w.calls[0].file)
         lib = _library(trace, w)
@@ -248,7 +241,7 @@ def _not_divided(trace: Trace) -> list[Finding]:
                    "False` (transformers 5; before: `trainer.model_accepts_loss_kwargs = False`), or divide by "
                    "`num_items_in_batch` in `compute_loss`")
         else:
-            name, _ = _modulo_name(_source(trace, w.calls[0].file), w.calls[0].line)
+            name, _ = modulo_guard(_source(trace, w.calls[0].file), w.calls[0].line)
             fix = _divided(code, name or str(k)) or f"(loss / {name or k}).backward()"
             how = f"divide each micro-batch's loss by the number of micro-batches: `{fix}`"
         msg = (f"{k} backward() calls feed each optimizer step (gradient accumulation over {k} micro-batches), "
@@ -284,7 +277,7 @@ def _step_every_micro_batch(trace: Trace) -> list[Finding]:
         if d < 2 or any(abs(x.calls[0].divisor - d) > 1e-6 for x in singles):
             return []
         source = _source(trace, w.file)
-        name, guard = _modulo_name(source, w.line)
+        name, guard = modulo_guard(source, w.line)
         if guard is None or (w.line is not None and guard.lineno <= w.line <= (guard.end_lineno or guard.lineno)):
             return []  # no accumulation guard in the loop, or the step is under it
         if not _divides_by(source, name, d):
@@ -327,11 +320,16 @@ def grad_accumulation(trace: Trace) -> list[Finding]:
     """Gradient accumulation written wrong (see the module docstring); the first problem found."""
     if not trace.accumulation.windows:
         return []
-    for check in (_zeroed_inside, _not_divided, _step_every_micro_batch, _clipped_per_micro_batch, _check_disagrees):
+    for check in (_zeroed_inside, tail_leak, _not_divided, _divided_twice, _step_every_micro_batch, _clipped_per_micro_batch,
+                  _check_disagrees):
         found = check(trace)
         if found:
             return found
     return []
+
+
+def _divided_twice(trace: Trace) -> list[Finding]:
+    return divided_twice(trace, _accumulating(trace.accumulation))
 
 
 def _clipped_per_micro_batch(trace: Trace) -> list[Finding]:
