@@ -47,8 +47,8 @@ def _finding(trace: Trace, rec: LoaderRecord) -> Finding:
     msg = (f"Every DataLoader worker iterates the whole `{name}`: of the first {rec.batches_checked} batches, "
            f"{rec.duplicated} were equal to a batch another worker had already delivered. A DataLoader gives each "
            f"of its `num_workers={n}` processes its own copy of an `IterableDataset`, and {split} Each sample comes "
-           f"{n} times an epoch: the model trains on duplicated data, and one epoch is {n}. Give each worker its "
-           "share in `__iter__` (as below), or use a map-style `Dataset` with a sampler.")
+           f"{n} times an epoch: the model trains on duplicated data, and each epoch makes {n} passes over it. Give "
+           "each worker its share in `__iter__` (as below), or use a map-style `Dataset` with a sampler.")
     return at("dataloader_worker", where, msg, severity="warning", title="Every worker iterates the whole dataset",
               iteration=looped(trace, 0),
               evidence={"worker": None, "task": "", "state": "duplicated", "dataset": rec.dataset,
