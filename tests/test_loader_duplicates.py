@@ -4,13 +4,12 @@ silent and bit-identical: the same stream split by ``get_worker_info()``, one wo
 stream of one constant batch, and workers that each make their own samples."""
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
 
 import backward_doctor as bd
 import library_loops as ll
+from test_dataloader_workers import no_stray_workers  # noqa: F401  (the fixture, autouse)
 
 STREAMS = """\
 import torch
@@ -76,14 +75,6 @@ for x, y in loader:
     loss.backward()
     opt.step()
 """
-
-
-@pytest.fixture(autouse=True)
-def no_stray_workers():
-    yield
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(10)
 
 
 def _run(dataset: str, engine: str | None, num_workers: int = 2) -> tuple[dict, object]:

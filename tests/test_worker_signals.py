@@ -7,7 +7,6 @@ ended by pid when it ends.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import signal
 import threading
@@ -17,6 +16,7 @@ import torch
 
 import backward_doctor as bd
 import library_loops as ll
+from test_dataloader_workers import no_stray_workers  # noqa: F401  (the fixture, autouse)
 
 DATASETS = """\
 import os, signal
@@ -80,14 +80,6 @@ for x in loader:
     model(x).sum().backward()
     opt.step()
 """
-
-
-@pytest.fixture(autouse=True)
-def no_stray_workers():
-    yield
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(10)
 
 
 @pytest.fixture
