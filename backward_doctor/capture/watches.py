@@ -162,14 +162,10 @@ class Watches:
     @classmethod
     def made(cls, ctx: WatchContext) -> "Watches":
         """Every registered watch made for the run of ``ctx`` (``ctx.tell`` set to tell them events)."""
-        made: list[tuple[str, Watch]] = []
-        watches = cls.__new__(cls)
+        made = [(name, w) for name, w in ((name, factory(ctx)) for name, factory in _REGISTRY) if w is not None]
+        watches = cls(made, ctx.guards, ctx.trace)
+        # (told by a watch while the run goes on, never while the watches are made: a late binding is enough)
         ctx.tell = lambda event, *args: getattr(watches, event)(*args)
-        for name, factory in _REGISTRY:
-            watch = factory(ctx)
-            if watch is not None:
-                made.append((name, watch))
-        watches.__init__(made, ctx.guards, ctx.trace)
         return watches
 
     def backward_wrapper(self, real: Callable[..., Any]) -> Callable[..., Any]:
