@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .capture.process import one_run_at_a_time
+from .util.process import one_run_at_a_time
 from .fixes.apply import run_fix
 from .fixes.offers import check_offers
 from .fixes.spec import parse_fix

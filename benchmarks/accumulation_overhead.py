@@ -54,15 +54,15 @@ class Before:
     duration of a ``with`` (put back after): the run as it was before the accumulation and precision watches."""
 
     def __enter__(self) -> "Before":
-        from backward_doctor.capture import training_watches  # noqa: F401  (registered before they are saved)
-        from backward_doctor.capture import watches
+        from backward_doctor.capture.watches import training as training_watches  # noqa: F401  (registered before they are saved)
+        from backward_doctor.capture.watches import registry as watches
 
         self.saved = list(watches._REGISTRY)
         watches._REGISTRY[:] = [(n, f) for n, f in self.saved if n == "loop"]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from backward_doctor.capture import watches
+        from backward_doctor.capture.watches import registry as watches
 
         watches._REGISTRY[:] = self.saved
 
@@ -98,9 +98,9 @@ def hooks_cost(n: int = 200_000) -> tuple[float, float]:
     """The watches' own work per iteration of a loop without accumulation or low-precision weights (a
     zero_grad, a backward(), a step), called directly: (best of 5, median) microseconds. A bound of what
     they add that does not depend on the machine's load the way whole runs do."""
-    from backward_doctor.capture.accum_watch import AccumulationWatch
+    from backward_doctor.capture.watches.accumulation import AccumulationWatch
     from backward_doctor.capture.frames import UserFrames
-    from backward_doctor.capture.precision_watch import PrecisionWatch
+    from backward_doctor.capture.watches.precision import PrecisionWatch
     from backward_doctor.trace.accumulation import Accumulation
     from backward_doctor.trace.precision import Precision
 

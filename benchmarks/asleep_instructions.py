@@ -52,7 +52,7 @@ def _measured(asleep: bool) -> tuple[Any, Any]:
     torch.set_num_threads(1)
     import always_on as ao
     import whole_path as wp
-    from backward_doctor.capture import sampling
+    from backward_doctor.capture.loop import choosing as sampling
     from backward_doctor.capture.native_capture import native_available
 
     native_available(build=True)

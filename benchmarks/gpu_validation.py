@@ -394,8 +394,8 @@ def native() -> dict[str, Any]:
 
 def reader() -> dict[str, Any]:
     """What one read of the allocator's allocated bytes costs: ``torch.cuda.memory_allocated()`` against the
-    doctor's reader (``capture/cuda.py``); they must agree."""
-    from backward_doctor.capture.cuda import allocated_reader
+    doctor's reader (``capture/recorder/cuda.py``); they must agree."""
+    from backward_doctor.capture.recorder.cuda import allocated_reader
 
     fast = allocated_reader()
     keep = torch.ones(1000, device="cuda")

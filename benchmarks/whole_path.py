@@ -53,7 +53,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import backward_doctor as bd  # noqa: E402
-from backward_doctor.capture import finish as finish_mod  # noqa: E402
+from backward_doctor.capture.end import finish as finish_mod  # noqa: E402
 from backward_doctor.capture.native_capture import NativeCapture, native_available  # noqa: E402
 from backward_doctor.run import step as step_mod  # noqa: E402
 from workloads import GPT  # noqa: E402

@@ -30,9 +30,9 @@ _PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # rules and renderers only read the trace once it is inert: an interrupt there leaves nothing behind).
 _SETUP = tuple(os.path.join(_PKG, m) for m in (
     "api.py", "run/engine.py", "run/step.py", "capture/runner.py", "capture/context.py", "capture/native_capture.py",
-    "capture/compile_watch.py", "capture/memory.py", "capture/loop_hooks.py", "capture/accum_watch.py",
-    "capture/precision_watch.py",
-    "capture/namespace.py", "capture/history.py", "capture/process.py", "capture/mode.py", "native/__init__.py"))
+    "capture/recorder/compiling.py", "capture/recorder/memory.py", "capture/loop/hooks.py", "capture/watches/accumulation.py",
+    "capture/watches/precision.py",
+    "capture/namespace.py", "capture/history.py", "util/process.py", "capture/recorder/mode.py", "native/__init__.py"))
 CELL = "opt.zero_grad()\nloss = (model(x) ** 2).mean()\nloss.backward()\nopt.step()\n"
 
 
@@ -61,7 +61,7 @@ def baseline() -> dict[str, Any]:
         "native recorder running": _native_running(),
         "watchdog threads": sum(t.name == "backward_doctor-watchdog" and t.is_alive() for t in threading.enumerate()),
         "locks held": _held_locks(),
-        "diagnosis marked running": getattr(sys.modules.get("backward_doctor.capture.process"), "_owner", None),
+        "diagnosis marked running": getattr(sys.modules.get("backward_doctor.util.process"), "_owner", None),
         "wrapped functions": _wrapped(),
         "DataLoader iterator methods": _loader_iter_methods(),
     }
@@ -280,7 +280,7 @@ def _cleanup() -> None:
     for name in _held_locks():
         mod, attr = name.rsplit(".", 1)
         getattr(sys.modules[mod], attr).release()
-    g = sys.modules.get("backward_doctor.capture.process")
+    g = sys.modules.get("backward_doctor.util.process")
     if g is not None:
         g._owner, g._depth = None, 0
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import backward_doctor as bd
-from backward_doctor.capture import accum_watch
+from backward_doctor.capture.watches import accumulation as accum_watch
 
 
 

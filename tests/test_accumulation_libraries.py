@@ -320,7 +320,7 @@ for x, y in loader:
     assert len(fresh["windows"]) == 16 and sum(fresh["per_step"]) == 40
     assert left == fresh
     # and on the general path (every window's end in Python, as while the accumulation check measures one)
-    from backward_doctor.capture import accum_watch
+    from backward_doctor.capture.watches import accumulation as accum_watch
 
     monkeypatch.setattr(accum_watch.AccumulationWatch, "_counting", property(lambda self: False, lambda self, v: None),
                         raising=False)

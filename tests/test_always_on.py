@@ -14,7 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 import backward_doctor as bd
-from backward_doctor.capture.trains import might_train
+from backward_doctor.frontends.trains import might_train
 from backward_doctor.frontends.always_on import current
 
 import fault_injection as fi

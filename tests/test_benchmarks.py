@@ -96,7 +96,7 @@ def test_the_bytecode_count_names_the_hooks_an_asleep_iteration_runs():
     total = float(re.search(r"always on adds asleep: ([\d,.]+)", out.stdout).group(1).replace(",", ""))
     assert 100 < total < 2000, out.stdout
     for fn in ("_optim_pre", "_optim_post", "_iteration_ended", "backward", "backward_began"):
-        # (the backward() wrapper and the watches' callers are written out at install: ``capture/watches.py``)
+        # (the backward() wrapper and the watches' callers are written out at install: ``capture/watches/registry.py``)
         assert re.search(rf"^\s+[\d.]+\s+(\S+\.py|<backward_doctor watches: \w+>):\d+ {fn}$", out.stdout, re.M), \
             (fn, out.stdout)
     if native_available(build=False):  # (the script builds it: the loop watch's Python is not what runs)

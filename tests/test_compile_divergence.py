@@ -256,7 +256,7 @@ def test_accelerate_loop_with_a_compiled_model(engine):
 def test_op_by_op_comparison_of_a_model_with_dropout_finds_nothing_and_keeps_the_rng():
     """Dropout draws the same mask eagerly and compiled (the same seed, inductor's random ops as torch's), and
     the comparison's draws do not touch the user's generator."""
-    from backward_doctor.capture.compile_graphs import backend_of, compare_module
+    from backward_doctor.run.compile_graphs import backend_of, compare_module
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).train()

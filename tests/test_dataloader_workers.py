@@ -327,7 +327,7 @@ class Probe(torch.utils.data.Dataset):
         from torch._utils import ExceptionWrapper
 
         from backward_doctor import native
-        from backward_doctor.capture import worker_side
+        from backward_doctor.capture.workers import worker_side
 
         recording = native._module is not None and native._module.running()
         return torch.tensor([torch._C._len_torch_dispatch_stack(), int(recording), int(torch.is_anomaly_enabled()),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from backward_doctor.analysis.distributed import analyze_ranks
-from backward_doctor.capture.collectives import CollectiveRecorder
+from backward_doctor.capture.recorder.collectives import CollectiveRecorder
 from backward_doctor.api import check_nproc
 from backward_doctor.frontends.launch import free_port, rank_env
 from backward_doctor.report.combined import CombinedReport, load_report

@@ -159,7 +159,7 @@ def test_memory_snapshot_of_a_hugging_face_step(tmp_path):
 
 
 def test_storage_history_is_bounded_with_a_note(monkeypatch, tmp_path):
-    from backward_doctor.capture import memory
+    from backward_doctor.capture.recorder import memory
 
     monkeypatch.setattr(memory, "STORAGE_EVENTS_CAP", 20)
     report = _diagnose(STEP, "python")

@@ -184,7 +184,7 @@ def test_ctrl_c_during_set_up_with_a_non_raising_handler_runs_the_cell_under_the
 def test_ctrl_c_held_during_set_up_is_handed_to_the_cells_handler_and_said(engine, monkeypatch):
     """A Ctrl-C noted while the doctor set itself up reaches the cell's handler before its first line; the
     report says so (and, with the default handler, that the cell did not run)."""
-    from backward_doctor.capture import process
+    from backward_doctor.util import process
 
     real = process.interrupts_allowed
 
@@ -231,7 +231,7 @@ def test_the_cells_own_wrapper_of_autograd_backward_stays(engine):
 
 
 def test_the_collective_recorder_leaves_the_scripts_own_wrapper_too():
-    from backward_doctor.capture.collectives import CollectiveRecorder
+    from backward_doctor.capture.recorder.collectives import CollectiveRecorder
 
     real = torch.autograd.backward
 

@@ -1,4 +1,4 @@
-"""Index ranges checked before a kernel reads them (``capture/checks.py``): advanced indexing, ``index_put``,
+"""Index ranges checked before a kernel reads them (``capture/recorder/checks.py``): advanced indexing, ``index_put``,
 ``scatter``/``index_add``/``index_copy`` beside the embedding/gather/NLL checks. On CUDA the check runs before the
 launch (a bad index there is a device-side assert that kills the context, seen on an H200); on the CPU PyTorch's
 own error is explained after the fact with the same evidence."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import backward_doctor as bd
-from backward_doctor.capture.checks import index_check
+from backward_doctor.capture.recorder.checks import index_check
 
 aten = torch.ops.aten
 

@@ -2,7 +2,8 @@
 
 The package is layered capture -> trace -> analysis -> report -> render -> frontends (DEVELOPERS.md
 has the map). A module may import from its own layer and the layers below it, never above; there is
-no import cycle between modules; no module is over 400 lines. Every import counts: those inside
+no import cycle between modules; no module is over 400 lines. ``capture/`` is in rooms with an order of
+their own (``CAPTURE_ROOMS``). Every import counts: those inside
 functions (deferred) and those under ``TYPE_CHECKING`` too, because a cycle hidden in a function is
 still a cycle a reader has to hold in their head.
 """
@@ -17,7 +18,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "backward_doctor"
 
 #: Bottom to top. A module's layer is its first dotted component under the package (``capture`` for
-#: ``backward_doctor.capture.memory``); the package's ``__init__`` and ``__main__`` sit above all.
+#: ``backward_doctor.capture.recorder.memory``); the package's ``__init__`` and ``__main__`` sit above all.
 LAYERS = ["util", "native", "trace", "capture", "analysis", "report", "render", "run", "fixes", "api",
           "frontends", "integrations"]
 TOP = {"", "__main__"}
@@ -155,10 +156,10 @@ def test_the_checker_sees_deferred_type_only_and_upward_imports(tmp_path):
     src = ("from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
            "if TYPE_CHECKING:\n    from ..render.html import render_html\n"
            "def f():\n    from ..frontends import cli\n    from . import memory\n")
-    fake = tmp_path / "probe.py"  # read as if it were backward_doctor/capture/probe.py
-    fake.write_text(src, encoding="utf-8")
-    got = {t for t, _ in _imports("capture.probe", fake)}
-    assert got == {"render.html", "frontends.cli", "capture.memory"}
+    fake = tmp_path / "probe.py"  # read as if it were backward_doctor/capture/recorder/probe.py
+    fake.write_text(src.replace("..render", "...render").replace("..frontends", "...frontends"), encoding="utf-8")
+    got = {t for t, _ in _imports("capture.recorder.probe", fake)}
+    assert got == {"render.html", "frontends.cli", "capture.recorder.memory"}
 
 
 def test_the_layers_match_the_folders():
@@ -166,6 +167,55 @@ def test_the_layers_match_the_folders():
     modules = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
     assert folders | modules == set(LAYERS), (folders | modules) ^ set(LAYERS)
     assert os.path.isfile(PKG.parent / "DEVELOPERS.md")
+
+
+#: ``capture/``'s rooms, bottom to top (DEVELOPERS.md): a room imports the rooms below it and the capture's shared
+#: modules, never a room above it nor the assembly, the modules that put a capture together from the rooms.
+CAPTURE_ROOMS = ["recorder", "workers", "watches", "loop", "end"]
+CAPTURE_SHARED = {"guard", "frames", "history", "janitor", "namespace", "elsewhere", "state"}
+CAPTURE_ASSEMBLY = {"", "context", "native_capture", "python_sampling", "runner", "open_run"}
+
+
+def _capture_place(name: str) -> str | None:
+    """``recorder`` for ``capture.recorder.memory``, ``.guard`` for ``capture.guard``, None outside capture."""
+    parts = name.split(".")
+    if parts[0] != "capture":
+        return None
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in CAPTURE_ROOMS):
+        return parts[1]
+    return "." + (parts[1] if len(parts) == 2 else "")
+
+
+def test_every_capture_module_has_a_place():
+    """A new capture module goes into a room; the top of ``capture/`` is the shared modules and the assembly."""
+    for name in MODULES:
+        place = _capture_place(name)
+        if place is not None and place.startswith("."):
+            assert place[1:] in CAPTURE_SHARED | CAPTURE_ASSEMBLY, (
+                f"backward_doctor.{name} is at the top of capture/: put it in a room ({CAPTURE_ROOMS}) or name it "
+                "shared or assembly in tests/test_layers.py and DEVELOPERS.md")
+        elif place is not None:
+            assert place in CAPTURE_ROOMS, f"backward_doctor.{name}: capture/{place}/ is no room: add it to CAPTURE_ROOMS"
+
+
+def test_capture_rooms_import_down():
+    bad = []
+    for name, imports in GRAPH.items():
+        here = _capture_place(name)
+        if here is None or here.startswith("."):
+            continue
+        for target, line in imports:
+            there = _capture_place(target)
+            if there is None or there == here:
+                continue
+            if there.startswith("."):
+                ok = there[1:] in CAPTURE_SHARED
+            else:
+                ok = CAPTURE_ROOMS.index(there) < CAPTURE_ROOMS.index(here)
+            if not ok:
+                bad.append(f"backward_doctor/{MODULES[name].relative_to(PKG)}:{line} (capture/{here}/) imports "
+                           f"backward_doctor.{target}")
+    assert not bad, "capture rooms importing up or the assembly:\n" + "\n".join(bad)
 
 
 def test_one_run_orchestration():

@@ -167,7 +167,7 @@ def test_the_series_survive_json_and_stay_bounded():
 
     its = Trace.from_dict(json.loads(json.dumps(report.trace.to_dict()))).iterations
     assert its.live_bytes == report.trace.iterations.live_bytes and its.loss == report.trace.iterations.loss
-    from backward_doctor.capture.loop_watch import LoopWatch
+    from backward_doctor.capture.loop.series import LoopWatch
     from backward_doctor.trace.parts import Iterations
 
     long = Iterations()

@@ -101,7 +101,7 @@ def test_timeline_is_downsampled_keeping_the_peak():
 def test_timeline_reads_only_whole_samples_after_an_interrupted_add():
     """A cell's own SIGALRM may raise inside ``Timeline.add`` between writing a sample's op index and its
     totals (CI saw an IndexError in finish() that way): the samples read back are the whole ones."""
-    from backward_doctor.capture.memory import Timeline
+    from backward_doctor.capture.recorder.memory import Timeline
     tl = Timeline()
     tl.add(0, [1, 2], 3)
     tl.index.append(1)               # interrupted after the op index, before its totals

@@ -434,7 +434,7 @@ def test_the_cpu_allocator_is_wrapped_while_recording_and_its_blocks_outlive_it(
 def test_the_graph_walk_in_cpp_answers_as_the_python_walk():
     """``GraphWalks`` (step_state.graph_holders' walks of the graphs tensors still carry) in C++ and in Python:
     the same earlier run found first, the same oldest node, the same limit, the same sharing of clean nodes."""
-    from backward_doctor.capture.step_state import GraphWalks
+    from backward_doctor.capture.end.step_state import GraphWalks
 
     seq = torch._C._autograd._get_sequence_nr
     w = torch.ones(3, requires_grad=True)

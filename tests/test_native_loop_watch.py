@@ -1,5 +1,5 @@
 """The native tier's per-iteration watches against the Python they implement: the loop watch (``LoopSeries``,
-C++) against ``capture/loop_watch.py``'s class, the same calls, the same record, call for call, across what a
+C++) against ``capture/loop/series.py``'s class, the same calls, the same record, call for call, across what a
 loop's iterations can bring (finite and NaN losses, NaN gradients, learning rates of every kind, a scheduler's
 ``initial_lr``, groups that are no list, a loss that is no one-element tensor, more iterations than a series
 keeps); the accumulation watch's counting-only windows counted in C (``AccumCounter``) against its Python paths,
@@ -20,8 +20,8 @@ import torch
 
 import backward_doctor as bd
 from backward_doctor import native
-from backward_doctor.capture import accum_watch
-from backward_doctor.capture.loop_watch import LoopWatch
+from backward_doctor.capture.watches import accumulation as accum_watch
+from backward_doctor.capture.loop.series import LoopWatch
 from backward_doctor.capture.native_capture import NativeCapture, NativeLoopWatch, native_available
 from backward_doctor.trace.accumulation import Accumulation
 from backward_doctor.trace.parts import Iterations

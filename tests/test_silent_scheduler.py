@@ -22,7 +22,7 @@ import torch.nn as nn
 import backward_doctor as bd
 from report_check import describe as _describe, only, silent as _silent
 import library_loops as ll
-from backward_doctor.capture.schedule_watch import ScheduleWatch
+from backward_doctor.capture.watches.schedules import ScheduleWatch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

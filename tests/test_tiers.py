@@ -150,7 +150,7 @@ def test_a_correct_lightning_fit_screened_at_scalars_runs_as_plain(monkeypatch):
     """The wrapper on the LightningModule's ``training_step`` changes nothing: same weights as a plain fit, the
     wrapper and the batch it knew gone after the run; a module under manual optimization is not wrapped."""
     import library_loops as ll
-    from backward_doctor.capture.library_step import library_step
+    from backward_doctor.capture.loop.library_step import library_step
 
     monkeypatch.setattr(tiers, "screens_every_op", lambda: False)
     monkeypatch.setattr(step, "screens_every_op", lambda: False)

@@ -13,16 +13,18 @@ import torch
 import torch.nn.functional as F
 
 import backward_doctor as bd
-from backward_doctor.capture import guard, loop_hooks, state as state_mod, worker_watch
-from backward_doctor.capture.accum_watch import AccumulationWatch
+from backward_doctor.capture import guard, state as state_mod
+from backward_doctor.capture.loop import hooks as loop_hooks
+from backward_doctor.capture.workers import main_side as worker_watch
+from backward_doctor.capture.watches.accumulation import AccumulationWatch
 from backward_doctor.capture.context import Capture
-from backward_doctor.capture.frozen_watch import FrozenWatch
-from backward_doctor.capture.orphan_watch import OrphanWatch
-from backward_doctor.capture.loop_sampling import LoopSampling
-from backward_doctor.capture.loop_watch import LoopWatch
+from backward_doctor.capture.watches.frozen import FrozenWatch
+from backward_doctor.capture.watches.orphans import OrphanWatch
+from backward_doctor.capture.loop.sampling import LoopSampling
+from backward_doctor.capture.loop.series import LoopWatch
 from backward_doctor.capture.native_capture import NativeLoopWatch
-from backward_doctor.capture.optim_hooks import OptimizerHooks
-from backward_doctor.capture.precision_watch import PrecisionWatch
+from backward_doctor.capture.loop.optimizer import OptimizerHooks
+from backward_doctor.capture.watches.precision import PrecisionWatch
 from backward_doctor.run.iteration_replay import IterationRollback
 
 
@@ -164,7 +166,7 @@ def test_a_disabled_gradscaler_is_a_healthy_loop(engine, spelling):
 # ----------------------------------------------------------------------------- the entry points that are not a capture's
 def test_a_broken_collective_log_lets_every_collective_run(monkeypatch):
     import torch.distributed as dist
-    from backward_doctor.capture.collectives import CollectiveRecorder
+    from backward_doctor.capture.recorder.collectives import CollectiveRecorder
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")

@@ -1,4 +1,4 @@
-"""A new capability lands by registering a watch (``capture/watches.py``): no edit of the capture, the loop hooks or
+"""A new capability lands by registering a watch (``capture/watches/registry.py``): no edit of the capture, the loop hooks or
 the optimizer hooks. The watch below is defined here and only registered; a real ``diagnose()`` of a training loop
 tells it the loop's events, on both engines, asleep iterations included, and what it writes is in the report's
 trace. A registered watch whose bookkeeping fails is switched off alone, said in a note, and the run stays
@@ -9,7 +9,7 @@ import pytest
 
 import backward_doctor as bd
 from backward_doctor.capture import guard
-from backward_doctor.capture.watches import EVENTS, Watch, register, registered, unregister
+from backward_doctor.capture.watches.registry import EVENTS, Watch, register, registered, unregister
 from test_watch_faults import LOOP, assert_identical, loop_namespace, plain, state_of
 
 
@@ -144,7 +144,7 @@ def test_registering_a_name_twice_is_refused_and_events_are_the_documented_ones(
 def test_no_registered_watch_no_training_watch_in_the_report(engine):
     """The registry emptied of the doctor's watches but the loop's series: the run still diagnoses (its series and
     ops), the training records stay empty: the capture calls no watch by name."""
-    from backward_doctor.capture import watches
+    from backward_doctor.capture.watches import registry as watches
 
     saved = list(watches._REGISTRY)
     watches._REGISTRY[:] = [(n, f) for n, f in saved if n == "loop"]

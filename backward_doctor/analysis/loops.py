@@ -7,7 +7,7 @@ exception) is known and its root-cause line lies
 
 - inside a ``for``/``while`` loop of the cell that steps an optimizer (the outermost loop holding the line),
 - or in the cell's call of a library's loop (``trainer.train()``, ``trainer.fit(...)``): then the evidence
-  names that call and the library's epoch and batch (``capture/trainers.py``).
+  names that call and the library's epoch and batch (``capture/loop/trainers.py``).
 
 Code after ``optimizer.step()`` in the loop's body (an evaluation, logging) belongs to the iteration whose
 step just ran, until the loop comes round again.

@@ -4,14 +4,14 @@ Layer 2 of capture -> trace -> analysis -> report -> render -> frontends. The on
 torch's runtime (dispatch modes, hooks, the native recorder in ``backward_doctor.native``); what leaves
 it is an inert :class:`~backward_doctor.trace.Trace`.
 
-- ``context.py``: :class:`Capture`, the context manager (lifecycle, hooks); ``record.py``: the per-op
-  hot path; ``mode.py``: the private dispatch mode; ``finish.py`` + ``step_state.py``: turning the
-  run into a trace; ``native_capture.py`` + ``native_records.py``: the C++ recorder's tier.
-- ``memory.py`` (live-tensor ledger), ``stats.py``, ``checks.py``, ``frames.py``, ``namespace.py``,
-  ``stores.py``, ``cuda.py``, ``compile_watch.py``: what the recorders use.
-- ``runner.py``: running a cell's source under a capture with the hang watchdog; ``history.py``: what
-  is remembered about a cell across runs; ``process.py``: the undo stack, the Ctrl-C hold, one
-  diagnosis at a time.
+The rooms, bottom to top (a room imports only those below it and the shared modules here):
+``recorder/`` (every aten op, live memory, statistics, collectives, torch.compile's compiling),
+``workers/`` (DataLoader workers, both sides), ``watches/`` (the training watches' registry and its
+members), ``loop/`` (iterations, which are recorded, optimizer steps, library loops), ``end/`` (the
+run turned into a trace). Shared: ``state.py`` (:class:`CaptureState`), ``guard.py``, ``frames.py``,
+``namespace.py``, ``elsewhere.py``, ``history.py``, ``janitor.py``. The assembly, which nothing in a
+room imports: ``context.py`` (:class:`Capture`), ``native_capture.py``, ``python_sampling.py``,
+``runner.py`` (a cell's source under a capture, with the hang watchdog), ``open_run.py``.
 
 >>> import torch
 >>> with Capture() as cap:

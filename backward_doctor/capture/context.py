@@ -26,17 +26,17 @@ import torch.optim.optimizer as _optim
 from torch.nn.modules import module as _nn_module
 
 from . import namespace as ns_mod
-from .compile_watch import CompileWatch
+from .recorder.compiling import CompileWatch
 from .elsewhere import elsewhere
 from .guard import nothing
-from .worker_watch import WorkerWatch
-from .loop_hooks import LoopHooks
-from .module_modes import ModeWatch
-from .optim_hooks import OptimizerHooks
-from .process import complete, doctors_own, interrupts_deferred
-from .mode import _DoctorMode, take_off
-from .record import OpRecorder, passed_on
-from .memory import shape_of, storage_key
+from .workers.main_side import WorkerWatch
+from .loop.hooks import LoopHooks
+from .recorder.module_modes import ModeWatch
+from .loop.optimizer import OptimizerHooks
+from ..util.process import complete, doctors_own, interrupts_deferred
+from .recorder.mode import _DoctorMode, take_off
+from .recorder.record import OpRecorder, passed_on
+from .recorder.memory import shape_of, storage_key
 from .. import native
 from ..trace.parts import Carrier
 from ..trace.records import Trace, Where
@@ -142,7 +142,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
     def _install(self) -> None:
         self._prepare()
         if self._cuda:
-            from . import cuda as _cuda
+            from .recorder import cuda as _cuda
             _cuda.start(self)
             self._undo.push("CUDA memory history", lambda: _cuda.stop(self))
         self._t0 = time.perf_counter()
@@ -212,7 +212,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
 
     def _guard_watches(self) -> None:
         """What switches each watch off when its bookkeeping fails (``guard.py``); the loop's watches register
-        theirs as they are made (``loop_hooks.py``)."""
+        theirs as they are made (``loop/hooks.py``)."""
         g = self.guards
         g.on_stop("optimizer", lambda: self._remove_all(self._global_handles))
         g.on_stop("modules", self._remove_module_hooks)
@@ -374,7 +374,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
     # ---------------------------------------------------------------- results
     def record_exception(self, exc: BaseException) -> None:
         """Turn the cell's exception into text and evidence (keeps no frame or tensor)."""
-        from .finish import record_exception
+        from .end.finish import record_exception
 
         record_exception(self, exc)
         # (stopped inside a loop: the iteration that was running, the first one included)
@@ -391,7 +391,7 @@ class Capture(OptimizerHooks, LoopHooks, OpRecorder):  # (OpRecorder's base, Cap
 
     def finish(self) -> Trace:
         """Resolve names, downsample the timeline, decide what NaN/Inf reached; returns the trace."""
-        from .finish import finish
+        from .end.finish import finish
 
         if self.watches is not None:
             self.watches.finish(self.namespace)

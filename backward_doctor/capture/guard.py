@@ -32,7 +32,7 @@ import logging
 import os
 from typing import Callable
 
-from .process import doctors_own
+from ..util.process import doctors_own
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Guards:
 
 
 def _where(exc: BaseException) -> str:
-    """``"at precision_watch.py, line 97: "``: the innermost frame of ``exc``, the doctor's line that failed."""
+    """``"at watches/precision.py, line 97: "``: the innermost frame of ``exc``, the doctor's line that failed."""
     tb = exc.__traceback__
     if tb is None:
         return ""

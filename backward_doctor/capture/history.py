@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .process import interrupts_deferred
+from ..util.process import interrupts_deferred
 
 _MAX_RUNS = 20
 _MAX_CELLS = 64

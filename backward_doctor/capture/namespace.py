@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .stats import meta
+from .recorder.stats import meta
 from ..trace.parts import OptimizerSummary
 
 _MAX_ITEMS = 64  # containers are looked into, but a list of 10k batches is not walked

@@ -32,16 +32,16 @@ from typing import Any, Iterator
 import torch
 
 from .. import native
-from .native_records import NativeRecords, _tables
-from .loop_sampling import LoopSampling
-from .sampling import PowersOfTwo, Sampling
-from .record import _tensors
-from .loop_watch import LoopWatch, groups_sumsq
-from .watches import Watch
+from .recorder.native_records import NativeRecords, _tables
+from .loop.sampling import LoopSampling
+from .loop.choosing import PowersOfTwo, Sampling
+from .recorder.record import _tensors
+from .loop.series import LoopWatch, groups_sumsq
+from .watches.registry import Watch
 from .context import Capture
 from .guard import nothing
-from .memory import MemoryLedger, local_tensor
-from .process import doctors_own, patch
+from .recorder.memory import MemoryLedger, local_tensor
+from ..util.process import doctors_own, patch
 from ..trace.records import CATEGORIES, FailedOp, Where
 
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
@@ -152,7 +152,7 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
     def __init__(self, *args: Any, detail: bool = False, sample_iterations: bool = True,
                  sampling: Sampling | None = None, **kwargs: Any) -> None:
         super().__init__(*args, detail=detail, **kwargs)
-        #: A training loop in the cell is sampled (``sampling.py``): by default iterations 0-2 and each power of
+        #: A training loop in the cell is sampled (``loop/choosing.py``): by default iterations 0-2 and each power of
         #: two are recorded, the others run with the recorder off. Not under a simulated memory limit, which the
         #: recorder enforces op by op.
         if sampling is None:
@@ -308,8 +308,8 @@ class NativeCapture(NativeRecords, LoopSampling, Capture):
 
     def _record_failed_op(self, exc: BaseException) -> None:
         """The innermost op that raised (the recorder saw it unwinding), with its inputs' statistics."""
-        from . import checks
-        from .stats import meta
+        from .recorder import checks
+        from .recorder.stats import meta
 
         index, overload, args, light_name, light_phase = self._failed
         self._failed = None

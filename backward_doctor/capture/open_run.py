@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .context import Capture
-from .process import interrupts_deferred
+from ..util.process import interrupts_deferred
 from .runner import _running, traced, watchdog_for
 from ..trace.records import Trace
 

@@ -1,5 +1,5 @@
 """Always on with the Python recorder: a loop's iterations sampled within the cost budget, as the native
-recorder samples them (``loop_sampling.py``, ``sampling.py``).
+recorder samples them (``loop/sampling.py``, ``loop/choosing.py``).
 
 Where the native recorder is not used (CUDA: it does not see backward on autograd's device threads, see
 ``docs/gpu-validation.md``), the Python tier recorded every op of every iteration that always on watched: 7-8x
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from .context import Capture
-from .loop_sampling import LoopSampling
-from .loop_watch import LoopWatch, read_scalar
-from .sampling import Sampling
+from .loop.sampling import LoopSampling
+from .loop.series import LoopWatch, read_scalar
+from .loop.choosing import Sampling
 from .state import cuda_in_use
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from .process import HOLD, complete, interrupts_allowed, interrupts_deferred
+from ..util.process import HOLD, complete, interrupts_allowed, interrupts_deferred
 from .context import Capture
 from .frames import UserFrames
 from .history import CellHistory
@@ -138,12 +138,12 @@ def make_capture(engine: str, namespace: dict[str, Any], *, every_iteration: boo
                  watching: bool = False, **kwargs: Any) -> Capture:
     """A :class:`Capture` for ``engine`` ("python" or "native"; see ``tiers.choose_engine``); the native
     one samples a loop's iterations unless ``every_iteration``, within always-on's cost budget when ``budget``
-    (``sampling.py``). The Python tier records every op, except, once the process uses CUDA, always on's
+    (``loop/choosing.py``). The Python tier records every op, except, once the process uses CUDA, always on's
     (``budget``) and the library callbacks' (``watching``: iterations 0, 1, 2 and powers of two, as the native
     recorder samples them), which sample too (``python_sampling.py``)."""
     if engine == "python" and (budget or watching) and not every_iteration:
         from . import python_sampling
-        from .sampling import CostBudget, PowersOfTwo
+        from .loop.choosing import CostBudget, PowersOfTwo
 
         if python_sampling.samples_here():
             # (no allocator history: with Python stacks it costs at every allocation, asleep or not)
@@ -151,7 +151,7 @@ def make_capture(engine: str, namespace: dict[str, Any], *, every_iteration: boo
                                                   **{**kwargs, "cuda_history": False})
     if engine == "native":
         from .native_capture import NativeCapture
-        from .sampling import CostBudget
+        from .loop.choosing import CostBudget
 
         sampling = CostBudget() if budget and not every_iteration else None
         return NativeCapture(namespace, sample_iterations=not every_iteration, sampling=sampling, **kwargs)
@@ -309,7 +309,7 @@ def run_source(source: str, namespace: dict[str, Any], *, timeout: float | None 
 
     ``rollback``: told when iterations begin and go non-finite (``run/iteration_replay.py``). ``stall``: the
     timeout counts from the latest optimizer step. ``budget``: record iterations only within always-on's cost
-    budget (``capture/sampling.py``).
+    budget (``capture/loop/choosing.py``).
 
     ``engine``: ``"python"`` (the dispatch-mode :class:`Capture`) or ``"native"``
     (:class:`~backward_doctor.capture.native_capture.NativeCapture`, first tier only).

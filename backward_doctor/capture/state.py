@@ -3,8 +3,8 @@
 
 :class:`CaptureState` declares every field in one place (the per-op record arrays, the interned
 strings, the ledger, module and parameter registries, NaN/Inf origins); the per-op hot path
-(``record.py``, :class:`~backward_doctor.capture.record.OpRecorder`) fills it, the context manager
-(``context.py``) installs and removes the hooks around it, ``finish.py`` turns it into a trace.
+(``recorder/record.py``, :class:`~backward_doctor.capture.recorder.record.OpRecorder`) fills it, the context manager
+(``context.py``) installs and removes the hooks around it, ``end/finish.py`` turns it into a trace.
 
 >>> s = CaptureState(source="x = 1")
 >>> s.trace.source, s.parameters()
@@ -24,9 +24,9 @@ import torch
 from .frames import UserFrames
 from .elsewhere import Elsewhere
 from .guard import Guards
-from .memory import MemoryLedger, Timeline, grad_of
-from .process import UndoStack
-from .tie_watch import tied_now
+from .recorder.memory import MemoryLedger, Timeline, grad_of
+from ..util.process import UndoStack
+from .end.ties import tied_now
 from ..trace.parts import NonFiniteScalar, OomInfo
 from ..trace.records import Trace, Where
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 _run_ids = itertools.count(1)
 _sequence_nr = torch._C._autograd._get_sequence_nr
-#: ints per kept op in ``_rec_ints`` (see record.py), and the phases their phase ids stand for
+#: ints per kept op in ``_rec_ints`` (see recorder/record.py), and the phases their phase ids stand for
 REC_WIDTH = 10
 PHASES = ("forward", "backward", "optimizer")
 _NODE_BUDGET = 10_000  # backward ops per run whose autograd node is looked up (see record.dispatch)
@@ -117,7 +117,7 @@ class CaptureState:
         self._params: dict[int, weakref.ref] = {}
         self._got_grad: set[int] = set()  # ids of parameters autograd accumulated into
         self._mark_versions: dict[int, int] = {}  # id -> version at the start of gradients earlier runs stepped
-        self._stale_checked: set[int] = set()  # optimizers an unrecorded step checked (optim_hooks.py)
+        self._stale_checked: set[int] = set()  # optimizers an unrecorded step checked (loop/optimizer.py)
         self._stepped_params: set[int] = set()  # ids of parameters an optimizer step of this run held
         self._stepped_opts: dict[int, weakref.ref] = {}  # optimizers of steps the recorder slept through
         self._opt_depth = 0
@@ -131,7 +131,7 @@ class CaptureState:
         self._detail_budget = 8  # non-finite origins that get full statistics
         self._ns_names: dict[int, str] = {}    # storage key -> variable name (at start)
         self.elsewhere = Elsewhere()            # what other threads held when the step began (elsewhere.py)
-        self._tied_before: set[tuple[int, tuple[str, ...]]] = set()  # conditional ties held then (tie_watch.py)
+        self._tied_before: set[tuple[int, tuple[str, ...]]] = set()  # conditional ties held then (end/ties.py)
         self._last_phase = "forward"
         self._roots: list[int | None] = []  # forward op of each backward's root node
         self._oom: OomInfo | None = None
@@ -154,8 +154,8 @@ class CaptureState:
         #: set by the run (``run/iteration_replay.py``): told when each iteration begins and when NaN/Inf
         #: shows in one the recorder did not record, so that iteration can be replayed from its state
         self.rollback: Any = None
-        self._watch: Any = None  # the per-iteration series (``loop_watch.py``: the loop watch, made with the hooks)
-        #: the run's training watches (``watches.py``), told the loop's events; made with the hooks
+        self._watch: Any = None  # the per-iteration series (``loop/series.py``: the loop watch, made with the hooks)
+        #: the run's training watches (``watches/registry.py``), told the loop's events; made with the hooks
         self.watches: Any = None
         self._training_closed = False  # the watches' wrappers were put back for good (the capture stopped)
 
@@ -179,7 +179,7 @@ class CaptureState:
 
     def _register_model(self, mod: torch.nn.Module) -> None:
         """A model the namespace holds before the step: registered, and the conditional ties it holds now
-        remembered (``if tie: self.head.weight = ...``: one the step then separates was wanted, ``tie_watch.py``)."""
+        remembered (``if tie: self.head.weight = ...``: one the step then separates was wanted, ``end/ties.py``)."""
         self._register_module(mod)
         self._tied_before |= tied_now([("", mod)])
 

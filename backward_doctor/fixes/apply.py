@@ -11,7 +11,7 @@ import difflib
 import warnings as _warnings
 from typing import Any, Callable
 
-from ..capture.process import exclusive
+from ..util.process import exclusive
 from ..report.report import Report
 from ..trace.parts import OomInfo
 from ..trace.records import Trace

@@ -5,7 +5,7 @@ While on, the shell's ``run_cell`` is wrapped (an instance attribute) and ``torc
 by a trigger (``cell_watch.BackwardTrigger``), armed except while a watched cell runs; ``off`` puts both back.
 
 - a cell that will train, by a guess from its text and the code of the notebook functions it calls
-  (``capture/trains.py``, microseconds), runs under :func:`~backward_doctor.run.step.run_step` exactly as
+  (``frontends/trains.py``, microseconds), runs under :func:`~backward_doctor.run.step.run_step` exactly as
   ``%%backward_doctor`` runs it (a loop sampled, every iteration's loss, gradient norm and memory watched,
   the iteration where NaN/Inf first showed replayed from the state kept at its start), the timeout
   counted from the latest optimizer step;
@@ -33,9 +33,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..capture.process import doctors_own, one_run_at_a_time
+from ..util.process import doctors_own, one_run_at_a_time
 from ..capture.runner import running_captures
-from ..capture.trains import INERT, is_data, might_train, names_of
+from .trains import INERT, is_data, might_train, names_of
 from ..report import Report
 from ..run.engine import choose_engine
 from ..run.step import run_step

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..capture.process import doctors_own
+from ..util.process import doctors_own
 from ..report import Report
 from ..render.view import verdict_parts
 from ..report.renderers import renderer

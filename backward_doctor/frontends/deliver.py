@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, TextIO
 
-from ..capture.process import doctors_own
+from ..util.process import doctors_own
 from ..report import Report
 from .cell_watch import failed, quiet_line, write_report
 

@@ -29,7 +29,7 @@ from typing import IO, Any, Callable
 from ..analysis.distributed import analyze_ranks
 from ..api import check_nproc, check_timeout
 from ..capture.janitor import Janitor
-from ..capture.process import interrupts_allowed
+from ..util.process import interrupts_allowed
 from ..report.combined import CombinedReport
 from ..report.schema import ReportError
 from ..run.rank import PARENT_ENV, load_rank, paths

@@ -21,7 +21,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.display import display
 
 from ..api import check_options
-from ..capture.process import doctors_own, one_run_at_a_time
+from ..util.process import doctors_own, one_run_at_a_time
 from ..capture.runner import running_progress
 from ..run.engine import ENGINES, choose_engine, python_tier_reason
 from ..report.places import cell_code_names, name_places

@@ -28,7 +28,7 @@ import types
 from typing import Any
 
 from ..api import check_options
-from ..capture.process import doctors_own, one_run_at_a_time
+from ..util.process import doctors_own, one_run_at_a_time
 from ..run.engine import ENGINES, choose_engine, python_tier_reason, screens_every_op
 from ..run.step import run_step
 from .deliver import deliver, one_line

@@ -30,7 +30,7 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from ..capture.library_step import StepArguments
+from ..capture.loop.library_step import StepArguments
 from .watching import LoopDoctor
 
 

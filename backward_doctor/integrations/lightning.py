@@ -25,7 +25,7 @@ try:
 except ImportError:  # the unified package
     from lightning.pytorch import Callback  # type: ignore[no-redef]
 
-from ..capture.library_step import precision_context, replayable, step_and_backward
+from ..capture.loop.library_step import precision_context, replayable, step_and_backward
 from .watching import LoopDoctor
 
 

@@ -26,7 +26,7 @@ import sys
 from typing import Any, Callable
 
 from ..api import check_options
-from ..capture.process import doctors_own
+from ..util.process import doctors_own
 from ..capture.runner import current_capture
 from ..frontends.deliver import deliver
 from ..report import Report

@@ -228,7 +228,7 @@ struct State {
   std::array<int64_t, 2 + kCategories> light_best{}, light_peak_rec{};  // index, total, category totals
   bool has_best = false;
   int64_t light_peak = -1;
-  // inplace, 7 ints a write (as native_records.py reads them): op index, key, version, producer, tensor
+  // inplace, 7 ints a write (as recorder/native_records.py reads them): op index, key, version, producer, tensor
   // offset, and for a write through a view its base's sizes: offset in `sizes` (-1: no view), ndim
   std::vector<int64_t> recs, tensors, sizes, inplace;
   std::vector<PyObject*> codes;
@@ -1255,7 +1255,7 @@ py::object groups_grad_sumsq(const py::list& groups) {
 }
 
 // ---------------------------------------------------------------- a loop's per-iteration watch
-// capture/loop_watch.py's LoopWatch for this tier: the same reads, the same numbers written into the same
+// capture/loop/series.py's LoopWatch for this tier: the same reads, the same numbers written into the same
 // ``Iterations`` object (its lists appended to in place, as the Python class does), at every iteration of a loop,
 // asleep or recorded. Its three calls were ~200 Python bytecodes an iteration in Python, about a third of what
 // always on adds to an iteration it sleeps through; here they are plain C functions (``bound()``: no pybind11
@@ -1488,7 +1488,7 @@ py::tuple series_bound(py::object self) {
 }
 
 // ---------------------------------------------------------------- gradient accumulation, counted
-// capture/accum_watch.py's counting-only window in C. Past its detailed windows (no library's flag to read, no
+// capture/watches/accumulation.py's counting-only window in C. Past its detailed windows (no library's flag to read, no
 // check running) the accumulation watch only counts backward() calls per optimizer step; here that count and the
 // few fields a window keeps, while the watch's backward_began, zeroing, step_began and step_ended are these
 // functions (instance attributes the watch sets in _count_natively and removes in _leave_counting). Anything else
@@ -1593,7 +1593,7 @@ py::tuple counter_bound(py::object self) {
 }
 
 // ---------------------------------------------------------------- autograd graphs after the step
-// capture/step_state.py walks the graphs the namespace's tensors still carry after a run: for a node an earlier
+// capture/end/step_state.py walks the graphs the namespace's tensors still carry after a run: for a node an earlier
 // run of the cell made (its sequence number in that run's range: a graph kept across runs is a leak), and for
 // the oldest node of this run behind a tensor (in a loop, a graph kept from an earlier iteration). In Python
 // each node visited built its `next_functions`, a tuple of (node, index) pairs: ~2 us a node, ~1 ms at every

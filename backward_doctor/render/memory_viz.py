@@ -58,7 +58,7 @@ BASE = 0x100000  # where the exporter's one segment starts (addresses stay small
 FIRST_FIT_SCAN = 256
 #: the largest address or size the viewer's JavaScript reads exactly (and more than any device holds)
 MAX_ADDRESS = 2 ** 53
-#: the largest allocator snapshot a report holds (``capture/cuda.py`` keeps none larger)
+#: the largest allocator snapshot a report holds (``capture/recorder/cuda.py`` keeps none larger)
 MAX_SNAPSHOT_BYTES = 16 << 20
 #: pickle opcodes of plain data and its memo (protocols 2-4): all PyTorch's allocator snapshot holds. None
 #: names a global (GLOBAL, STACK_GLOBAL, EXT1-4), calls (REDUCE, INST, OBJ, NEWOBJ, NEWOBJ_EX) or builds

@@ -11,7 +11,6 @@ import textwrap
 from typing import TYPE_CHECKING
 
 from ..analysis.findings import source_line
-from ..capture.stats import format_stats
 from ..report.renderers import Renderer, register
 from ..util.units import format_bytes
 from .style import lines
@@ -97,7 +96,7 @@ def render_text(report: "Report") -> str:
         out.append("")
         out.append(f"failing op {tr.failed_op.op} inputs:")
         for m in tr.failed_op.inputs:
-            out.append(f"    {m.short():<28} {format_stats(m.stats)}")
+            out.append(f"    {m.short():<28} {m.stats.text() if m.stats else ''}")
     if any(f.kind == "hang" for f in report.findings):
         out.append("")
         out.append("thread stacks (innermost last):")

@@ -134,7 +134,7 @@ def what_ran(trace: "Trace") -> str:
 
 
 def unrecorded(trace: "Trace") -> bool:
-    """Steps ran but no op was recorded: always on watched them with the recorder asleep (``capture/sampling.py``),
+    """Steps ran but no op was recorded: always on watched them with the recorder asleep (``capture/loop/choosing.py``),
     so "no op ran" would be wrong.
 
     >>> from backward_doctor.trace.records import Trace

@@ -14,7 +14,7 @@ run, when the compiled step went NaN/Inf (its loss, a gradient, a weight), diver
 3. if eager does the same (NaN too, or the same error), the report is built from the eager replay: its
    op-by-op record places the NaN's origin (or the failing op) at the user's line, where the compiled
    run could only show the region's edge;
-4. if eager does not, each compiled module's call is compared op by op (``capture/compile_graphs.py``):
+4. if eager does not, each compiled module's call is compared op by op (``run/compile_graphs.py``):
    the first op whose result differs, its line and its region go into ``trace.compile_check`` and the
    ``compile_divergence`` rule says what it means.
 
@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..capture.compile_graphs import backend_of, compare_module
+from .compile_graphs import backend_of, compare_module
 from ..capture.frames import UserFrames
-from ..capture.trainers import library_of
+from ..capture.loop.trainers import library_of
 from ..trace.parts import CompileCheck
 from ..trace.records import Trace
 from .snapshot import Bindings, Snapshot, take_if_it_fits

@@ -26,7 +26,7 @@ import logging
 from typing import Any, Callable
 
 from ..capture.open_run import OpenRun
-from ..capture.process import claim_run, release_run
+from ..util.process import claim_run, release_run
 from ..capture.runner import cell_filename, current_capture, make_capture
 from ..report import Report
 from ..report.places import Namer

@@ -29,9 +29,9 @@ import tokenize
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..capture.collectives import _SKIP_DIRS, CollectiveRecorder, fill_from_flight_recorder
-from ..capture.excerpts import keep_excerpts
-from ..capture.process import one_run_at_a_time
+from ..capture.recorder.collectives import _SKIP_DIRS, CollectiveRecorder, fill_from_flight_recorder
+from ..capture.end.excerpts import keep_excerpts
+from ..util.process import one_run_at_a_time
 from .engine import ENGINES
 from ..report.schema import ReportError, loads, validate
 from ..trace.distributed import Collective, RankRecord

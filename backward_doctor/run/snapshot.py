@@ -33,7 +33,7 @@ import torch
 
 from ..capture import namespace as ns_mod
 from ..capture.elsewhere import Elsewhere, elsewhere
-from ..capture.memory import grad_of
+from ..capture.recorder.memory import grad_of
 from ..capture.state import cuda_in_use
 from ..util.units import available_ram
 

@@ -17,11 +17,11 @@ import math
 from typing import Any, Callable
 
 from ..analysis import analyze
-from ..capture.excerpts import keep_excerpts
+from ..capture.end.excerpts import keep_excerpts
 from ..capture.history import history_for
 from ..capture.runner import cell_filename, make_capture, run_source, run_under_capture
-from ..capture.sampling import nothing_recorded
-from ..capture.library_step import library_step
+from ..capture.loop.choosing import nothing_recorded
+from ..capture.loop.library_step import library_step
 from ..report import Report
 from ..report.places import Namer, name_places
 from ..trace import Trace
@@ -120,7 +120,7 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     with. ``every_iteration``: record every iteration of a loop (the native recorder samples them). ``places``:
     the frontend's names for the cell and files (``Cell In[2]``; ``report/places.py``). ``stall``: the timeout
     counts from the latest optimizer step, not from the start (a long loop that keeps stepping is not hung).
-    ``budget``: always on's cost budget (``capture/sampling.py``): iterations are recorded op by op only while
+    ``budget``: always on's cost budget (``capture/loop/choosing.py``): iterations are recorded op by op only while
     that stays cheap, and the one that fails is replayed in detail (on the native recorder; not for a compiled
     step, whose replay compares compiled and eager runs op by op). Where the run screens only scalars (CUDA), no
     state is copied before the cell: the iteration whose loss goes NaN/Inf keeps its own and is replayed alone."""

@@ -1,6 +1,6 @@
 """What a training loop did between two optimizer steps: how many ``backward()`` calls fed each step,
 where gradients were zeroed, how each loss was scaled, and the measured equivalence of the accumulated
-gradient with one full batch. The capture writes them (``capture/accum_watch.py``); the
+gradient with one full batch. The capture writes them (``capture/watches/accumulation.py``); the
 ``grad_accumulation`` rule reads them (``analysis/rules/accumulation.py``).
 
 Counted from ``torch.autograd.backward`` and the optimizer step hooks, not from the phase of the ops:

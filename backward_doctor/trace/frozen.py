@@ -1,4 +1,4 @@
-"""What the frozen-parameter watch (``capture/frozen_watch.py``) leaves in a trace: the parameters with
+"""What the frozen-parameter watch (``capture/watches/frozen.py``) leaves in a trace: the parameters with
 ``requires_grad=False`` that an optimizer step still changed (``Trace.frozen_updates``).
 
 >>> from backward_doctor.util.serde import from_dict, to_dict
@@ -16,7 +16,7 @@ from .parts import OptimizerStep
 @dataclass
 class FrozenUpdate(OptimizerStep):
     """A parameter with ``requires_grad=False`` that an optimizer step still changed: values sampled in place
-    before and after the step (``capture/frozen_watch.py``), recorded only where some of them moved."""
+    before and after the step (``capture/watches/frozen.py``), recorded only where some of them moved."""
 
     iteration: int = 0        # the loop's iteration the step ended
     key: int = 0              # the parameter's storage key (``ParamInfo.key``: its name)

@@ -1,4 +1,4 @@
-"""What the optimizer-membership watch (``capture/orphan_watch.py``) leaves in a trace: the parts of a model an
+"""What the optimizer-membership watch (``capture/watches/orphans.py``) leaves in a trace: the parts of a model an
 optimizer trains whose parameters no optimizer holds (``Trace.unoptimized``), such as a head or an adapter put on
 the model after the optimizer was built.
 

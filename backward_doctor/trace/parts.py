@@ -108,7 +108,7 @@ class Compilation:
 class CompileCheck:
     """A step that used ``torch.compile`` and went NaN/Inf or raised, replayed eagerly from the same state
     (``run/compile_replay.py``): whether eager agrees and, where it does not, the first op whose result
-    differs in the compiled region (``capture/compile_graphs.py``)."""
+    differs in the compiled region (``run/compile_graphs.py``)."""
 
     trigger: str                    # what the compiled step did: "nonfinite", "diverged" or "exception"
     eager_agrees: bool
@@ -262,7 +262,7 @@ class Iterations:
     replayed: int | None = None
     #: a library ran the loop: "transformers" or "lightning" ('' for a loop the cell wrote), from the cell's
     #: call at ``library_line`` (``library_call``: ``trainer.train()``); ``values`` then say the library's
-    #: epoch and batch (``capture/trainers.py``)
+    #: epoch and batch (``capture/loop/trainers.py``)
     library: str = ""
     library_call: str = ""
     library_line: int | None = None

@@ -1,6 +1,6 @@
 """What mixed precision did during a run: gradient clipping and the GradScaler's state at that moment,
 the scaler's steps (taken or skipped, and its scale), and whether updates to low-precision weights
-survived rounding. The capture writes them (``capture/precision_watch.py``); the ``amp_misuse`` rule
+survived rounding. The capture writes them (``capture/watches/precision.py``); the ``amp_misuse`` rule
 reads them (``analysis/rules/amp.py``).
 
 >>> from backward_doctor.util.serde import from_dict, to_dict

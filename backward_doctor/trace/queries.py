@@ -24,7 +24,7 @@ def is_bookkeeping(op_name: str) -> bool:
 
 def recorded_nothing(trace: Trace) -> bool:
     """No op of the run is in the trace, recorded or replayed: the native recorder slept through all of it
-    (always on's cost budget, ``capture/sampling.py``), or no op ran at all.
+    (always on's cost budget, ``capture/loop/choosing.py``), or no op ran at all.
 
     >>> recorded_nothing(Trace()), recorded_nothing(Trace(op_count=3))
     (True, False)

@@ -47,6 +47,18 @@ class TensorStats:
     def nonfinite(self) -> int:
         return self.nan + self.posinf + self.neginf
 
+    def text(self) -> str:
+        """The numbers for a report, counts in words ("-inf!105" reads as code).
+
+        >>> TensorStats(numel=4, nan=1, min=-1.25, max=3.5, mean=1.0).text()
+        'min=-1.25 max=3.5 mean=1, 1 NaN'
+        """
+        parts = [f"min={self.min:.4g} max={self.max:.4g} mean={self.mean:.4g}" if self.min is not None
+                 else "no finite values"]
+        parts += [f"{n:,} {what}" for n, what in ((self.nan, "NaN"), (self.posinf, "+Inf"), (self.neginf, "-Inf"))
+                  if n]
+        return ", ".join(parts)
+
 
 @dataclass(slots=True)
 class TensorMeta:
@@ -221,7 +233,7 @@ class ModuleMode:
     """A model (an outermost module call) as it ran: its ``training`` flag and the gradient mode, with its
     dropout (p > 0) and batch-norm modules and how many of those were in training mode; the op range of that
     forward pass (``start`` to ``end``, op indices) and the optimizer steps completed before it
-    (``capture/module_modes.py``: the first calls of each combination only).
+    (``capture/recorder/module_modes.py``: the first calls of each combination only).
 
     >>> t = Trace(module_modes=[ModuleMode("model", training=True, grad_enabled=False, start=54, end=66, dropout=1)])
     >>> Trace.from_dict(t.to_dict()).module_modes == t.module_modes
@@ -308,7 +320,7 @@ class Trace:
     accumulation: Accumulation = field(default_factory=Accumulation)
     #: gradient clipping against the GradScaler's state, its skipped steps, low-precision weight updates
     precision: Precision = field(default_factory=Precision)
-    #: DataLoaders whose worker processes raised, died or were waited on in a hang (``capture/worker_watch.py``)
+    #: DataLoaders whose worker processes raised, died or were waited on in a hang (``capture/workers/main_side.py``)
     loaders: list[LoaderRecord] = field(default_factory=list)
     #: a compiled step that went NaN/Inf or raised, replayed eagerly (``run/compile_replay.py``)
     compile_check: CompileCheck | None = None

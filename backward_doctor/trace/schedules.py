@@ -1,6 +1,6 @@
 """Learning-rate schedulers as they were stepped during a run: which ``scheduler.step()`` calls came before the
 first ``optimizer.step()`` of their optimizer, how many came per optimizer step, and the learning rate each one
-moved. The capture writes them (``capture/schedule_watch.py``); the ``scheduler_misuse`` rule reads them.
+moved. The capture writes them (``capture/watches/schedules.py``); the ``scheduler_misuse`` rule reads them.
 
 >>> rec = SchedulerRecord(type="StepLR", optimizer="SGD", calls=1, steps=[SchedulerCall(iteration=0)])
 >>> rec.steps[0].iteration, rec.calls

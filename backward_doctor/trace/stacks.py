@@ -1,6 +1,6 @@
 """Stacks the main process did not run itself: other threads' (a hang's), and the DataLoader worker processes' with
 what each was loading, for the loaders whose workers went wrong or delivered each other's batches
-(``capture/worker_watch.py``).
+(``capture/workers/main_side.py``).
 
 >>> LoaderRecord("DataLoader(DS, num_workers=2)", workers=[WorkerRecord(0, state="raised")]).workers[0].state
 'raised'
@@ -31,7 +31,7 @@ class ThreadStack:
 @dataclass
 class WorkerRecord:
     """One DataLoader worker process as the main process saw it when something went wrong
-    (``capture/worker_watch.py``): what it was doing, its stack, its error."""
+    (``capture/workers/main_side.py``): what it was doing, its stack, its error."""
 
     worker: int                    # the worker's id in its DataLoader (0 .. num_workers-1)
     pid: int = 0
@@ -54,7 +54,7 @@ class LoaderRecord:
     context: str = ""              # how workers start: "fork", "spawn", "forkserver"
     workers: list[WorkerRecord] = field(default_factory=list)
     photographed: bool = False     # the workers' stacks were taken (a hang: on the timeout or Ctrl-C)
-    #: an IterableDataset's loader with 2+ workers (``capture/worker_batches.py``): its first batches fingerprinted,
+    #: an IterableDataset's loader with 2+ workers (``capture/workers/batches.py``): its first batches fingerprinted,
     #: and how many were equal to a batch another worker had delivered (every worker iterating the whole stream)
     batches_checked: int = 0
     duplicated: int = 0

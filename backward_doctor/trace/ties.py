@@ -1,4 +1,4 @@
-"""What the tie watch (``capture/tie_watch.py``) leaves in a trace: weights a model means to share (an embedding
+"""What the tie watch (``capture/end/ties.py``) leaves in a trace: weights a model means to share (an embedding
 and the output layer it is tied to) that were two separate tensors when the step ended (``Trace.untied_weights``).
 
 >>> from backward_doctor.util.serde import from_dict, to_dict

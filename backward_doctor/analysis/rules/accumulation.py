@@ -1,7 +1,7 @@
 """``grad_accumulation``: gradient accumulation written wrong (nothing raises; training just follows
 other gradients than the user meant).
 
-Read from ``trace.accumulation`` (``capture/accum_watch.py``): the pattern is several ``backward()``
+Read from ``trace.accumulation`` (``capture/watches/accumulation.py``): the pattern is several ``backward()``
 calls from one call site feeding one optimizer step (a loop in the cell, Accelerate's ``accumulate()``,
 ``Trainer``'s ``gradient_accumulation_steps``, Lightning's ``accumulate_grad_batches``). Checked, most
 specific first:

@@ -1,5 +1,5 @@
 """DataLoader workers (``num_workers > 0``): which worker, which dataset index, which line of the user's
-``Dataset``/``collate_fn`` raised, died or is stuck (``trace.loaders``, from ``capture/worker_watch.py``).
+``Dataset``/``collate_fn`` raised, died or is stuck (``trace.loaders``, from ``capture/workers/main_side.py``).
 
 Three ways a worker shows up in the main process, each hiding where it happened:
 

@@ -1,5 +1,5 @@
 """An ``IterableDataset`` that every DataLoader worker iterates in full (``trace.loaders``' fingerprinted batches,
-``capture/worker_batches.py``): each of the ``num_workers`` processes gets a copy of the dataset, and an
+``capture/workers/batches.py``): each of the ``num_workers`` processes gets a copy of the dataset, and an
 ``__iter__`` that does not split its stream by ``torch.utils.data.get_worker_info()`` makes every sample come
 ``num_workers`` times an epoch. Nothing raises; the model trains on duplicated data and an "epoch" is several.
 Named at the dataset's ``__iter__``, the code to change, with the fix as code.

@@ -14,7 +14,6 @@ from ..findings import Finding, at, forward_where, source_line
 from ..trends import history_before, lr_change, nan_pattern
 from .amp import low_precision, low_precision_origin
 from .learning_rate import diverged_from_start
-from ...capture.stats import format_stats
 from ...trace.queries import recorded_nothing
 from ...trace.records import NonFiniteEvent, Trace, Where
 
@@ -273,8 +272,8 @@ def _nonfinite(trace: Trace) -> list[Finding]:
     bad = next((i for i, m in enumerate(ev.inputs) if m.stats and m.stats.nan + m.stats.posinf + m.stats.neginf),
                None)
     labels = input_labels(code, ev.op, len(ev.inputs), ev.variable, bad)
-    evidence = {"output": format_stats(ev.output.stats if ev.output else None),
-                "inputs": [f"{lab}: {m.short()} {format_stats(m.stats)}" for lab, m in zip(labels, ev.inputs)],
+    evidence = {"output": ev.output.stats.text() if ev.output and ev.output.stats else "",
+                "inputs": [f"{lab}: {m.short()} {m.stats.text() if m.stats else ''}" for lab, m in zip(labels, ev.inputs)],
                 "input_names": [lab.strip("`") for lab in labels],
                 "phase": ev.phase, "reached": reached, "op": ev.op, "op_index": ev.index}
     # Weights already bad when a recorded iteration began went bad in the unrecorded ones before it (a

@@ -11,7 +11,7 @@ model trains on a schedule other than the one written.
 - **Orphaned** (``optimizer_never_stepped``): the scheduler's optimizer never stepped while another one did: it was
   made for an optimizer since replaced, so the optimizer that trains never follows the schedule.
 
-Read from ``trace.schedules`` (``capture/schedule_watch.py``: each ``scheduler.step()`` with the optimizer steps
+Read from ``trace.schedules`` (``capture/watches/schedules.py``: each ``scheduler.step()`` with the optimizer steps
 before it and torch's own flag that its optimizer stepped). ``ReduceLROnPlateau`` follows a metric, not a count of
 steps: it says nothing here. Neither does a schedule stepped to plot it (in a cell with no optimizer step, or on
 an optimizer of its own that never steps, all its steps at one point of the run).

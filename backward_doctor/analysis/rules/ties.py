@@ -9,7 +9,7 @@ the embedding learns, the model trains a second vocabulary-sized matrix, and a c
 where the config promises one.
 
 Read from ``trace.untied_weights`` (the declared ties that were separate tensors at the end of the step,
-``capture/tie_watch.py``) and ``trace.params`` (both stepped, in a model the step ran: trained apart). Placed at
+``capture/end/ties.py``) and ``trace.params`` (both stepped, in a model the step ran: trained apart). Placed at
 the cell's line that broke the tie when the cell shows it (``to_empty(``, an assignment to one of the two, a
 ``load_state_dict(..., assign=True)``), else at the optimizer's step. Silent on a tied model, a model whose
 config does not tie (``tie_word_embeddings=False``), and a pair that did not train in the step.

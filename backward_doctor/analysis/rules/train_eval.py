@@ -11,7 +11,7 @@
   norm layers' ``eval()``) leaves the model's own flag on and says nothing; neither does an adversarial attack's
   backward in eval mode before the training one.
 
-Read from ``trace.module_modes`` (``capture/module_modes.py``: each model's flags at its first calls, with the op
+Read from ``trace.module_modes`` (``capture/recorder/module_modes.py``: each model's flags at its first calls, with the op
 range of that forward) and which forward ops the losses were computed from (storage keys, as ``flow.graph_ops``).
 
 >>> from backward_doctor.trace import Trace

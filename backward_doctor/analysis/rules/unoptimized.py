@@ -5,7 +5,7 @@ An optimizer holds the parameters it was given when it was built (``AdamW(model.
 once). ``model.head = nn.Linear(...)``, ``model.add_module(...)``, ``resize_token_embeddings(...)`` or
 ``get_peft_model(...)`` afterwards gives the model parameters that get a gradient at every ``backward()`` and are
 in none of its param groups: they never change, and nothing raises. Read from ``trace.unoptimized`` (modules of a
-model an optimizer trains that no optimizer of the run or the namespace holds, ``capture/orphan_watch.py``) and
+model an optimizer trains that no optimizer of the run or the namespace holds, ``capture/watches/orphans.py``) and
 ``trace.params`` (they got a gradient in the step and were not stepped). Placed at the cell's statement that put
 the module in place when the cell shows it, else at the optimizer's construction in the cell, else at its step.
 

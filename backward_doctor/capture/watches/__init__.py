@@ -1,0 +1,1 @@
+"""The training watches: the ordered registry and its members (accumulation, precision, schedules, frozen parameters, orphan modules)."""
