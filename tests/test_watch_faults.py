@@ -1,5 +1,5 @@
 """Fault injection, one watch at a time: every watch the doctor installs into the user's calls (``capture/guard.py``,
-``WATCHES``) is broken on purpose (one of its methods raises), and the user's run must complete exactly as without
+``GUARDED``) is broken on purpose (one of its methods raises), and the user's run must complete exactly as without
 the doctor (parameters, optimizer and scaler state bit-identical, no exception), the report saying which watch
 stopped. A watch added to the registry without a way to break it here fails :func:`test_every_watch_is_broken_here`.
 """
@@ -121,7 +121,7 @@ ELSEWHERE = {"collectives", "library", "trigger", "schedule"}  # (schedule: test
 
 
 def test_every_watch_is_broken_here():
-    assert set(BREAK) | ELSEWHERE == set(guard.WATCHES)
+    assert set(BREAK) | ELSEWHERE == set(guard.GUARDED)
 
 
 @pytest.mark.parametrize("name", sorted(BREAK))
@@ -137,7 +137,7 @@ def test_a_broken_watch_stops_and_the_run_is_bit_identical(name, engine, monkeyp
     report = bd.diagnose(LOOP, ns, engine=engine)
     assert report.trace.exception is None, report
     assert_identical(state_of(ns), expected)
-    what = guard.WATCHES[name][0]
+    what = guard.GUARDED[name][0]
     stopped = [n for n in report.trace.notes if n.startswith(f"{what} stopped")]
     assert stopped and "injected fault" in stopped[0] and "Please report it" in stopped[0], report.trace.notes
 

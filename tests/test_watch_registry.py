@@ -60,7 +60,7 @@ def counter_watch():
         yield made
     finally:
         unregister("step_counter")
-    assert "step_counter" not in registered() and "step_counter" not in guard.WATCHES
+    assert "step_counter" not in registered() and "step_counter" not in guard.GUARDED
 
 
 def test_a_registered_watch_is_told_every_event_of_a_real_loop(counter_watch, engine):

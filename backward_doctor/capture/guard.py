@@ -1,16 +1,17 @@
-"""The doctor's own failures kept out of the user's code: every watch a run installs is named here, and its
-bookkeeping runs under its guard.
+"""The doctor's own failures kept out of the user's code: every part a run installs into the user's calls is
+named here, and its bookkeeping runs under its guard.
 
-A watch is what the doctor installs into the user's calls for one purpose (the optimizer-step hooks, the
-GradScaler wrappers, the ``backward()`` wrapper's counting, ...). Each place where the user's call enters the
-doctor runs the watch's bookkeeping in ``try``/``except``, never the user's own call, and hands an exception to
+A guarded part is what the doctor installs into the user's calls for one purpose: the capture's own (the op
+recorder, the module and optimizer-step hooks, the collective log, ...) and each training watch of the registry
+(``watches/registry.py``: the GradScaler wrappers, the ``backward()`` wrapper's counting, ...). Each place where
+the user's call enters the doctor runs the part's bookkeeping in ``try``/``except``, never the user's own call, and hands an exception to
 :meth:`Guards.failed`: when it is the doctor's own (``process.doctors_own``: anything but a signal handler's
-exception or a ``BaseException``), that watch is switched off for the rest of the run (its ``off`` callback: its
+exception or a ``BaseException``), that part is switched off for the rest of the run (its ``off`` callback: its
 wrappers put back, its methods made to do nothing, its partial record dropped), the report says so in a note, and
 the user's call goes on exactly as it would without the doctor. (``try`` costs nothing in Python 3.11 until it
 catches, so the hooks of a loop's every iteration keep their cost.)
 
-:data:`WATCHES` is the registry: a watch that is not listed cannot be guarded, and the fault-injection test
+:data:`GUARDED` lists them: a part that is not listed cannot be guarded, and the fault-injection test
 (``tests/test_watch_faults.py``) breaks each listed one on purpose and checks the user's run is bit-identical.
 
 >>> notes = []
@@ -36,8 +37,8 @@ from ..util.process import doctors_own
 
 log = logging.getLogger(__name__)
 
-#: Every watch a run can install: name -> (what it is, what the report lacks once it stopped).
-WATCHES: dict[str, tuple[str, str]] = {
+#: Every part a run can install: name -> (what it is, what the report lacks once it stopped).
+GUARDED: dict[str, tuple[str, str]] = {
     "recorder": ("the op recorder", "the ops after that point are not in the trace"),
     "modules": ("the module hooks", "ops after that point are not attributed to modules"),
     "gradients": ("the parameter hooks", "which parameters got gradients after that point is not known"),
@@ -73,8 +74,8 @@ class Guards:
 
     def on_stop(self, name: str, off: Callable[[], None]) -> None:
         """``off()`` switches watch ``name`` off (called once, when it fails)."""
-        if name not in WATCHES:
-            raise ValueError(f"unknown watch {name!r}: add it to guard.WATCHES")
+        if name not in GUARDED:
+            raise ValueError(f"unknown part {name!r}: add it to guard.GUARDED")
         self._off.setdefault(name, []).append(off)
 
     def stopped(self, name: str) -> bool:
@@ -102,7 +103,7 @@ class Guards:
                 off()
             except Exception:  # noqa: BLE001 - switching off must not fail the user's call either
                 log.debug("could not switch off the %s watch", name, exc_info=True)
-        what, lost = WATCHES.get(name, (f"the {name} watch", "what it records is missing"))
+        what, lost = GUARDED.get(name, (f"the {name} watch", "what it records is missing"))
         self._notes.append(f"{what} stopped: {_where(exc)}{type(exc).__name__}: {str(exc).splitlines()[0][:200]} "
                            f"(the doctor's own error: the step ran on as it would without the doctor, and {lost}). "
                            "Please report it.")
@@ -123,4 +124,4 @@ def nothing(*args: object, **kwargs: object) -> None:
     return None
 
 
-__all__ = ["Guards", "WATCHES", "nothing"]
+__all__ = ["GUARDED", "Guards", "nothing"]

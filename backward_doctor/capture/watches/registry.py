@@ -46,7 +46,7 @@ import dataclasses
 import linecache
 from typing import Any, Callable, ContextManager, Iterable
 
-from ..guard import WATCHES as GUARDED, Guards, nothing
+from ..guard import GUARDED, Guards, nothing
 
 #: event -> its parameters, and whether the callers' answers are combined (any True) into one
 EVENTS: dict[str, tuple[str, bool]] = {
@@ -102,7 +102,7 @@ _described: set[str] = set()  # guard names register() added (unregister() takes
 def register(name: str, factory: Callable[[WatchContext], Watch | None], *, what: str = "", lost: str = "",
              before: str | None = None) -> None:
     """Add a watch to the registry: ``factory(ctx)`` makes it for a run (None: not for this one), its guard is
-    ``name`` (``what`` it is and what the report lacks once it stopped, as ``guard.WATCHES`` says them; a known
+    ``name`` (``what`` it is and what the report lacks once it stopped, as ``guard.GUARDED`` says them; a known
     name keeps its words). ``before``: the member it is told events before (else it comes last).
 
     >>> register("steps", str); register("steps", repr)
