@@ -17,7 +17,7 @@ import pytest
 import backward_doctor as bd
 from backward_doctor.analysis.findings import Finding
 from backward_doctor.frontends.cli import main
-from backward_doctor.frontends.launch import combine_folder
+from backward_doctor.frontends.combine import combine_folder
 from backward_doctor.report.combined import CombinedReport, load_report
 from backward_doctor.report.renderers import renderer
 from backward_doctor.report.schema import ReportError

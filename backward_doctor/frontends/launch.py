@@ -34,7 +34,6 @@ from ..report.combined import CombinedReport
 from ..report.schema import ReportError
 from ..run.rank import PARENT_ENV, load_rank, paths
 from ..trace.distributed import RankRecord
-from .combine import combine_folder  # noqa: F401  (``combine`` of a torchrun folder; kept importable here)
 
 DEFAULT_TIMEOUT = 300.0  # a hang is bounded even without --timeout (gloo's own default is 30 minutes)
 GRACE_S = 5.0            # after one rank failed: how long the others get to fail or finish by themselves
