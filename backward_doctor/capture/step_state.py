@@ -17,6 +17,7 @@ from torch import nn
 from . import namespace as ns_mod
 from .. import native as _native
 from .memory import shape_of, storage_key, storage_nbytes
+from .object_holders import object_tensors
 from ..util.stores import class_line, store_line_in_file
 from ..trace.parts import GraphHolder
 from ..trace.records import ParamInfo
@@ -83,6 +84,7 @@ def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dic
                     if isinstance(item, torch.Tensor):
                         yield path, item, {"cls": type(sub), "target": ["self", attr], "module": mod_path,
                                            "contained": True}
+    yield from object_tensors(namespace)  # (a trainer's own lists: ``self.seen.append(outputs.logits)``)
     for name, value in list(namespace.items()):
         code = getattr(value, "__code__", None)
         cells = getattr(value, "__closure__", None)
@@ -263,7 +265,7 @@ def graph_holders(cap: "OpRecorder") -> list[GraphHolder]:
             else:
                 file, first = _class_source(store["cls"]) if "cls" in store else (store.get("file"), store.get("first", 0))
                 if file:
-                    holder.store = "module" if "module" in store else "closure"
+                    holder.store = "module" if "module" in store else "object" if "object" in store else "closure"
                     holder.store_file = file
                     holder.store_line = store_line_in_file(file, store["target"], first)
         out.append(holder)

@@ -23,6 +23,7 @@ from ...util.units import format_bytes
 from .amp import collapsed
 from .autograd import _data_site, _user_detach
 from .flow import differentiable, joins_graph, loss_roots
+from .keep_fix import detached_statement
 from .params import orphans
 
 _LOSS_OPS = {"aten::mse_loss", "aten::l1_loss", "aten::smooth_l1_loss", "aten::huber_loss",
@@ -46,7 +47,7 @@ def holder_place(trace: Trace, holder: GraphHolder) -> tuple[str, Where]:
     a closure's function, else the cell's line assigning or appending to the variable (else the op
     that made it, when this run did). Shared by the leaks across runs and across a loop's iterations."""
     var = _root(holder.path)
-    if holder.store in ("module", "closure"):
+    if holder.store in ("module", "object", "closure"):  # (an object's: a ``Trainer`` subclass's ``self.seen``)
         function = function_at(holder.store_file, holder.store_line) if holder.store_file and holder.store_line \
             else None
         return var, Where(line=holder.store_line, file=holder.store_file, module=holder.module, function=function)
@@ -60,10 +61,15 @@ def holder_place(trace: Trace, holder: GraphHolder) -> tuple[str, Where]:
     return var, Where()
 
 
-def keeping_fix(trace: Trace, where: Where, var: str, store: str) -> str:
-    """What to store instead, from the storing line: a number for an accumulation, ``.item()`` or
-    ``.detach()`` for an append."""
+def keeping_fix(trace: Trace, where: Where, var: str, store: str, scalar: bool | None = None) -> str:
+    """What to store instead, from the storing line: that line rewritten when it stores one value (``.item()``
+    for a scalar, else ``.detach()``), else a number for an accumulation, ``.item()`` or ``.detach()`` for an
+    append."""
     code = _code(trace, where.line, where.file)
+    fixed = detached_statement(code, scalar) if scalar is not None and code else None
+    if fixed is not None:
+        return f"`{fixed}`" + (" (or `.detach()` if you need the tensor)" if scalar
+                                else " (or `.item()` for a number you only log)")
     if "+=" in code or ("=" in code and var in code.split("=", 1)[-1] and store == "cell"):
         return f"accumulate a number: `{var} += loss.item()`"
     if ".append(" in code or ".extend(" in code:
@@ -87,7 +93,7 @@ def graph_leak(trace: Trace) -> list[Finding]:
     if len(series) >= 2 and series[-1] > series[0]:
         growth = (" Live memory at the end of the step grew run after run: "
                   + " -> ".join(format_bytes(b) for b in series[-4:]) + ".")
-    fix = keeping_fix(trace, where, var, first.store)
+    fix = keeping_fix(trace, where, var, first.store, scalar=not first.shape)
     paths = ", ".join(f"`{h.path}`" for h in leaks[:4]) + (" ..." if len(leaks) > 4 else "")
     msg = (f"`{var}` keeps tensors that still carry the autograd graph of {len(runs)} earlier run(s) of this "
            f"step ({paths}): {format_bytes(nbytes)} kept alive, tensors and the activations their graphs saved. "
