@@ -354,6 +354,10 @@ def finish(cap: "OpRecorder") -> Trace:
         from .trainers import locate_lr
 
         trace.iterations.lr_set = locate_lr(trace, cap.namespace, cap._frames.is_user)
+    if trace.precision.updates:  # steps on bf16/fp16 weights: the line that made them so, from the sources
+        from .weight_casts import locate_cast
+
+        trace.precision.cast = locate_cast(trace, cap.namespace, cap._frames.is_user)
     trace.graph_holders = graph_holders(cap)
     if cap.history is not None:
         _remember(cap)
