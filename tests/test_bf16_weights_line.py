@@ -60,12 +60,13 @@ class Net(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def _forget_defined_cells():
-    """The "cells" a test defines stay in ``linecache`` for the process, as IPython's do for a session: each
-    test's are forgotten after it, so that no later test reads them as its own history."""
+    """The "cells" a test defines (and a real shell's cells) stay in ``linecache`` for the process, as IPython's do
+    for a session: each test's are forgotten after it, so that no later test reads them as its own history."""
     before = set(linecache.cache)
     yield
     for name in set(linecache.cache) - before:
-        if name.startswith(ll._DIR):
+        entry = linecache.cache.get(name)
+        if name.startswith(ll._DIR) or (entry is not None and len(entry) == 4 and entry[1] is None):
             linecache.cache.pop(name, None)
 
 
@@ -166,3 +167,24 @@ def test_lightning_bf16_true_set_in_an_earlier_cell(engine):
     ok["ll"] = ll
     ll.define('trainer = ll.lit_trainer(4, precision="bf16-mixed")\n', ok, name="cell")
     silent(bd.diagnose(ll.LIT_FIT, ok, engine=engine))
+
+
+@pytest.mark.ipython
+def test_a_cast_in_an_earlier_cell_of_a_real_shell_is_named_by_its_cell(engine):
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    shell = InteractiveShell.instance()
+
+    def cell(source: str) -> int:
+        number = shell.execution_count
+        with capture_output():
+            assert shell.run_cell(source, store_history=True).error_before_exec is None
+        return number
+
+    cell("%load_ext backward_doctor")
+    made = cell("import torch\n" + SETUP + "model = model.to(torch.bfloat16)  # save memory\n")
+    cell(f"%%backward_doctor --engine {engine}\n" + LOOP.format(lr=1e-5, x=".bfloat16()"))
+    f = _rounding(bd.last_report())
+    assert f.location() == f"Cell In[{made}], line 5", f.location()  # (after `import torch`)
+    cell("model = torch.nn.Linear(1, 1)\n")  # (the shell is shared: a float32 model there for the next test)

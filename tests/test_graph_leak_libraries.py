@@ -44,10 +44,14 @@ LIT_KEEPS = ll.LIT_MODULE.replace("        self.lr = lr\n", "        self.lr = l
     .replace("        return loss\n", "        self.outputs.append(loss)  # <-- kept for metrics\n        return loss\n", 1)
 
 
-def _leak(report, ns: dict, name: str):
+def _leak_kind(report):
     fits_the_schema(report)
     assert [f.kind for f in report.findings] == ["graph_leak"], describe(report)
-    f = report.findings[0]
+    return report.findings[0]
+
+
+def _leak(report, ns: dict, name: str):
+    f = _leak_kind(report)
     want = ll.marked_line(ns, name, "# <-- kept for metrics")
     assert (f.line, f.file) == (want, ll.defined_in(ns, name)), describe(report)
     return f
@@ -109,3 +113,29 @@ def test_the_storing_line_rewritten(code, scalar, want):
     from backward_doctor.analysis.rules.keep_fix import detached_statement
 
     assert detached_statement(code, scalar) == want
+
+
+@pytest.mark.ipython
+def test_a_trainer_subclass_of_an_earlier_cell_of_a_real_shell_is_named_by_its_cell(engine):
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    shell = InteractiveShell.instance()
+
+    def cell(source: str) -> int:
+        number = shell.execution_count
+        with capture_output():
+            assert shell.run_cell(source, store_history=True).error_before_exec is None
+        return number
+
+    cell("%load_ext backward_doctor")
+    cell("import library_loops as ll\nfrom transformers import Trainer\n")
+    defined = cell(KEEPS_LOGITS)
+    cell("ns = ll.hf_trainer(steps=4)\ntrainer = MyTrainer(model=ns['model'], args=ns['args'], "
+         "train_dataset=ns['train_ds'])\n")
+    cell(f"%%backward_doctor --engine {engine}\ntrainer.train()\n")
+    report = bd.last_report()
+    f = _leak_kind(report)
+    line = next(i for i, t in enumerate(KEEPS_LOGITS.splitlines(), 1) if "# <-- kept for metrics" in t)
+    assert f.location().startswith(f"Cell In[{defined}], line {line}, in MyTrainer.compute_loss"), f.location()
+    cell("del trainer, ns\n")

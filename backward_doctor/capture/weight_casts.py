@@ -118,7 +118,7 @@ def _fresh_model(stmt: ast.stmt, names: set[str]) -> bool:
         and isinstance(value, ast.Call) and not any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(value))
 
 
-def _casts_in(tree: ast.AST, dtype: str, names: set[str], classes: set[str]
+def _casts_in(tree: ast.AST, dtype: str, names: set[str], classes: set[str], lightning: bool = False
               ) -> Iterable[tuple[ast.stmt, bool]]:
     """The statements of ``tree`` that cast the weights of the model named ``names`` (or of ``classes``), with
     True, and those that bind its variable to a model built afresh, with False: in the order they are written."""
@@ -132,8 +132,8 @@ def _casts_in(tree: ast.AST, dtype: str, names: set[str], classes: set[str]
                     if got is None or got[0] != dtype:
                         continue
                     owner = _root(call.func.value) if got[1] == "receiver" else None  # type: ignore[attr-defined]
-                    if got[1] in ("lightning", "default") or _targets(child) & names or owner in names \
-                            or (owner == "self" and cls in classes):
+                    named = bool(_targets(child) & names) or owner in names or (owner == "self" and cls in classes)
+                    if got[1] == "default" or (lightning if got[1] == "lightning" else named):
                         yield child, True
                         break
                 else:
@@ -150,11 +150,11 @@ def _one_line(text: str) -> str:
     return re.sub(r"\s+([)\]])", r"\1", re.sub(r"([(\[])\s+", r"\1", text))[:200]
 
 
-def find_cast(dtype: str, sources: Iterable[tuple[str | None, list[str]]], names: set[str], classes: set[str]
-              ) -> WeightsCast | None:
+def find_cast(dtype: str, sources: Iterable[tuple[str | None, list[str]]], names: set[str], classes: set[str],
+              lightning: bool = False) -> WeightsCast | None:
     """The last statement of ``sources`` ((file or None for the cell, lines), oldest first) that made the model
-    named ``names`` (or an instance of ``classes``) ``dtype``; None when none did, or when the model was built
-    afresh after it.
+    named ``names`` (or an instance of ``classes``) ``dtype`` (``lightning``: a Lightning loop ran, whose
+    ``precision="bf16-true"`` counts); None when none did, or when the model was built afresh after it.
 
     >>> find_cast("float16", [(None, ["model.half()\\n", "model = Net()\\n"])], {"model"}, set()) is None
     True
@@ -166,7 +166,7 @@ def find_cast(dtype: str, sources: Iterable[tuple[str | None, list[str]]], names
             tree = ast.parse(text)
         except SyntaxError:
             continue
-        for stmt, cast in _casts_in(tree, dtype, names, classes):
+        for stmt, cast in _casts_in(tree, dtype, names, classes, lightning):
             # (a model built afresh after the cast is not the one it cast: the line stays unknown, no guess)
             found = WeightsCast(dtype=dtype, file=file, line=stmt.lineno, fix=_fixed(stmt),
                                 code=_one_line(ast.get_source_segment(text, stmt) or "")) if cast else None
@@ -189,7 +189,8 @@ def locate_cast(trace: Trace, namespace: dict[str, Any], is_user: Callable[[str]
             names.update({path.split(".", 1)[0], path})
             classes.add(type(mod).__name__)
     ran = {op.where.file for op in trace.ops if op.where.file}
-    return find_cast(dtype, user_sources(is_user, ran, trace.source), names, classes)
+    return find_cast(dtype, user_sources(is_user, ran, trace.source), names, classes,
+                     lightning=trace.iterations.library == "lightning")
 
 
 __all__ = ["find_cast", "locate_cast"]
