@@ -62,6 +62,7 @@ def test_trainer_compute_loss_keeping_logits(engine):
     f = _leak(bd.diagnose(ll.HF_TRAIN, ns, engine=engine), ns, "MyTrainer")
     assert f.function == "MyTrainer.compute_loss" and f.evidence["holders"][0] == "trainer.seen[0]"
     assert "`self.seen.append(outputs.logits.detach())`" in f.message, f.message
+    assert f.evidence["fix_code"] == "self.seen.append(outputs.logits.detach())"
     assert f.evidence["iterations"] == [0, 2] and f.evidence["loop_call"] == "trainer.train()"
 
     ok = ll.hf_trainer(KEEPS_LOGITS.replace("outputs.logits)", "outputs.logits.detach())"), steps=4)
@@ -87,7 +88,7 @@ def test_lightning_training_step_keeping_its_losses(engine):
     ns = ll.lit_fit(LIT_KEEPS, steps=4)
     f = _leak(bd.diagnose(ll.LIT_FIT, ns, engine=engine), ns, "LitClassifier")
     assert f.function == "LitClassifier.training_step" and f.evidence["holders"][0] == "model.outputs[0]"
-    assert "`self.outputs.append(loss.item())`" in f.message, f.message
+    assert "`self.outputs.append(loss.item())`" in f.message and f.evidence["fix_code"] == "self.outputs.append(loss.item())"
 
     ok = ll.lit_fit(LIT_KEEPS.replace("append(loss)", "append(loss.detach())"), steps=4)
     silent(bd.diagnose(ll.LIT_FIT, ok, engine=engine))
@@ -100,6 +101,7 @@ def test_a_trainer_of_an_earlier_cell_keeps_graphs_across_runs(engine):
     bd.diagnose(ll.HF_TRAIN, ns, engine=engine)
     f = _leak(bd.diagnose(ll.HF_TRAIN, ns, engine=engine), ns, "MyTrainer")
     assert "`self.seen.append(outputs.logits.detach())`" in f.message, f.message
+    assert f.evidence["graphs"] == 1 and f.evidence["fix_code"] == "self.seen.append(outputs.logits.detach())"
 
 
 @pytest.mark.parametrize("code, scalar, want", [

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..findings import Finding, at
 from ..trends import memory_growth
-from .silent import holder_place, keeping_fix
+from .silent import holder_place, keeping_code, keeping_fix
 from ...trace.parts import GraphHolder
 from ...trace.records import Trace
 from ...util.units import format_bytes
@@ -56,6 +56,9 @@ def loop_leak(trace: Trace) -> list[Finding]:
                                                 "was freed when a backward ran through them)."))
     evidence = {"variable": var, "holders": [h.path for h in kept], "bytes": nbytes,
                 "iterations": [iterations[0], iterations[-1]]}
+    code = keeping_code(trace, where, not first.shape)
+    if code:  # (the storing line rewritten: shown as code under the finding)
+        evidence["fix_code"] = code
     if growth is not None:
         evidence["growth"] = growth
         msg += (f" Live memory grew by {format_bytes(growth['per_iteration'])} per iteration "

@@ -61,12 +61,18 @@ def holder_place(trace: Trace, holder: GraphHolder) -> tuple[str, Where]:
     return var, Where()
 
 
+def keeping_code(trace: Trace, where: Where, scalar: bool | None) -> str | None:
+    """The storing line rewritten to keep a number or a detached tensor (the finding's ``fix_code``), or None."""
+    code = _code(trace, where.line, where.file)
+    return detached_statement(code, scalar) if scalar is not None and code else None
+
+
 def keeping_fix(trace: Trace, where: Where, var: str, store: str, scalar: bool | None = None) -> str:
     """What to store instead, from the storing line: that line rewritten when it stores one value (``.item()``
     for a scalar, else ``.detach()``), else a number for an accumulation, ``.item()`` or ``.detach()`` for an
     append."""
     code = _code(trace, where.line, where.file)
-    fixed = detached_statement(code, scalar) if scalar is not None and code else None
+    fixed = keeping_code(trace, where, scalar)
     if fixed is not None:
         return f"`{fixed}`" + (" (or `.detach()` if you need the tensor)" if scalar
                                 else " (or `.item()` for a number you only log)")
@@ -100,7 +106,12 @@ def graph_leak(trace: Trace) -> list[Finding]:
            f"Every run adds one more, so memory creeps up until it runs out.{growth} Fix: {fix}.")
     return [at("graph_leak", where, msg, severity="warning", title="Graphs of earlier steps kept alive",
                evidence={"variable": var, "holders": [h.path for h in leaks], "bytes": nbytes,
-                         "graphs": len(runs), "live_bytes_end": series})]
+                         "graphs": len(runs), "live_bytes_end": series,
+                         **_fix_code(keeping_code(trace, where, not first.shape))})]
+
+
+def _fix_code(code: str | None) -> dict[str, str]:
+    return {"fix_code": code} if code else {}
 
 
 def stale_grad(trace: Trace) -> list[Finding]:
