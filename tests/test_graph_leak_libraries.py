@@ -141,3 +141,36 @@ def test_a_trainer_subclass_of_an_earlier_cell_of_a_real_shell_is_named_by_its_c
     line = next(i for i, t in enumerate(KEEPS_LOGITS.splitlines(), 1) if "# <-- kept for metrics" in t)
     assert f.location().startswith(f"Cell In[{defined}], line {line}, in MyTrainer.compute_loss"), f.location()
     cell("del trainer, ns\n")
+
+
+class _Slots:
+    """An object of the namespace with no ``__dict__`` to read."""
+
+    __slots__ = ("x",)
+
+
+class _Runner:
+    """A plain object that keeps the latest loss (this iteration's graph, replaced each step) and numbers."""
+
+    def __init__(self) -> None:
+        self.last_loss = None
+        self.history: dict[str, list] = {"loss": []}
+
+
+def test_objects_keeping_the_latest_loss_or_numbers_are_silent(engine):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ns = {"torch": torch, "model": model, "slots": _Slots(), "runner": _Runner(),
+          "opt": torch.optim.SGD(model.parameters(), lr=0.1), "x": torch.randn(8, 4), "y": torch.randn(8, 2)}
+    cell = ("for i in range(4):\n    loss = ((model(x) - y) ** 2).mean()\n"
+            "    opt.zero_grad(); loss.backward(); opt.step()\n"
+            "    runner.last_loss = loss\n    runner.history['loss'].append(loss.item())\n")
+    silent(bd.diagnose(cell, ns, engine=engine))
+    assert len(ns["runner"].history["loss"]) == 4
+
+    ns.update(runner=_Runner(), model=model)
+    report = bd.diagnose(cell.replace("append(loss.item())", "append(loss)"), ns, engine=engine)
+    f = _leak_kind(report)  # (the object's class never stores it: the cell's line does)
+    assert (f.line, f.file) == (5, None) and f.evidence["fix_code"] == "runner.history['loss'].append(loss.item())"

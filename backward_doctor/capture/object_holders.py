@@ -33,19 +33,24 @@ def object_tensors(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tenso
     (not modules, optimizers, loaders or datasets, which hold tensors by design): ``trainer.seen[3]``; the third
     item is :func:`step_state._holders`' ``{"cls", "target": ["self", attr], "object", "contained"}``."""
     for name, value in ns_mod.user_items(namespace, depth=0):
-        if isinstance(value, _SKIP) or isinstance(value, (dict, list, tuple, str, bytes, int, float, types.ModuleType)) \
-                or not hasattr(value, "__dict__"):
-            continue
-        try:  # (an object whose ``__dict__`` is not a plain one: nothing read from it)
-            attrs = [(a, v) for a, v in list(vars(value).items())[:256] if a[0] != "_" and isinstance(v, _HOLDS)
-                     and not isinstance(v, nn.Parameter)]
+        try:  # (an object whose ``__dict__`` is not a plain one, a ``__getattr__`` that raises: nothing read from it)
+            found = list(_held(name, value))
         except Exception:  # noqa: BLE001
             continue
-        for attr, held in attrs:
-            for path, item in ns_mod._children(f"{name}.{attr}", held, 2):  # (a dict of lists: `self.log["loss"]`)
-                if isinstance(item, torch.Tensor):
-                    yield path, item, {"cls": type(value), "target": ["self", attr], "object": name,
-                                       "contained": True}
+        yield from found
+
+
+def _held(name: str, value: Any) -> Iterator[tuple[str, torch.Tensor, dict[str, Any]]]:
+    """The tensors of one object's public attributes, a list/dict two levels deep (:func:`object_tensors`)."""
+    if isinstance(value, _SKIP) or isinstance(value, (dict, list, tuple, str, bytes, int, float, types.ModuleType)) \
+            or not hasattr(value, "__dict__"):
+        return
+    attrs = [(a, v) for a, v in list(vars(value).items())[:256] if a[0] != "_" and isinstance(v, _HOLDS)
+             and not isinstance(v, nn.Parameter)]
+    for attr, held in attrs:
+        for path, item in ns_mod._children(f"{name}.{attr}", held, 2):  # (a dict of lists: `self.log["loss"]`)
+            if isinstance(item, torch.Tensor):
+                yield path, item, {"cls": type(value), "target": ["self", attr], "object": name, "contained": True}
 
 
 __all__ = ["object_tensors"]

@@ -263,6 +263,8 @@ def graph_holders(cap: "OpRecorder") -> list[GraphHolder]:
             if "cell" in store:
                 holder.target = store["cell"]
             else:
+                # (an object's attribute may be filled by the cell itself: `runner.log.append(loss)`)
+                holder.target = [store["object"], store["target"][1]] if "object" in store else None
                 file, first = _class_source(store["cls"]) if "cls" in store else (store.get("file"), store.get("first", 0))
                 if file:
                     holder.store = "module" if "module" in store else "object" if "object" in store else "closure"

@@ -164,7 +164,7 @@ def find_cast(dtype: str, sources: Iterable[tuple[str | None, list[str]]], names
         text = "".join(lines)
         try:
             tree = ast.parse(text)
-        except SyntaxError:
+        except (SyntaxError, ValueError, RecursionError):  # (a cell's magic, a null byte, deep nesting)
             continue
         for stmt, cast in _casts_in(tree, dtype, names, classes, lightning):
             # (a model built afresh after the cast is not the one it cast: the line stays unknown, no guess)

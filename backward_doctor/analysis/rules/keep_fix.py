@@ -34,7 +34,7 @@ def detached_statement(code: str, scalar: bool) -> str | None:
     code = code.split("  #")[0].split(" # ")[0].strip()
     try:
         tree = ast.parse(code)
-    except SyntaxError:
+    except (SyntaxError, ValueError):
         return None
     if len(tree.body) != 1:
         return None

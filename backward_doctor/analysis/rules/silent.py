@@ -47,11 +47,12 @@ def holder_place(trace: Trace, holder: GraphHolder) -> tuple[str, Where]:
     a closure's function, else the cell's line assigning or appending to the variable (else the op
     that made it, when this run did). Shared by the leaks across runs and across a loop's iterations."""
     var = _root(holder.path)
-    if holder.store in ("module", "object", "closure"):  # (an object's: a ``Trainer`` subclass's ``self.seen``)
+    # (an object's: a ``Trainer`` subclass's ``self.seen``, else the cell's ``runner.seen.append(...)`` below)
+    if holder.store in ("module", "closure") or (holder.store == "object" and holder.store_line is not None):
         function = function_at(holder.store_file, holder.store_line) if holder.store_file and holder.store_line \
             else None
         return var, Where(line=holder.store_line, file=holder.store_file, module=holder.module, function=function)
-    line = store_line(trace.source, holder.target or [var])
+    line = store_line(trace.source, [*holder.target[0].split("."), *holder.target[1:]] if holder.target else [var])
     if line is not None:
         return var, Where(line=line, cell_line=line)
     if holder.own_run == trace.run_id and holder.own_index is not None:
