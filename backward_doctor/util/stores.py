@@ -57,7 +57,7 @@ def store_line_in(tree: ast.AST, target: list[str], first: int = 0, last: int = 
     Stores in ``__init__`` are set-up, not the step: they are skipped, and so is an empty container made
     anywhere else (``if not hasattr(self, "log"): self.log = []``).
 
-    >>> store_line("if first:\n    self.log = {'loss': []}\nself.log['loss'].append(loss)", ["self", "log"])
+    >>> store_line("if first:\\n    self.log = {'loss': []}\\nself.log['loss'].append(loss)", ["self", "log"])
     3
     """
     found: list[int] = []
