@@ -50,13 +50,30 @@ def tensors(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, value
 
 
+def _attributes(value: Any) -> list[tuple[str, Any]]:
+    """The first attributes of a plain object's ``__dict__``; none for an object without one or whose lookup
+    raises (a proxy's ``__getattr__`` that raises for every name, a ``__dict__`` property): the user's objects are
+    read, never allowed to fail the run.
+
+    >>> class Proxy:
+    ...     __slots__ = ()
+    ...     def __getattr__(self, name): raise RuntimeError(name)
+    >>> _attributes(Proxy())
+    []
+    """
+    try:
+        return list(vars(value).items())[:_MAX_ITEMS]
+    except Exception:  # noqa: BLE001  (TypeError: no __dict__; anything a user's __getattr__ raises)
+        return []
+
+
 def modules(namespace: dict[str, Any]) -> Iterator[tuple[str, nn.Module]]:
     """Top-level modules, including ones held as an attribute of a plain object."""
     for name, value in user_items(namespace, depth=1):
         if isinstance(value, nn.Module):
             yield name, value
-        elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, torch.optim.Optimizer)):
-            for attr, sub in list(vars(value).items())[:_MAX_ITEMS]:
+        elif not isinstance(value, (torch.Tensor, torch.optim.Optimizer)):
+            for attr, sub in _attributes(value):
                 if isinstance(sub, nn.Module):
                     yield f"{name}.{attr}", sub
 
@@ -82,12 +99,8 @@ def held(namespace: dict[str, Any], classes: type | tuple[type, ...] = torch.opt
     for name, value in user_items(namespace, depth=1):
         if isinstance(value, classes):
             found = [(name, value)]
-        elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
-            try:  # (an object of the user's whose ``__dict__`` is not a plain one: nothing found in it)
-                attrs = list(vars(value).items())[:_MAX_ITEMS]
-            except Exception:  # noqa: BLE001
-                attrs = []
-            found = [(f"{name}.{attr}", sub) for attr, sub in attrs if isinstance(sub, classes)]
+        elif not isinstance(value, torch.Tensor):
+            found = [(f"{name}.{attr}", sub) for attr, sub in _attributes(value) if isinstance(sub, classes)]
         else:
             continue
         for item in found:

@@ -9,7 +9,8 @@ True
 from __future__ import annotations
 
 from .accumulation import Accumulation, AccumulationCheck, BackwardCall, StepWindow, ZeroGradCall
-from .precision import ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep, ScalerSteps, UnpairedStep
+from .precision import (ClipCall, LowPrecisionUpdate, ParamUpdate, Precision, ScalerStep, ScalerSteps, UnpairedStep,
+                        WeightsCast)
 from .parts import (Carrier, Compilation, GraphHolder, LossInfo, NonFiniteScalar, OomInfo, OptimizerStep,
                     OptimizerSummary, ParameterTotals, RunHistory, SourceExcerpt, StaleStep)
 from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, IndexCheck, InplaceEvent, MemoryTimeline,
@@ -17,7 +18,7 @@ from .records import (CATEGORIES, PHASES, ExceptionInfo, FailedOp, IndexCheck, I
 from .stacks import FrameInfo, LoaderRecord, ThreadStack, WorkerRecord
 
 __all__ = ["Accumulation", "AccumulationCheck", "BackwardCall", "ClipCall", "LowPrecisionUpdate", "ParamUpdate",
-           "Precision", "ScalerStep", "ScalerSteps", "UnpairedStep", "StepWindow", "ZeroGradCall", "CATEGORIES", "PHASES", "Carrier", "Compilation", "ExceptionInfo", "FailedOp", "FrameInfo", "GraphHolder",
+           "Precision", "ScalerStep", "ScalerSteps", "UnpairedStep", "WeightsCast", "StepWindow", "ZeroGradCall", "CATEGORIES", "PHASES", "Carrier", "Compilation", "ExceptionInfo", "FailedOp", "FrameInfo", "GraphHolder",
            "InplaceEvent", "LossInfo", "MemoryTimeline", "NonFiniteEvent", "NonFiniteScalar", "OomInfo", "OpRecord",
            "OptimizerStep", "OptimizerSummary", "ParamInfo", "ParameterTotals", "RunHistory", "SourceExcerpt", "StaleStep",
            "TensorMeta", "ThreadStack", "Trace", "Where", "LoaderRecord", "WorkerRecord"]

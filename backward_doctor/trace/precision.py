@@ -113,12 +113,28 @@ class LowPrecisionUpdate:
 
 
 @dataclass
+class WeightsCast:
+    """The statement of the user's sources that made a model's weights low precision (``model.to(torch.bfloat16)``,
+    ``.half()``, ``from_pretrained(..., torch_dtype=torch.bfloat16)``, Lightning's ``precision="bf16-true"``), as far
+    as they tell: looked for only when a step on such weights was sampled (``LowPrecisionUpdate``)."""
+
+    dtype: str                  # "bfloat16" or "float16", as the weights were seen
+    file: str | None = None     # None: the cell that ran; else an earlier cell's or a user's file
+    line: int | None = None
+    code: str = ""              # the statement, on one line
+    fix: str = ""               # that statement keeping float32 weights ('' where the line is better deleted)
+    function: str | None = None
+
+
+@dataclass
 class Precision:
     """Mixed precision in one run (empty when the run used none of it)."""
 
     clips: list[ClipCall] = field(default_factory=list)        # the first 16
     scaler: ScalerSteps = field(default_factory=ScalerSteps)
     updates: list[LowPrecisionUpdate] = field(default_factory=list)  # the first steps on low-precision weights
+    cast: WeightsCast | None = None  # where the weights of ``updates`` were made low precision, when found
 
 
-__all__ = ["ClipCall", "LowPrecisionUpdate", "ParamUpdate", "Precision", "ScalerStep", "ScalerSteps", "UnpairedStep"]
+__all__ = ["ClipCall", "LowPrecisionUpdate", "ParamUpdate", "Precision", "ScalerStep", "ScalerSteps", "UnpairedStep",
+           "WeightsCast"]

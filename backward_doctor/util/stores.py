@@ -41,10 +41,24 @@ def _mentions(node: ast.AST, name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
 
 
+_EMPTY = {"list", "dict", "set", "tuple", "deque", "defaultdict", "OrderedDict", "collections"}
+
+
+def _fresh(value: ast.AST) -> bool:
+    """An empty container being made (``{"loss": []}``, ``list()``): set-up, wherever it is written, not a store
+    of the step's values."""
+    return isinstance(value, (ast.List, ast.Dict, ast.Set, ast.Tuple, ast.Call)) and \
+        all(n.id in _EMPTY for n in ast.walk(value) if isinstance(n, ast.Name))
+
+
 def store_line_in(tree: ast.AST, target: list[str], first: int = 0, last: int = 10**9) -> int | None:
     """First line in [first, last] that stores into ``target`` (a dotted path like ["self", "cache"]).
 
-    Stores in ``__init__`` are set-up, not the step: they are skipped.
+    Stores in ``__init__`` are set-up, not the step: they are skipped, and so is an empty container made
+    anywhere else (``if not hasattr(self, "log"): self.log = []``).
+
+    >>> store_line("if first:\\n    self.log = {'loss': []}\\nself.log['loss'].append(loss)", ["self", "log"])
+    3
     """
     found: list[int] = []
     init = [(n.lineno, n.end_lineno or n.lineno) for n in ast.walk(tree)
@@ -58,7 +72,7 @@ def store_line_in(tree: ast.AST, target: list[str], first: int = 0, last: int = 
             found.append(line)
         elif isinstance(node, ast.AugAssign) and _starts(_path(node.target), target):
             found.append(line)
-        elif isinstance(node, ast.Assign):
+        elif isinstance(node, ast.Assign) and not _fresh(node.value):
             for t in node.targets:
                 p = _path(t)
                 if not _starts(p, target):

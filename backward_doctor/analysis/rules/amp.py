@@ -26,6 +26,7 @@ import re
 
 from ..findings import Finding, at, code_at, looped, placed, same_exception
 from ...trace.records import OpRecord, Trace, Where
+from .amp_cast import cast_parts
 from .failures import _DTYPE
 
 _TITLE = "Mixed precision misused"
@@ -94,21 +95,24 @@ def _stuck(trace: Trace) -> list[Finding]:
                "dtype=torch.bfloat16)` (fp32 master weights)")
     step = code_at(trace, u.line, u.file) or "optimizer.step()"
     step = f"`{step}`" if "step(" in step else f"the optimizer step inside `{step}`"
+    # (the line that made the weights bf16, often an earlier cell's, is the cause: the finding goes there)
+    cast = cast_parts(trace, u, "transformers" if "bf16=True" in fix else "lightning" if "bf16-mixed" in fix else "")
+    fix = cast.fix or fix
     msg = (f"{100 * frac:.0f}% of the sampled {u.dtype} weight values whose gradient was not zero came out of "
            f"{step} unchanged ({u.optimizer}{lr}): each update "
            f"is smaller than half the spacing of {u.dtype} numbers around the weight ({u.dtype} keeps "
            f"{8 if u.dtype == 'bfloat16' else 11} bits of mantissa: a weight of 1.0 can only move in steps of "
            f"{2 ** -7 if u.dtype == 'bfloat16' else 2 ** -10:g}), so it rounds back to the same value and those "
            f"weights never train ({shown}"
-           f"{'; not one value of ' + ', '.join(frozen[:3]) + ' moved' if frozen else ''}). Fix: {fix}; or a "
+           f"{'; not one value of ' + ', '.join(frozen[:3]) + ' moved' if frozen else ''}).{cast.sentence} Fix: {fix}; or a "
            "larger learning rate, or an optimizer that keeps the rounding error (Kahan summation / stochastic "
            "rounding).")
-    where = placed(u)
-    return [at("amp_misuse", where, msg, title=_TITLE, severity="warning",
-               iteration=looped(trace, u.iteration),
-               evidence={"problem": "update_below_precision", "dtype": u.dtype, "lr": u.lr, "optimizer": u.optimizer,
-                         "sampled": u.sampled, "unchanged": u.unchanged, "fraction": frac,
-                         "frozen": frozen[:8]})]
+    evidence = {"problem": "update_below_precision", "dtype": u.dtype, "lr": u.lr, "optimizer": u.optimizer,
+                "sampled": u.sampled, "unchanged": u.unchanged, "fraction": frac, "frozen": frozen[:8]}
+    if cast.where is not None:  # (the step's own line stays in the evidence: where the updates vanished)
+        evidence.update(fix_code=cast.fix_code, step_line=u.line, step_file=u.file)
+    return [at("amp_misuse", cast.where or placed(u), msg, title=_TITLE, severity="warning",
+               iteration=None if cast.where is not None else looped(trace, u.iteration), evidence=evidence)]
 
 
 # ---------------------------------------------------------------- the scale keeps falling

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..findings import Finding, at
 from ..trends import memory_growth
-from .silent import holder_place, keeping_fix
+from .silent import holder_place, keeping_code, keeping_fix
 from ...trace.parts import GraphHolder
 from ...trace.records import Trace
 from ...util.units import format_bytes
@@ -44,15 +44,21 @@ def loop_leak(trace: Trace) -> list[Finding]:
     limit = trace.memory.limit_bytes or trace.memory.device_total_bytes
     growth = memory_growth(trace.iterations, limit)
     iterations = sorted({i for h in kept for i in range(h.from_iteration, (h.iteration or h.from_iteration) + 1)})
-    fix = keeping_fix(trace, where, var, first.store)
+    fix = keeping_fix(trace, where, var, first.store, scalar=not first.shape)
     paths = ", ".join(f"`{h.path}`" for h in kept[:3]) + (" ..." if len(kept) > 3 else "")
     nbytes = sum(h.bytes + h.graph_bytes for h in kept)
     span = f"{iterations[0]}-{iterations[-1]}" if len(iterations) > 1 else str(iterations[0])
     msg = (f"`{var}` keeps tensors from earlier iterations of the loop that still carry their autograd graph "
            f"({paths}: graphs of iterations {span}, {format_bytes(nbytes)} in the {len(kept)} looked at). Each "
-           "iteration adds one more graph, with what it saved for a backward that never comes.")
+           "iteration adds one more graph, " + ("with what it saved for a backward that never comes."
+                                                if any(h.graph_bytes for h in kept) else
+                                                "its nodes and the tensor itself (what they saved for backward "
+                                                "was freed when a backward ran through them)."))
     evidence = {"variable": var, "holders": [h.path for h in kept], "bytes": nbytes,
                 "iterations": [iterations[0], iterations[-1]]}
+    code = keeping_code(trace, where, not first.shape)
+    if code:  # (the storing line rewritten: shown as code under the finding)
+        evidence["fix_code"] = code
     if growth is not None:
         evidence["growth"] = growth
         msg += (f" Live memory grew by {format_bytes(growth['per_iteration'])} per iteration "

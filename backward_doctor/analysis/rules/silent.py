@@ -23,6 +23,7 @@ from ...util.units import format_bytes
 from .amp import collapsed
 from .autograd import _data_site, _user_detach
 from .flow import differentiable, joins_graph, loss_roots
+from .keep_fix import detached_statement
 from .params import orphans
 
 _LOSS_OPS = {"aten::mse_loss", "aten::l1_loss", "aten::smooth_l1_loss", "aten::huber_loss",
@@ -46,11 +47,12 @@ def holder_place(trace: Trace, holder: GraphHolder) -> tuple[str, Where]:
     a closure's function, else the cell's line assigning or appending to the variable (else the op
     that made it, when this run did). Shared by the leaks across runs and across a loop's iterations."""
     var = _root(holder.path)
-    if holder.store in ("module", "closure"):
+    # (an object's: a ``Trainer`` subclass's ``self.seen``, else the cell's ``runner.seen.append(...)`` below)
+    if holder.store in ("module", "closure") or (holder.store == "object" and holder.store_line is not None):
         function = function_at(holder.store_file, holder.store_line) if holder.store_file and holder.store_line \
             else None
         return var, Where(line=holder.store_line, file=holder.store_file, module=holder.module, function=function)
-    line = store_line(trace.source, holder.target or [var])
+    line = store_line(trace.source, [*holder.target[0].split("."), *holder.target[1:]] if holder.target else [var])
     if line is not None:
         return var, Where(line=line, cell_line=line)
     if holder.own_run == trace.run_id and holder.own_index is not None:
@@ -60,10 +62,21 @@ def holder_place(trace: Trace, holder: GraphHolder) -> tuple[str, Where]:
     return var, Where()
 
 
-def keeping_fix(trace: Trace, where: Where, var: str, store: str) -> str:
-    """What to store instead, from the storing line: a number for an accumulation, ``.item()`` or
-    ``.detach()`` for an append."""
+def keeping_code(trace: Trace, where: Where, scalar: bool | None) -> str | None:
+    """The storing line rewritten to keep a number or a detached tensor (the finding's ``fix_code``), or None."""
     code = _code(trace, where.line, where.file)
+    return detached_statement(code, scalar) if scalar is not None and code else None
+
+
+def keeping_fix(trace: Trace, where: Where, var: str, store: str, scalar: bool | None = None) -> str:
+    """What to store instead, from the storing line: that line rewritten when it stores one value (``.item()``
+    for a scalar, else ``.detach()``), else a number for an accumulation, ``.item()`` or ``.detach()`` for an
+    append."""
+    code = _code(trace, where.line, where.file)
+    fixed = keeping_code(trace, where, scalar)
+    if fixed is not None:
+        return f"`{fixed}`" + (" (or `.detach()` if you need the tensor)" if scalar
+                                else " (or `.item()` for a number you only log)")
     if "+=" in code or ("=" in code and var in code.split("=", 1)[-1] and store == "cell"):
         return f"accumulate a number: `{var} += loss.item()`"
     if ".append(" in code or ".extend(" in code:
@@ -87,14 +100,19 @@ def graph_leak(trace: Trace) -> list[Finding]:
     if len(series) >= 2 and series[-1] > series[0]:
         growth = (" Live memory at the end of the step grew run after run: "
                   + " -> ".join(format_bytes(b) for b in series[-4:]) + ".")
-    fix = keeping_fix(trace, where, var, first.store)
+    fix = keeping_fix(trace, where, var, first.store, scalar=not first.shape)
     paths = ", ".join(f"`{h.path}`" for h in leaks[:4]) + (" ..." if len(leaks) > 4 else "")
     msg = (f"`{var}` keeps tensors that still carry the autograd graph of {len(runs)} earlier run(s) of this "
            f"step ({paths}): {format_bytes(nbytes)} kept alive, tensors and the activations their graphs saved. "
            f"Every run adds one more, so memory creeps up until it runs out.{growth} Fix: {fix}.")
     return [at("graph_leak", where, msg, severity="warning", title="Graphs of earlier steps kept alive",
                evidence={"variable": var, "holders": [h.path for h in leaks], "bytes": nbytes,
-                         "graphs": len(runs), "live_bytes_end": series})]
+                         "graphs": len(runs), "live_bytes_end": series,
+                         **_fix_code(keeping_code(trace, where, not first.shape))})]
+
+
+def _fix_code(code: str | None) -> dict[str, str]:
+    return {"fix_code": code} if code else {}
 
 
 def stale_grad(trace: Trace) -> list[Finding]:

@@ -40,6 +40,8 @@ def trace_places(trace: Trace) -> list[tuple[str | None, int | None]]:
     places: list[tuple[str | None, int | None]] = [(w.file, w.line) for w in wheres.values()]
     places += [(s.file, s.line) for s in trace.optimizer_steps]
     places += [(h.store_file, h.store_line) for h in trace.graph_holders]
+    cast = trace.precision.cast  # (the line that made the weights bf16: often an earlier cell's)
+    places += [(cast.file, cast.line)] if cast is not None else []
     places += [(c.file, c.line) for s in trace.schedules  # (a scheduler's first line, and the user's own)
                for c in s.steps[:1] + [c for c in s.steps if not c.library][:1]]
     frames = [fi for st in trace.threads for fi in st.frames]

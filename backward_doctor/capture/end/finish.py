@@ -354,6 +354,14 @@ def finish(cap: "OpRecorder") -> Trace:
         from ..loop.trainers import locate_lr
 
         trace.iterations.lr_set = locate_lr(trace, cap.namespace, cap._frames.is_user)
+    if trace.precision.updates:  # steps on bf16/fp16 weights: the line that made them so, from the sources
+        from .weight_casts import locate_cast
+
+        try:  # (reading the user's sources is an extra: it never costs the report)
+            trace.precision.cast = locate_cast(trace, cap.namespace, cap._frames.is_user)
+        except Exception as e:  # noqa: BLE001
+            trace.notes.append(f"where the weights were made {trace.precision.updates[0].dtype} was not read: "
+                               f"{type(e).__name__}")
     trace.graph_holders = graph_holders(cap)
     if cap.history is not None:
         _remember(cap)

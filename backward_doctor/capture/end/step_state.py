@@ -9,6 +9,7 @@ import bisect
 import collections
 import functools
 import inspect
+import types
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from .. import namespace as ns_mod
 from ... import native as _native
 from ..recorder.memory import shape_of, storage_key, storage_nbytes
+from .object_holders import object_tensors
 from ...util.stores import class_line, store_line_in_file
 from ...trace.parts import GraphHolder
 from ...trace.records import ParamInfo
@@ -83,10 +85,14 @@ def _holders(namespace: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dic
                     if isinstance(item, torch.Tensor):
                         yield path, item, {"cls": type(sub), "target": ["self", attr], "module": mod_path,
                                            "contained": True}
+    yield from object_tensors(namespace)  # (a trainer's own lists: ``self.seen.append(outputs.logits)``)
     for name, value in list(namespace.items()):
-        code = getattr(value, "__code__", None)
-        cells = getattr(value, "__closure__", None)
-        if code is None or not cells:
+        if isinstance(value, types.MethodType):
+            value = value.__func__
+        if not isinstance(value, types.FunctionType):  # (a closure is a function: other objects are not asked,
+            continue                                   # a proxy's ``__getattr__`` may raise for any name)
+        code, cells = value.__code__, value.__closure__
+        if not cells:
             continue
         for var, cell in zip(code.co_freevars, cells):
             try:
@@ -261,9 +267,11 @@ def graph_holders(cap: "OpRecorder") -> list[GraphHolder]:
             if "cell" in store:
                 holder.target = store["cell"]
             else:
+                # (an object's attribute may be filled by the cell itself: `runner.log.append(loss)`)
+                holder.target = [store["object"], store["target"][1]] if "object" in store else None
                 file, first = _class_source(store["cls"]) if "cls" in store else (store.get("file"), store.get("first", 0))
                 if file:
-                    holder.store = "module" if "module" in store else "closure"
+                    holder.store = "module" if "module" in store else "object" if "object" in store else "closure"
                     holder.store_file = file
                     holder.store_line = store_line_in_file(file, store["target"], first)
         out.append(holder)
