@@ -36,31 +36,31 @@ import torch
 
 
 @torch.library.custom_op("bd_prec::floor_", mutates_args=())  # BUG: it writes into ms
-def floor_(ms: torch.Tensor) -> None:
-    ms.clamp_(min=1e-6)
+def floor_(ms: torch.Tensor, eps: float) -> None:
+    ms.clamp_(min=eps)
 
 
 @floor_.register_fake
-def _(ms):
+def _(ms, eps):
     return None
 
 
 @torch.library.custom_op("bd_prec::floor_declared_", mutates_args={"ms"})
-def floor_declared_(ms: torch.Tensor) -> None:
-    ms.clamp_(min=1e-6)
+def floor_declared_(ms: torch.Tensor, eps: float) -> None:
+    ms.clamp_(min=eps)
 
 
 @floor_declared_.register_fake
-def _(ms):
+def _(ms, eps):
     return None
 
 
 class Net(torch.nn.Module):
     '''The hidden features and their root mean square (one feature more); padding rows are all zeros.'''
 
-    def __init__(self, floor="declared", d_in=16, classes=5):
+    def __init__(self, floor="declared", eps=1e-6, d_in=16, classes=5):
         super().__init__()
-        self.floor = floor
+        self.floor, self.eps = floor, eps
         self.fc1 = torch.nn.Linear(d_in, 32, bias=False)
         self.fc2 = torch.nn.Linear(33, classes)
 
@@ -68,9 +68,9 @@ class Net(torch.nn.Module):
         h = torch.tanh(self.fc1(x))
         ms = (h * h).mean(-1, keepdim=True)
         if self.floor == "declared":
-            floor_declared_(ms)
+            floor_declared_(ms, self.eps)
         elif self.floor == "undeclared":
-            floor_(ms)
+            floor_(ms, self.eps)
         rms = torch.sqrt(ms)  # <-- first differing
         return self.fc2(torch.cat([h, rms], -1))
 
@@ -127,10 +127,10 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _scaled(floor: str | None = "undeclared", compiled: bool = True, backend: str = "aot_eager",
+def _scaled(floor: str | None = "undeclared", compiled: bool = True, backend: str = "aot_eager", eps: float = 1e-6,
             **scaler: float) -> dict:
     torch.manual_seed(0)
-    model = MODELS["Net"](floor)
+    model = MODELS["Net"](floor, eps)
     if compiled:
         model = torch.compile(model, backend=backend)
     x, y = _data()
@@ -181,6 +181,19 @@ def test_compiled_step_whose_scaler_keeps_skipping_is_compared_with_eager(engine
     assert collapse and all(g.severity == "warning" and "compiled run only" in g.message for g in collapse)
     assert _ran_compiled(report)                # the doctor's run was the compiled one, not an eager fallback
     _same_end(plain, ns)                        # and the namespace ends as the compiled run left it
+
+
+def test_where_only_the_gradients_differ_the_op_is_found_in_the_backward(engine):
+    """A floor of 1e-12: the square roots compiled (0) and eager (1e-6) agree within tolerance, their gradients do
+    not (inf against 5e5): the op whose backward parts is found on the region's joint graph."""
+    report = bd.diagnose(LOOP, _scaled(eps=1e-12), engine=engine, timeout=600)
+    f = report.findings[0]
+    assert f.kind == "compile_divergence", describe(report)
+    assert (f.line, f.function) == (_line("Net", "# <-- first differing"), "Net.forward"), describe(report)
+    check = report.trace.compile_check
+    assert check.trigger == "skipping" and check.stage == "backward" and check.op == "aten.sqrt.default", check
+    assert check.detail.startswith("its gradient") and "NaN/Inf" in check.detail, check
+    assert "first op whose gradient differs" in f.message
 
 
 def test_compiled_step_with_a_declared_mutation_and_a_scaler_is_silent(engine):

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from ..analysis.rules.amp import collapsed
+from ..capture.compile_backward import first_in_backward
 from ..capture.compile_graphs import backend_of, compare_module
 from ..capture.frames import UserFrames
 from ..capture.trainers import library_of
@@ -294,6 +295,8 @@ def _bisect(check: CompileCheck, compiled: list[tuple[str, Any]], calls: dict[st
             reasons.append(f"`{name}`: its backend could not be found")
             continue
         result = compare_module(module._orig_mod, args, kwargs, backend, state=state, frames=frames)
+        if result["stage"] == "backward" and not result["op"]:  # (inf gradients behind a forward that agrees)
+            result.update(first_in_backward(module._orig_mod, args, kwargs, backend, state=state, frames=frames) or {})
         label = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__)
         check.region = f"`{name}` ({type(module._orig_mod).__name__}.forward, compiled with {label})"
         check.ops_compared = result["ops_compared"]

@@ -66,7 +66,7 @@ def _finding(trace: Trace, check) -> Finding:
         msg += (" A GradScaler skips `optimizer.step()` whenever a gradient is inf/NaN, so compiled the model never "
                 "trained, though its loss stayed finite.")
     if check.op:
-        msg += (f" The first op whose result differs is `{check.op}`"
+        msg += (f" The first op whose {'gradient' if check.stage == 'backward' else 'result'} differs is `{check.op}`"
                 + (f" at line {check.line} (`{check.code}`)" if check.line is not None else "")
                 + f", in the compiled region {check.region} ({check.ops_compared} ops compared): {check.detail}.")
         where = Where(line=check.line, file=check.file, function=check.function or None)
