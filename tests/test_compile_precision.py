@@ -163,6 +163,11 @@ def test_what_the_compiled_step_does_without_the_doctor():
     assert eager["scaler"].get_scale() == 2.0 ** 16
 
 
+#: the gradients cleared before the step: the last ones are still there, inf/NaN, when the run ends
+LOOP_ZERO_FIRST = LOOP.replace("    opt.zero_grad()\n", "").replace("for step in range(8):\n",
+                                                                  "for step in range(8):\n    opt.zero_grad()\n")
+
+
 def test_compiled_step_whose_scaler_keeps_skipping_is_compared_with_eager(engine):
     plain = _scaled()
     exec(LOOP, plain)
@@ -181,6 +186,15 @@ def test_compiled_step_whose_scaler_keeps_skipping_is_compared_with_eager(engine
     assert collapse and all(g.severity == "warning" and "compiled run only" in g.message for g in collapse)
     assert _ran_compiled(report)                # the doctor's run was the compiled one, not an eager fallback
     _same_end(plain, ns)                        # and the namespace ends as the compiled run left it
+
+
+def test_the_same_loop_with_the_gradients_left_inf_at_its_end(engine):
+    """``opt.zero_grad()`` first: the run ends with inf/NaN gradients, the replay's trigger; the same verdict."""
+    report = bd.diagnose(LOOP_ZERO_FIRST, _scaled(), engine=engine, timeout=600)
+    f = report.findings[0]
+    assert f.kind == "compile_divergence" and f.line == _line("Net", "# <-- first differing"), describe(report)
+    check = report.trace.compile_check
+    assert check.trigger == "nonfinite" and check.eager == "stayed finite (its GradScaler skipped 0 of 8 steps)", check
 
 
 def test_where_only_the_gradients_differ_the_op_is_found_in_the_backward(engine):

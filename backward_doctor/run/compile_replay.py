@@ -170,6 +170,9 @@ def _ending(trace: Trace, trigger: str) -> str:
     if trouble(trace) == "diverged":
         return f"diverged (loss {losses[0]:.4g} at first, {losses[-1]:.4g} at the end)"
     last = losses[-1] if losses else None
+    if trace.precision.scaler.calls:  # (the loss backward() saw was the scaled one: its steps say more)
+        return {"nonfinite": "stayed finite", "diverged": "did not diverge"}.get(trigger, "ran without an error") + \
+            f" ({scaler_words(trace, False).split(': ', 1)[1]})"
     return {"nonfinite": "stayed finite", "diverged": "did not diverge"}.get(trigger, "ran without an error") + \
         (f" (last loss {last:.6g})" if last is not None else "")
 
