@@ -240,6 +240,7 @@ def test_eager_loop_whose_scaler_keeps_skipping_is_not_a_compile_problem(engine)
     assert report.trace.compile_check is None, describe(report)
     assert [f.kind for f in report.findings] == ["amp_misuse"], describe(report)
     assert report.findings[0].evidence["problem"] == "scale_collapse"
+    assert report.findings[0].evidence["first_overflow_line"] == _line("Net", "# <-- first differing")
 
 
 def test_compiled_model_that_makes_the_inf_gradients_itself_agrees_with_eager(engine):
@@ -251,6 +252,9 @@ def test_compiled_model_that_makes_the_inf_gradients_itself_agrees_with_eager(en
     assert not [f for f in report.findings if f.kind == "compile_divergence"], describe(report)
     collapse = next(f for f in report.findings if f.kind == "amp_misuse")
     assert collapse.evidence["problem"] == "scale_collapse" and "compiled run only" not in collapse.message
+    # the first overflow, a backward op, named at its forward op's line (the eager replay's ops see inside)
+    assert collapse.evidence["first_overflow_line"] == _line("Net", "# <-- first differing"), describe(report)
+    assert "in the backward of `aten::sqrt`" in collapse.message
     assert any("so the compiler is not the cause" in n for n in report.trace.notes)
 
 
