@@ -336,3 +336,49 @@ def test_inductor_scaler_skipping_and_in_place_write(native_engine):
     report = bd.diagnose(STEP, _step("block", backend="inductor"), engine="native", timeout=900)
     f = report.findings[0]
     assert f.kind == "inplace" and f.line == _line("block", "# <-- in place"), describe(report)
+
+
+# ----------------------------------------------------------------------------- a step function compiled whole
+STEP_FUNCTION = """\
+def train_step(x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return loss
+step_fn = torch.compile(train_step, backend="aot_eager")
+for step in range(8):
+    loss = step_fn(x, y)
+"""
+
+
+def _graphs(run) -> tuple[int, dict]:
+    """The graphs dynamo compiled and its graph breaks while ``run()`` ran."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    result = run()
+    return result, (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+
+
+def test_a_compiled_step_function_whose_scaler_keeps_skipping(engine):
+    """``torch.compile(train_step)``: its resumed frames call ``backward()`` and the scaler, and with them the
+    doctor's wrappers; the backward compiled lazily inside it called the compile watch, whose own frames dynamo then
+    tried to compile from inside its callback handler (it waited on the handler's lock for ever). Now it ends, with
+    the same graphs as without the doctor, and the verdict (a compiled function is compared as a whole: no line)."""
+    plain = _scaled(compiled=False)
+    _, plain_graphs = _graphs(lambda: exec(STEP_FUNCTION, plain))
+    assert plain["scaler"].get_scale() == 256.0
+    ns = _scaled(compiled=False)
+    report, graphs = _graphs(lambda: bd.diagnose(STEP_FUNCTION, ns, engine=engine, timeout=300))
+    assert not report.trace.timed_out, describe(report)
+    assert graphs == plain_graphs, (graphs, plain_graphs)
+    f = report.findings[0]
+    assert f.kind == "compile_divergence" and report.trace.compile_check.trigger == "skipping", describe(report)
+    assert "compared as a whole" in report.trace.compile_check.why_not
+    _same_end(plain, ns)
+    from torch._dynamo import trace_rules
+
+    assert not [d for d in trace_rules.SKIP_DIRS if d.rstrip("/").endswith("backward_doctor")]  # put back
