@@ -19,8 +19,13 @@ compiles: a function that writes in place into a tensor autograd saved fails the
 its traceback). The eager replay raises the same ``RuntimeError`` at ``backward()``, and its ops name the line that
 wrote in place. The correct twin, the out-of-place write, stays silent and its gradients bit-identical.
 
-Compiled with ``backend="aot_eager"`` (AOTAutograd without code generation: seconds on a CPU); one test per item
-runs inductor end to end (``slow``).
+**A training step compiled whole** (``torch.compile(train_step)``, ``backward()`` and the scaler inside it): the
+same verdict, compared as a whole (no line: compiled functions are not bisected op by op), with the same graphs and
+graph breaks as without the doctor; it used to hang (dynamo compiled the doctor's compile callback inside its own
+callback handler's lock).
+
+Compiled with ``backend="aot_eager"`` (AOTAutograd without code generation: seconds on a CPU); one test runs
+inductor end to end for both items (``slow``).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from ..capture.frames import UserFrames
 from ..capture.trainers import library_of
 from ..trace.parts import CompileCheck
 from ..trace.records import Trace
-from .compile_verdict import agrees, unwrapped, scaler_words
+from .compile_verdict import agrees, scaler_words, unwrapped
 from .snapshot import Bindings, Snapshot, take_if_it_fits
 
 _replaying = [False]  # the eager replay itself is not checked again
@@ -276,12 +276,14 @@ def _from_eager(first: Trace, eager: Trace, check: CompileCheck) -> Trace:
         "the cause. The ops shown are the eager replay's: inside a compiled region the compiled run could only "
         "be seen at the region's edge. The cell's code ran twice (what it did outside the model and the "
         "optimizer too)"]
-    if first.exception is not None and unwrapped(first.exception) is not None:
+    inner = unwrapped(first.exception) if first.exception is not None else None
+    if inner is not None:
+        why = (" (AOTAutograd runs the backward once while it traces the region, so a saved tensor written in place "
+               "fails there, before the step runs)") if "inplace operation" in inner[1] else ""
         eager.notes.append(
             f"torch.compile: compiled, the error surfaced while compiling, as {first.exception.type} at the call of the "
-            "compiled code (AOTAutograd runs the backward once while it traces the region, so a saved tensor written "
-            "in place fails there, before the step runs); eagerly it surfaced where PyTorch runs it, and the ops of "
-            "the replay name the line that caused it")
+            f"compiled code{why}; eagerly it surfaced where PyTorch runs it, and the ops of the replay name the line "
+            "that caused it")
     return eager
 
 
