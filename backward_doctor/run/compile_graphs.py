@@ -235,11 +235,24 @@ def _dropped_before(gm: torch.fx.GraphModule, upto: int) -> str:
     return ""
 
 
+def _tupled(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose output is a tuple (what a backend called on a graph directly requires)."""
+    every = copy.deepcopy(gm)
+    out = next(n for n in every.graph.nodes if n.op == "output")
+    if not isinstance(out.args[0], (tuple, list)):
+        value = out.args[0]
+        every.graph.erase_node(out)
+        every.graph.output((value,))
+        every.recompile()
+    return every
+
+
 def _backward_differs(gm: torch.fx.GraphModule, inputs: list[torch.Tensor], n_weights: int,
                       backend: Callable[..., Any]) -> bool:
     """The region's weight gradients (for the sum of its outputs), compiled vs eager."""
-    def grads(fn: Callable[..., Any]) -> list[torch.Tensor | None]:
+    def grads(make: Callable[[list[torch.Tensor]], Callable[..., Any]]) -> list[torch.Tensor | None]:
         xs = [t.clone().requires_grad_(t.is_floating_point() and k < n_weights) for k, t in enumerate(inputs)]
+        fn = make(xs)  # (compiled for inputs that require grad: else the backend makes an inference graph)
         torch.manual_seed(0)
         out = fn(*xs)
         outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
@@ -250,8 +263,8 @@ def _backward_differs(gm: torch.fx.GraphModule, inputs: list[torch.Tensor], n_we
         return list(torch.autograd.grad(sum(o.float().sum() for o in outs), leaves, allow_unused=True))
 
     try:
-        eager = grads(gm)
-        compiled = grads(backend(copy.deepcopy(gm), _clones(inputs)))
+        eager = grads(lambda xs: gm)
+        compiled = grads(lambda xs: backend(_tupled(gm), xs))
     except Exception:  # noqa: BLE001 - a backward that cannot be run here: no verdict on it
         return False
     return any((a is None) != (b is None) or (a is not None and not _same(a, b)) for a, b in zip(eager, compiled))

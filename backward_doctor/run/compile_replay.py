@@ -31,11 +31,14 @@ from typing import Any, Callable
 
 import torch
 
+from ..analysis.rules.amp import collapsed
+from .compile_backward import first_in_backward
 from .compile_graphs import backend_of, compare_module
 from ..capture.frames import UserFrames
 from ..capture.loop.trainers import library_of
 from ..trace.parts import CompileCheck
 from ..trace.records import Trace
+from .compile_verdict import agrees, scaler_words, unwrapped
 from .snapshot import Bindings, Snapshot, take_if_it_fits
 
 _replaying = [False]  # the eager replay itself is not checked again
@@ -125,8 +128,10 @@ def _put(fields: list[tuple[Any, dict[str, Any]]]) -> None:
 
 def trouble(trace: Trace) -> str | None:
     """What makes a compiled step worth replaying eagerly: ``"nonfinite"`` (NaN/Inf reached the loss, a
-    gradient or a weight), ``"exception"``, or ``"diverged"`` (a loop whose loss ended over 10x both its
-    first and its lowest value); None for a step that ran fine, hung or was interrupted.
+    gradient or a weight), ``"exception"``, ``"skipping"`` (a GradScaler that skipped step after step: inf/NaN
+    gradients every time behind a finite loss, gradients the loop cleared before the run's end) or
+    ``"diverged"`` (a loop whose loss ended over 10x both its first and its lowest value); None for a step that
+    ran fine, hung or was interrupted.
 
     >>> from backward_doctor.trace.parts import Iterations
     >>> trouble(Trace(iterations=Iterations(steps=6, loss=[1.0, 0.8, 0.9, 3.0, 20.0, 90.0])))
@@ -139,6 +144,8 @@ def trouble(trace: Trace) -> str | None:
     if trace.iterations.first_nonfinite is not None or any(trace.nonfinite_reached.values()) \
             or any(e.reached for e in trace.nonfinite) or trace.nonfinite_hint is not None:
         return "nonfinite"
+    if collapsed(trace):  # (the amp rule's test: one or two skips while the scale settles are dynamic scaling)
+        return "skipping"
     losses = [v for v in trace.iterations.loss if v is not None]
     if len(losses) >= 5 and losses[-1] > 10 * max(losses[0], min(losses), 1e-12):
         return "diverged"
@@ -148,7 +155,12 @@ def trouble(trace: Trace) -> str | None:
 def _ending(trace: Trace, trigger: str) -> str:
     """How a run ended, in a few words (``trigger``: what is being compared)."""
     if trace.exception is not None:
+        inner = unwrapped(trace.exception)
+        if inner is not None:  # (dynamo's wrapper says only that the backend raised: what it raised matters)
+            return f"raised {trace.exception.type} while compiling ({inner[0]}: {inner[1][:160]})"
         return f"raised {trace.exception.type}: {trace.exception.message.splitlines()[0][:160]}"
+    if trigger == "skipping" or trouble(trace) == "skipping":
+        return scaler_words(trace, trouble(trace) == "skipping")
     its = trace.iterations
     if trouble(trace) == "nonfinite":
         where = f" in iteration {its.first_nonfinite}'s {its.first_nonfinite_in}" if its.first_nonfinite is not None \
@@ -158,6 +170,9 @@ def _ending(trace: Trace, trigger: str) -> str:
     if trouble(trace) == "diverged":
         return f"diverged (loss {losses[0]:.4g} at first, {losses[-1]:.4g} at the end)"
     last = losses[-1] if losses else None
+    if trace.precision.scaler.calls:  # (the loss backward() saw was the scaled one: its steps say more)
+        return {"nonfinite": "stayed finite", "diverged": "did not diverge"}.get(trigger, "ran without an error") + \
+            f" ({scaler_words(trace, False).split(': ', 1)[1]})"
     return {"nonfinite": "stayed finite", "diverged": "did not diverge"}.get(trigger, "ran without an error") + \
         (f" (last loss {last:.6g})" if last is not None else "")
 
@@ -235,9 +250,9 @@ class CompilePlan:
                                f"{first.iterations.steps} (a trainer that keeps its progress between calls?): "
                                "no verdict on compiled vs eager")
             return first
-        agrees = trouble(eager) == why and (why != "exception" or eager.exception.type == first.exception.type)
-        check = CompileCheck(trigger=why, eager_agrees=agrees, compiled=_ending(first, why), eager=_ending(eager, why))
-        if agrees:
+        agreed = agrees(first, eager, why, trouble(eager))
+        check = CompileCheck(trigger=why, eager_agrees=agreed, compiled=_ending(first, why), eager=_ending(eager, why))
+        if agreed:
             return _from_eager(first, eager, check)
         if why != "exception":  # (an error only the compiled step raises is its own answer: nothing to bisect)
             _bisect(check, compiled, calls.calls, first.cell_file)
@@ -261,6 +276,14 @@ def _from_eager(first: Trace, eager: Trace, check: CompileCheck) -> Trace:
         "the cause. The ops shown are the eager replay's: inside a compiled region the compiled run could only "
         "be seen at the region's edge. The cell's code ran twice (what it did outside the model and the "
         "optimizer too)"]
+    inner = unwrapped(first.exception) if first.exception is not None else None
+    if inner is not None:
+        why = (" (AOTAutograd runs the backward once while it traces the region, so a saved tensor written in place "
+               "fails there, before the step runs)") if "inplace operation" in inner[1] else ""
+        eager.notes.append(
+            f"torch.compile: compiled, the error surfaced while compiling, as {first.exception.type} at the call of the "
+            f"compiled code{why}; eagerly it surfaced where PyTorch runs it, and the ops of the replay name the line "
+            "that caused it")
     return eager
 
 
@@ -277,6 +300,8 @@ def _bisect(check: CompileCheck, compiled: list[tuple[str, Any]], calls: dict[st
             reasons.append(f"`{name}`: its backend could not be found")
             continue
         result = compare_module(module._orig_mod, args, kwargs, backend, state=state, frames=frames)
+        if result["stage"] == "backward" and not result["op"]:  # (inf gradients behind a forward that agrees)
+            result.update(first_in_backward(module._orig_mod, args, kwargs, backend, state=state, frames=frames) or {})
         label = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__)
         check.region = f"`{name}` ({type(module._orig_mod).__name__}.forward, compiled with {label})"
         check.ops_compared = result["ops_compared"]

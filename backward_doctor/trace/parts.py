@@ -110,7 +110,9 @@ class CompileCheck:
     (``run/compile_replay.py``): whether eager agrees and, where it does not, the first op whose result
     differs in the compiled region (``run/compile_graphs.py``)."""
 
-    trigger: str                    # what the compiled step did: "nonfinite", "diverged" or "exception"
+    #: what the compiled step did: "nonfinite", "diverged", "exception" or "skipping" (its GradScaler skipped step
+    #: after step: inf/NaN gradients every time)
+    trigger: str
     eager_agrees: bool
     compiled: str = ""              # how the compiled step ended: "NaN/Inf in the loss", "RuntimeError: ..."
     eager: str = ""                 # how the eager replay ended

@@ -136,10 +136,15 @@ def _scale_collapse(trace: Trace) -> list[Finding]:
     first = start.scale if start is not None else None
     last = s.scale_last
     op = _first_overflow(trace)
+    overflow_line = None
     if op is not None:
-        w = op.where
+        w, name = op.where, f"`{op.op}`"
+        fwd = trace.op(op.fwd_index) if op.phase == "backward" and op.fwd_index is not None else None
+        if fwd is not None:  # (a backward op's own line is the backward() call: its forward op's is the user's)
+            w, name = fwd.where, f"`{op.op}` in the backward of `{fwd.op}`"
         at_line = f"line {w.line}" if w.file is None else f"{w.file}:{w.line}"
-        origin = (f"The first op that overflowed: `{op.op}` at {at_line}"
+        overflow_line = w.line
+        origin = (f"The first op that overflowed: {name} at {at_line}"
                   f" (`{code_at(trace, w.line, w.file)}`){' in ' + w.module if w.module else ''}: fix that value "
                   "(see the NaN/Inf finding), not the scale.")
     else:
@@ -158,7 +163,7 @@ def _scale_collapse(trace: Trace) -> list[Finding]:
                evidence={"problem": "scale_collapse", "skipped_in_a_row": s.longest_skipped, "skipped": s.skipped,
                          "calls": s.calls, "scale_first": first, "scale_last": last,
                          "first_overflow": op.op if op is not None else None,
-                         "first_overflow_line": op.where.line if op is not None else None,
+                         "first_overflow_line": overflow_line,
                          "last_call": end.call if end is not None else None})]
 
 

@@ -62,8 +62,11 @@ def _finding(trace: Trace, check) -> Finding:
     msg = (f"Compiled, the step {check.compiled}; replayed eagerly from the same state (the same cell, the "
            f"compiled code switched off with `torch.compiler.set_stance(\"force_eager\")`) it {check.eager}. "
            "The compiled code, not the model's math, makes the difference.")
+    if check.trigger == "skipping":  # (a finite loss: nothing looked wrong but the weights never moved)
+        msg += (" A GradScaler skips `optimizer.step()` whenever a gradient is inf/NaN, so compiled the model never "
+                "trained, though its loss stayed finite.")
     if check.op:
-        msg += (f" The first op whose result differs is `{check.op}`"
+        msg += (f" The first op whose {'gradient' if check.stage == 'backward' else 'result'} differs is `{check.op}`"
                 + (f" at line {check.line} (`{check.code}`)" if check.line is not None else "")
                 + f", in the compiled region {check.region} ({check.ops_compared} ops compared): {check.detail}.")
         where = Where(line=check.line, file=check.file, function=check.function or None)
@@ -95,7 +98,7 @@ def compiled_first(findings: list[Finding]) -> list[Finding]:
     if top is None:
         return findings
     for f in findings:
-        if f.kind == "nonfinite":
+        if f.kind == "nonfinite" or f.kind == "amp_misuse" and f.evidence.get("problem") == "scale_collapse":
             f.severity = "warning"
             f.message = ("Seen in the compiled run only (the eager replay stays finite; see above): " + f.message)
     return [top] + [f for f in findings if f is not top]

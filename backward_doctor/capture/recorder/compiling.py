@@ -21,6 +21,7 @@ import warnings
 from typing import Any, Callable
 
 from ...trace.parts import Compilation
+from .dynamo_skip import DoctorSkipped, uncompiled
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class CompileWatch:
         self._thread: int | None = None
         self._t0: float | None = None
         self._installed = False
+        self._skipped = DoctorSkipped()  # (the doctor's frames a compiled function calls: never compiled)
 
     def install(self) -> None:
         handler = _handler()
@@ -59,6 +61,7 @@ class CompileWatch:
         self._thread = threading.get_ident()
         handler.register_start_callback(self._start)
         handler.register_end_callback(self._end)
+        self._skipped.install()
         self._installed = True
 
     def remove(self) -> None:
@@ -66,6 +69,7 @@ class CompileWatch:
         if not self._installed:
             return
         self._installed = False
+        self._skipped.remove()
         # Exactly our entry, from the list it went into and from the one in place now (a
         # `warnings.catch_warnings()` swaps the list for a copy while it runs): the cell's own filters stay.
         for filters in {id(f): f for f in (self._filters, warnings.filters)}.values():
@@ -87,11 +91,13 @@ class CompileWatch:
             return  # another thread compiling is not this step's
         self._t0 = time.perf_counter()
         self._trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO").lower()
-        self._on_start()
+        with uncompiled():  # (called inside a compiled function's frames: what it runs is not dynamo's to trace)
+            self._on_start()
 
     def _end(self, args: Any) -> None:
         if threading.get_ident() != self._thread or self._t0 is None:
             return
         self.events.append(Compilation(trigger=self._trigger, seconds=round(time.perf_counter() - self._t0, 3)))
         self._t0 = None
-        self._on_end()
+        with uncompiled():
+            self._on_end()
