@@ -70,8 +70,7 @@ def _reiterable(value: Any) -> bool:
     """Whether iterating ``value`` again gives the same items, drawing nothing from a user's iterator."""
     if isinstance(value, (list, tuple, range, torch.Tensor, str, dict)):
         return True
-    loader = torch.utils.data.DataLoader
-    if isinstance(value, loader):
+    if type(value) is torch.utils.data.DataLoader:  # (a library's subclass keeps state of its own as it iterates)
         sampler = getattr(value.batch_sampler, "sampler", value.sampler)
         return value.num_workers == 0 and isinstance(sampler, torch.utils.data.SequentialSampler)
     return False
@@ -84,9 +83,12 @@ def _iterable_why(node: ast.expr, ns: dict[str, Any]) -> str:
             return f"the loop iterates `{ast.unparse(node)}`, a call the probe does not run again"
         if isinstance(n, ast.Name) and n.id not in _CALLS:
             value = ns.get(n.id)
-            if isinstance(value, torch.utils.data.DataLoader) and not _reiterable(value):
+            if type(value) is torch.utils.data.DataLoader and not _reiterable(value):
                 return (f"`{n.id}` shuffles or loads in worker processes: the batch of that iteration cannot be "
                         "drawn again")
+            if isinstance(value, torch.utils.data.DataLoader) and type(value) is not torch.utils.data.DataLoader:
+                return (f"`{n.id}` is a {type(value).__name__}, a library's DataLoader that keeps state of its own as "
+                        "it iterates: the probe does not iterate it again")
     for n in ast.walk(node):  # the outermost values the expression reads must give their items again
         if isinstance(n, ast.Name) and n.id not in _CALLS and n.id in ns and not isinstance(ns[n.id], (int, float)) \
                 and not _reiterable(ns[n.id]):
