@@ -54,7 +54,9 @@ def loss_spike(trace: Trace) -> list[Finding]:
         losses = "" if s.replay_loss is None or s.baseline_loss is None else \
             f" (their losses {s.replay_loss:.3g} and {s.baseline_loss:.3g})"
         body = (f" Batch {s.batch} of `{s.source}` and batch {s.baseline} were run again through the loop's body from "
-                f"the weights the run ended with{losses}: batch {s.batch} {s.described}.")
+                f"the weights the run ended with{losses}"
+                + (f"; batch {s.batch} makes the loss jump again under the same weights" if s.reproduced else "")
+                + f". Batch {s.batch}: {s.described}.")
         if jump is not None:
             now, before = (jump.activation, jump.activation_before) if s.jumped == "activations" else \
                 (jump.grad, jump.grad_before)
@@ -74,7 +76,11 @@ def loss_spike(trace: Trace) -> list[Finding]:
         evidence["loop_line"] = s.loop_line
     if jump is not None:
         evidence["layer"] = jump.module
-    msg = f"{head}{body} Fix: {_fix(s, odd and not s.why_not)}"
+    fix = _fix(s, odd and not s.why_not)
+    if s.why_not:  # (the batch is unknown: look at it first, then bound the update)
+        fix = (f"check the batch of iteration {s.iteration} (print the loop's batch when `loss.item()` is far above "
+               "the recent losses, e.g. `if loss.item() > 5 * recent_median: print(...)`); " + fix)
+    msg = f"{head}{body} Fix: {fix}"
     title = (f"Loss spike in iteration {s.iteration}: batch {s.batch} is out of range" if s.out_of_range and not s.why_not
              else f"Loss spike in iteration {s.iteration}")
     return [at("loss_spike", where, msg, title=title, severity="warning", iteration=s.iteration, evidence=evidence,
