@@ -189,3 +189,55 @@ def test_an_accelerate_loop_with_a_poisoned_batch(engine: str) -> None:
     s = report.trace.loss_spike
     assert f.iteration == 20 and s.iteration == 20 and s.batch is None, describe(report)
     assert "DataLoaderShard" in s.why_not and f.line == 1, describe(report)
+
+
+def test_an_epoch_loop_names_the_batch_within_its_pass(engine: str) -> None:
+    """Iterations count across epochs; the batch is the one of the pass through ``batches`` (40 a pass)."""
+    cell = ("losses = []\n"
+            "for epoch in range(2):\n"
+            + "".join("    " + line + "\n" for line in CELL.splitlines()[1:]))
+    plain, doctored, report = _diagnose(cell, lambda: _ns(_batches()), engine)
+    _same_results(plain, doctored)
+    f = only(report, "loss_spike")
+    s = report.trace.loss_spike
+    assert (f.iteration, s.batch, s.loop_line, f.line, f.module) == (BAD, BAD, 3, MODEL_LINE + 1, "model.0"), \
+        describe(report)
+
+
+def test_a_body_that_logs_outside_is_not_run_again(engine: str) -> None:
+    """A body that logs to a dashboard (``run.log``) would log twice more: the spike is named, unprobed."""
+    class Run:
+        def __init__(self) -> None:
+            self.points: list = []
+
+        def log(self, data: dict) -> None:
+            self.points.append(data)
+
+    cell = CELL + "    run.log({'loss': loss.item(), 'lr': torch.log(torch.tensor(1e-2)).item()})\n"
+    runs = []
+
+    def make() -> dict:
+        ns = _ns(_batches())
+        ns["run"] = Run()
+        runs.append(ns["run"])
+        return ns
+    plain, doctored, report = _diagnose(cell, make, engine)
+    _same_results(plain, doctored)
+    assert len(runs[0].points) == len(runs[1].points) == 40  # (plain, doctored: no point logged by the probe)
+    f = only(report, "loss_spike")
+    s = report.trace.loss_spike
+    assert s.batch is None and "calls `run.log(...)` (line 9)" in s.why_not and f.iteration == BAD, describe(report)
+
+
+def test_one_sample_out_of_range_is_named_by_its_row() -> None:
+    """The batch's description names the sample: one row of batch 25 scaled 1000x (one the model gets wrong: an
+    outlier it classifies right adds no loss)."""
+    batches = _batches(bad=None)
+    x, y = batches[BAD]
+    x = x.clone()
+    x[3] *= 1000.0  # <-- one sample
+    batches[BAD] = (x, y)
+    report = fits_the_schema(bd.diagnose(CELL, _ns(batches), engine="python"))
+    f = only(report, "loss_spike")
+    assert f.iteration == BAD and f.module == "model.0", describe(report)
+    assert "in sample 3 of its 16 (dimension 0)" in f.message, f.message

@@ -14,6 +14,8 @@ tensor, a ``range``, ``enumerate``/``zip`` of those, a ``DataLoader`` that does 
 
 >>> _reiterable([1, 2]), _reiterable(iter([1, 2])), _reiterable(range(3))
 (True, False, True)
+>>> _outside(ast.parse("for b in d:\\n    wandb.log({'loss': 1})\\n    y = torch.log(b)").body[0])[:33]
+"the loop's body calls `wandb.log("
 """
 from __future__ import annotations
 
@@ -34,7 +36,11 @@ from ..util.loops import one_iteration, training_loop
 from .snapshot import Bindings, take_if_it_fits
 
 _CONTAINERS = (list, dict, set)
-_CALLS = {"enumerate", "zip", "range", "list", "tuple", "reversed"}
+_CALLS = {"enumerate", "zip", "range", "list", "tuple", "reversed", "len"}
+#: calls of a loop body that reach outside the process (a log, a checkpoint): a probe would do them again
+_OUTSIDE = {"save", "save_pretrained", "save_state", "save_checkpoint", "log", "log_dict", "log_metrics", "add_scalar",
+            "add_scalars", "add_histogram", "write", "writerow", "dump", "send", "put", "upload"}
+_MATH = {"torch", "math", "np", "numpy", "F", "cmath", "jnp"}
 _CONTEXT = 8  # batches before the spiking one read to describe it (their values' range)
 
 
@@ -62,7 +68,8 @@ def probe_spike(trace: Trace, namespace: dict[str, Any]) -> Trace:
     try:
         spike.why_not = _probe(spike, trace, namespace)
     except Exception as exc:  # noqa: BLE001 - the probe is the doctor's: the spike is still said, unprobed
-        spike.why_not = f"the probe failed ({type(exc).__name__}: {exc})"
+        spike.why_not = (f"the loop's body could not be run again on its own ({type(exc).__name__}: "
+                         f"{str(exc)[:200]})")
     return trace
 
 
@@ -96,6 +103,16 @@ def _iterable_why(node: ast.expr, ns: dict[str, Any]) -> str:
     return ""
 
 
+def _outside(loop: ast.For) -> str:
+    """Why the loop's body is not run again: it logs or saves (a dashboard's point, a file written twice)."""
+    for n in ast.walk(ast.Module(body=loop.body, type_ignores=[])):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _OUTSIDE and not (
+                n.func.attr == "log" and (not n.args or ast.unparse(n.func.value) in _MATH)):  # (``torch.log(x)``)
+            return (f"the loop's body calls `{ast.unparse(n.func)}(...)` (line {n.lineno}), which a probe would do "
+                    "again outside the notebook (a logged point, a file written)")
+    return ""
+
+
 def _probe(spike: LossSpike, trace: Trace, namespace: dict[str, Any]) -> str:
     its = trace.iterations
     if its.library:
@@ -107,7 +124,7 @@ def _probe(spike: LossSpike, trace: Trace, namespace: dict[str, Any]) -> str:
     if loop is None or found is None or not isinstance(loop, ast.For):
         return "the cell has no `for` loop over its batches whose body can be run again"
     spike.loop_line, spike.source = loop.lineno, ast.unparse(loop.iter)
-    why = _iterable_why(loop.iter, namespace)
+    why = _iterable_why(loop.iter, namespace) or _outside(loop)
     if why:
         return why
     code, names = found
@@ -128,6 +145,10 @@ def _probe(spike: LossSpike, trace: Trace, namespace: dict[str, Any]) -> str:
     finally:
         end.restore(namespace)
         left.restore(namespace)
+    trace.notes.append(f"The loss spiked in iteration {spike.iteration}: after the run, the loop's body was run twice "
+                       f"more, on batch {spike.batch} and batch {spike.baseline}, from the weights the run ended with, "
+                       "which were then put back (weights, optimizer state, RNG, the notebook's names); what the body "
+                       "did outside the model and the optimizer (printing, which was hidden) happened again")
     spike.replay_loss = hit.losses[-1] if hit.losses else None
     spike.baseline_loss = base.losses[-1] if base.losses else None
     _compare(spike, hit, base)
@@ -141,9 +162,8 @@ def _batches(loop: ast.For, trace: Trace, namespace: dict[str, Any], k: int) -> 
     expr = compile(ast.Expression(body=loop.iter), trace.cell_file, "eval")
     index = k
     if _nested(trace.source, loop):  # (an epoch loop around it: the iterable is passed through once per epoch)
-        try:
-            size = len(eval(expr, ns))  # noqa: S307 - the cell's own expression, checked by _iterable_why
-        except TypeError:
+        size = _length(loop.iter, ns, trace.cell_file)
+        if size is None:
             return {}, k, "the loop runs inside another one over an iterable with no length"
         if size == 0:
             return {}, k, "the loop's iterable is empty now"
@@ -153,6 +173,19 @@ def _batches(loop: ast.For, trace: Trace, namespace: dict[str, Any], k: int) -> 
     if index not in items:
         return {}, index, f"the loop's iterable has no item {index} now"
     return items, index, ""
+
+
+def _length(node: ast.expr, ns: dict[str, Any], cell_file: str) -> int | None:
+    """How many items the loop's iterable gives (``enumerate``/``reversed``/``list``/``tuple`` of one, the shortest
+    of a ``zip``), without iterating it; None: no length."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("enumerate", "reversed",
+                                                                                             "list", "tuple", "zip"):
+        sizes = [_length(a, ns, cell_file) for a in node.args[:1 if node.func.id != "zip" else None]]
+        return None if not sizes or None in sizes else min(sizes)  # type: ignore[type-var]
+    try:
+        return len(eval(compile(ast.Expression(body=node), cell_file, "eval"), ns))  # noqa: S307 - checked
+    except TypeError:
+        return None
 
 
 def _nested(source: str, loop: ast.For) -> bool:
@@ -225,9 +258,26 @@ def _describe(spike: LossSpike, items: dict[int, Any], names: list[str], target:
             worst = times
             spike.out_of_range = n
             words = [f"`{n}` holds values up to {mine:.3g} in absolute value, the {len(others)} other batches read "
-                     f"at most {top:.3g} ({times:,.0f}x)"]
+                     f"at most {top:.3g} ({times:,.0f}x){_rows(items[spike.batch], target, n, top)}"]
     spike.described = words[0] if words else \
         "its values are in the range of the other batches (look at its labels or its content)"
+
+
+def _rows(item: Any, target: ast.expr, name: str, top: float) -> str:
+    """Which samples (rows) of the loop variable ``name`` hold the values out of the others' range: ``, in rows 3, 7``
+    or ``, in all 16 rows`` ('' when it is not one tensor with rows)."""
+    ns: dict[str, Any] = {}
+    _bind(target, item, ns)
+    t = ns.get(name)
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or not t.is_floating_point() or not len(t):
+        return ""
+    with torch.no_grad():
+        rows = (t.detach().abs().nan_to_num(0.0, 0.0, 0.0).reshape(len(t), -1).amax(1) > 10 * top).nonzero()
+    rows = [int(r) for r in rows.flatten()]
+    if len(rows) == len(t):
+        return f", in all {len(t)} of its samples (dimension 0)"
+    shown = ", ".join(str(r) for r in rows[:5]) + (", ..." if len(rows) > 5 else "")
+    return f", in sample{'s' if len(rows) > 1 else ''} {shown} of its {len(t)} (dimension 0)" if rows else ""
 
 
 def _compare(spike: LossSpike, hit: LayerNorms, base: LayerNorms) -> None:
