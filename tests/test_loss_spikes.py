@@ -169,6 +169,11 @@ def test_the_series_test_does_not_alarm_on_noise_schedules_or_high_losses() -> N
     jump = [1.0 - 0.01 * i for i in range(40)]
     jump[30] = 12.0
     assert spike_points(jump) == [30]
+    # a second model's loop later in the same run (a script training several): it starts high and comes down
+    # slowly; a loss that jumps and stays up (diverged): neither is a spike
+    assert spike_points(jump[:30] + [2.3 * 0.97 ** i for i in range(40)]) == []
+    assert spike_points(jump[:30] + [12.0 + i for i in range(10)]) == []
+    assert spike_points(jump[:30] + [12.0, 0.7]) == []  # (the last points: no trend after them to come back to)
     none_read = [None] * 50  # (CUDA: the loss is not read)
     assert spike_points(none_read) == []
 
@@ -179,7 +184,7 @@ def test_an_accelerate_loop_with_a_poisoned_batch(engine: str) -> None:
     from library_loops import ACCEL_LOOP, accelerate_loop
 
     def make() -> dict:
-        ns = accelerate_loop(accum=1, n=8 * 30, batch=8, lr=0.01)
+        ns = accelerate_loop(accum=1, n=8 * 30, batch=8, lr=1e-3)
         x, _ = ns["loader"].dataset.tensors
         x[8 * 20:8 * 21] *= 1000.0  # <-- batch 20
         return ns
@@ -187,7 +192,7 @@ def test_an_accelerate_loop_with_a_poisoned_batch(engine: str) -> None:
     report = fits_the_schema(bd.diagnose(ACCEL_LOOP, ns, engine=engine))
     f = only(report, "loss_spike")
     s = report.trace.loss_spike
-    assert f.iteration == 20 and s.iteration == 20 and s.batch is None, describe(report)
+    assert f.iteration == 20 and s.iteration == 20 and s.batch is None and s.spikes == 1, describe(report)
     assert "DataLoaderShard" in s.why_not and f.line == 1, describe(report)
 
 

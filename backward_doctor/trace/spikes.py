@@ -4,7 +4,8 @@ when it ran that iteration's batch again beside the one before it.
 
 The decision is made after the run from the series the loop watch records anyway (no cost in any iteration): a
 point is a spike when it is far above the median of the points before it in robust units (median absolute
-deviations) **and** many times that median **and** above where training began (or very many times the median).
+deviations) **and** many times that median **and** above where training began (or very many times the median)
+**and** the loss comes back near that trend in the points after it.
 Healthy noise, a warm-up, a schedule, the first iterations and a loss that is high throughout are none of these.
 
 >>> flat = [1.0, 0.9, 0.95, 0.92, 0.88, 0.9, 0.85, 0.87, 0.86, 0.84]
@@ -12,6 +13,8 @@ Healthy noise, a warm-up, a schedule, the first iterations and a loss that is hi
 [10]
 >>> spike_points(flat + [2.0] + flat), spike_points([50.0 + (i % 3) for i in range(30)])
 ([], [])
+>>> spike_points(flat + [9.0, 8.0, 7.5, 7.0, 6.2, 5.0])  # (a new loop starting high: it does not come back down)
+[]
 >>> from backward_doctor.util.serde import from_dict, to_dict
 >>> s = LossSpike(iteration=10, loss=9.0, median=0.88, ratio=10.2, mads=80.0)
 >>> from_dict(LossSpike, to_dict(s)) == s
@@ -26,13 +29,17 @@ from dataclasses import dataclass, field
 WINDOW, HISTORY = 20, 8
 #: how far above the trend: median absolute deviations (scaled to a normal's sigma) and times the median
 MADS, RATIO = 10.0, 5.0
+#: points after a candidate that must be back near the trend (at most, at least): a spike comes back down
+AFTER, AFTER_MIN = 5, 3
 #: a spike below where training began counts only this many times the median (a late, small loss's noise does not)
 RATIO_ALONE = 50.0
 
 
 def spike_points(loss: list[float | None]) -> list[int]:
     """The indexes of ``loss`` (a loop watch's series; None: not read or non-finite) that are spikes (see the
-    module docstring). A loss that can be negative (a log-likelihood) has no ratio to read: no spike."""
+    module docstring). A loss that can be negative (a log-likelihood) has no ratio to read: no spike. A jump the
+    loss does not come back down from (over the next 5 points) is no spike: a new model's loop later in the same run
+    starts high, and a loss that diverged stays up."""
     points = [(i, v) for i, v in enumerate(loss) if v is not None]
     if len(points) <= HISTORY:
         return []
@@ -49,6 +56,11 @@ def spike_points(loss: list[float | None]) -> list[int]:
         if (v - med) / scale < MADS:
             continue
         if v <= start and v < RATIO_ALONE * med:
+            continue
+        # back to the trend after it: a spike, not a level that moved (a new model's loop in the same run, a loss
+        # that diverged and stays up)
+        after = [u for _, u in points[n + 1:n + 1 + AFTER]]
+        if len(after) < AFTER_MIN or statistics.median(after) > min(med + 0.25 * (v - med), 1.5 * med):
             continue
         out.append(i)
     return out
