@@ -246,3 +246,14 @@ def test_one_sample_out_of_range_is_named_by_its_row() -> None:
     f = only(report, "loss_spike")
     assert f.iteration == BAD and f.module == "model.0", describe(report)
     assert "in sample 3 of its 16 (dimension 0)" in f.message, f.message
+
+
+def test_no_probe_where_the_run_asks_for_no_replay(engine: str) -> None:
+    """``rollback=False`` (what a distributed rank's run asks: its collectives would have no peers): the spike is
+    said from the series, its batch not run again."""
+    report = fits_the_schema(bd.diagnose(CELL, _ns(_batches()), engine=engine, rollback=False))
+    f = only(report, "loss_spike")
+    s = report.trace.loss_spike
+    assert f.iteration == BAD and s.batch is None and s.why_not.startswith("the run asked for no replay"), \
+        describe(report)
+    assert not any("the loop's body was run twice more" in n for n in report.trace.notes)

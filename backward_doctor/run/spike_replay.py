@@ -59,12 +59,18 @@ def spike_of(trace: Trace) -> LossSpike | None:
                      mads=(loss - med) / max(1.4826 * mad, 0.01 * med), spikes=len(points))
 
 
-def probe_spike(trace: Trace, namespace: dict[str, Any]) -> Trace:
-    """``trace`` with ``loss_spike`` set where its loss series spiked, probed where the loop can be run again."""
+def probe_spike(trace: Trace, namespace: dict[str, Any], run_again: bool = True) -> Trace:
+    """``trace`` with ``loss_spike`` set where its loss series spiked, probed where the loop can be run again
+    (``run_again=False``: the run asked for no replay; never in a distributed run: its collectives have no peers)."""
     spike = spike_of(trace)
     if spike is None:
         return trace
     trace.loss_spike = spike
+    dist = torch.distributed
+    if not run_again or (dist.is_available() and dist.is_initialized()):
+        spike.why_not = ("the run asked for no replay (`rollback=False`)" if not run_again else
+                         "a distributed run: the loop's body would issue collectives no other rank joins")
+        return trace
     try:
         spike.why_not = _probe(spike, trace, namespace)
     except Exception as exc:  # noqa: BLE001 - the probe is the doctor's: the spike is still said, unprobed
