@@ -89,6 +89,9 @@ def test_a_poisoned_batch_names_the_batch_the_layer_and_the_line(engine: str) ->
     assert f"The output of `model.0` (Linear) grew" in f.message and "the first layer where the jump shows" in f.message
     assert f"look at `batches[{BAD}]`" in f.message and "clip_grad_norm_" in f.message
     assert f.evidence["batch"] == BAD and f.evidence["layer"] == "model.0" and f.evidence["batch_is_odd"] is True
+    # the renderers show it: the text report and the HTML panel's view
+    assert "Loss spike in iteration 25" in str(report) and "Loss spike" in report.to_html()
+    assert any("the loop's body was run twice more, on batch 25 and batch 24" in n for n in report.trace.notes)
     # the record goes through the JSON report and back
     again = type(report).from_dict(report.to_dict())
     assert again.trace.loss_spike == s and again.findings[0].evidence["batch"] == BAD
