@@ -177,6 +177,10 @@ def test_the_series_test_does_not_alarm_on_noise_schedules_or_high_losses() -> N
     assert spike_points(jump[:30] + [2.3 * 0.97 ** i for i in range(40)]) == []
     assert spike_points(jump[:30] + [12.0 + i for i in range(10)]) == []
     assert spike_points(jump[:30] + [12.0, 0.7]) == []  # (the last points: no trend after them to come back to)
+    # several loops in one run (a script: tests/idioms_script.py), one of them at another scale for 8 iterations:
+    # its second half is no jump from the point before it
+    mixed = [1.6, 1.5, 1.7, 1.6] * 5 + [1e5, 1.05e5, 1.07e5, 1.1e5] * 2 + [1.6, 1.5, 1.7, 1.6] * 5
+    assert spike_points(mixed) == []
     none_read = [None] * 50  # (CUDA: the loss is not read)
     assert spike_points(none_read) == []
 

@@ -49,6 +49,8 @@ def spike_of(trace: Trace) -> LossSpike | None:
     its = trace.iterations
     if trace.exception is not None or trace.timed_out or its.first_nonfinite is not None:
         return None
+    if len({(s.file, s.line) for s in trace.optimizer_steps}) > 1:
+        return None  # (steps called from several places: the series may join several loops, a new one starting high)
     points = spike_points(its.loss)
     if not points:
         return None

@@ -4,8 +4,9 @@ when it ran that iteration's batch again beside the one before it.
 
 The decision is made after the run from the series the loop watch records anyway (no cost in any iteration): a
 point is a spike when it is far above the median of the points before it in robust units (median absolute
-deviations) **and** many times that median **and** above where training began (or very many times the median)
-**and** the loss comes back near that trend in the points after it.
+deviations) **and** many times that median **and** several times the two points just before it **and** above
+where training began (or very many times the median) **and** the loss comes back near that trend in the points
+after it.
 Healthy noise, a warm-up, a schedule, the first iterations and a loss that is high throughout are none of these.
 
 >>> flat = [1.0, 0.9, 0.95, 0.92, 0.88, 0.9, 0.85, 0.87, 0.86, 0.84]
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 WINDOW, HISTORY = 20, 8
 #: how far above the trend: median absolute deviations (scaled to a normal's sigma) and times the median
 MADS, RATIO = 10.0, 5.0
+#: a spike jumps from the iteration before it: this many times the larger of the two points before it
+JUMP = 3.0
 #: points after a candidate that must be back near the trend (at most, at least): a spike comes back down
 AFTER, AFTER_MIN = 5, 3
 #: a spike below where training began counts only this many times the median (a late, small loss's noise does not)
@@ -49,8 +52,8 @@ def spike_points(loss: list[float | None]) -> list[int]:
         i, v = points[n]
         prev = [u for _, u in points[max(0, n - WINDOW):n]]
         med = statistics.median(prev)
-        if med <= 0 or v < RATIO * med:
-            continue
+        if med <= 0 or v < RATIO * med or v < JUMP * max(u for _, u in points[n - 2:n]):
+            continue  # (not above the trend, or no jump from the iterations just before: a level reached earlier)
         mad = statistics.median(abs(u - med) for u in prev)
         scale = max(1.4826 * mad, 0.01 * med)  # (a loss flat to the digit: 1% of its level is its noise)
         if (v - med) / scale < MADS:
