@@ -264,3 +264,21 @@ def test_no_probe_where_the_run_asks_for_no_replay(engine: str) -> None:
     assert f.iteration == BAD and s.batch is None and s.why_not.startswith("the run asked for no replay"), \
         describe(report)
     assert not any("the loop's body was run twice more" in n for n in report.trace.notes)
+
+
+def test_a_loader_in_order_gives_its_batch_again(engine: str) -> None:
+    """A ``DataLoader`` that does not shuffle and has no workers gives the same batches again: the batch is named."""
+    def make() -> dict:
+        xs = torch.cat([b[0] for b in _batches(bad=None)])
+        ys = torch.cat([b[1] for b in _batches(bad=None)])
+        xs[16 * BAD:16 * (BAD + 1)] *= 1000.0
+        ns = _ns([])
+        ns["batches"] = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=16)
+        return ns
+    plain, doctored, report = _diagnose(CELL, make, engine)
+    _same_results(plain, doctored)
+    f = only(report, "loss_spike")
+    s = report.trace.loss_spike
+    assert (f.iteration, s.batch, s.out_of_range, f.module, f.line) == (BAD, BAD, "xb", "model.0", MODEL_LINE), \
+        describe(report)
+    assert f"look at `next(itertools.islice(batches, {BAD}, None))`" in f.message  # (a DataLoader has no [k])

@@ -14,6 +14,8 @@ tensor, a ``range``, ``enumerate``/``zip`` of those, a ``DataLoader`` that does 
 
 >>> _reiterable([1, 2]), _reiterable(iter([1, 2])), _reiterable(range(3))
 (True, False, True)
+>>> _reiterable(torch.utils.data.TensorDataset(torch.zeros(2))), _reiterable(torch.utils.data.DataLoader([1], shuffle=True))
+(True, False)
 >>> _outside(ast.parse("for b in d:\\n    wandb.log({'loss': 1})\\n    y = torch.log(b)").body[0])[:33]
 "the loop's body calls `wandb.log("
 """
@@ -85,6 +87,9 @@ def _reiterable(value: Any) -> bool:
     """Whether iterating ``value`` again gives the same items, drawing nothing from a user's iterator."""
     if isinstance(value, (list, tuple, range, torch.Tensor, str, dict)):
         return True
+    data = torch.utils.data
+    if isinstance(value, data.Dataset) and not isinstance(value, data.IterableDataset) and hasattr(value, "__len__"):
+        return True  # (a map-style dataset iterates by index: the same items again)
     if type(value) is torch.utils.data.DataLoader:  # (a library's subclass keeps state of its own as it iterates)
         sampler = getattr(value.batch_sampler, "sampler", value.sampler)
         return value.num_workers == 0 and isinstance(sampler, torch.utils.data.SequentialSampler)
@@ -148,6 +153,7 @@ def _probe(spike: LossSpike, trace: Trace, namespace: dict[str, Any]) -> str:
         if spike.baseline not in items:
             return "the loop's iterable has one batch: there is none to compare the spiking one with"
         _describe(spike, items, names, loop.target, namespace)
+        spike.fetch = _fetch(loop.iter, namespace, index)
         base = _run_body(code, loop.target, items[spike.baseline], namespace, trace.cell_file, end)
         hit = _run_body(code, loop.target, items[index], namespace, trace.cell_file, end)
     finally:
@@ -194,6 +200,17 @@ def _length(node: ast.expr, ns: dict[str, Any], cell_file: str) -> int | None:
         return len(eval(compile(ast.Expression(body=node), cell_file, "eval"), ns))  # noqa: S307 - checked
     except TypeError:
         return None
+
+
+def _fetch(node: ast.expr, ns: dict[str, Any], index: int) -> str:
+    """Code that gives batch ``index`` of the loop's iterable back: ``batches[25]`` for a sequence the loop iterates
+    (or enumerates), else ``next(itertools.islice(..., 25, None))``."""
+    inner = node.args[0] if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+        node.func.id == "enumerate" and len(node.args) == 1 else node
+    text = ast.unparse(inner)
+    if isinstance(inner, ast.Name) and isinstance(ns.get(inner.id), (list, tuple, torch.Tensor)):
+        return f"{text}[{index}]"
+    return f"next(itertools.islice({text}, {index}, None))"
 
 
 def _nested(source: str, loop: ast.For) -> bool:

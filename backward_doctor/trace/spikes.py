@@ -112,6 +112,8 @@ class LossSpike:
     baseline: int | None = None         # the batch it was compared with (the one before it)
     loop_line: int | None = None        # the cell's ``for`` line the batches come from
     source: str = ""                    # what the loop iterates (``enumerate(batches)``)
+    #: code that gives the spiking batch back (``batches[25]``; ``next(itertools.islice(loader, 25, None))``)
+    fetch: str = ""
     #: the loss of the spiking batch and of the baseline batch in the probe (None: no loss reached ``backward()``)
     replay_loss: float | None = None
     baseline_loss: float | None = None

@@ -28,9 +28,7 @@ def _batch_is_odd(s: LossSpike) -> bool:
 
 def _fix(s: LossSpike, odd: bool) -> str:
     if odd and s.batch is not None and s.source:
-        seq = s.source[len("enumerate("):-1] if s.source.startswith("enumerate(") and s.source.endswith(")") \
-            else s.source
-        look = f"look at `{seq}[{s.batch}]`" if seq.isidentifier() else f"look at batch {s.batch} of `{s.source}`"
+        look = f"look at `{s.fetch}`" if s.fetch else f"look at batch {s.batch} of `{s.source}`"
         return (f"{look} and fix or drop it in the data; in the loop, skip a batch whose loss jumps "
                 "(`if loss.item() > 5 * recent_median: continue`, before `loss.backward()`) and bound what one batch "
                 f"can do to the weights (`{_CLIP}`)")
