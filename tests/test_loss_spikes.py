@@ -87,8 +87,11 @@ def test_a_poisoned_batch_names_the_batch_the_layer_and_the_line(engine: str) ->
     assert f.title == f"Loss spike in iteration {BAD}: batch {BAD} is out of range"
     assert f"Batch {BAD} of `enumerate(batches)`" in f.message and "`xb` holds values up to" in f.message
     assert f"The output of `model.0` (Linear) grew" in f.message and "the first layer where the jump shows" in f.message
-    assert f"look at `batches[{BAD}]`" in f.message and "clip_grad_norm_" in f.message
+    assert f"look at `batches[{BAD}]`" in f.message and "clip_grad_norm_" in f.message and "as below" in f.message
     assert f.evidence["batch"] == BAD and f.evidence["layer"] == "model.0" and f.evidence["batch_is_odd"] is True
+    code = f.evidence["fix_code"]
+    assert "loss.item() > 5 * statistics.median(recent)" in code and f"look at `batches[{BAD}]`" in code
+    assert "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)" in code and code.endswith("opt.step()\n")
     # the renderers show it: the text report and the HTML panel's view
     assert "Loss spike in iteration 25" in str(report) and "Loss spike" in report.to_html()
     assert any("the loop's body was run twice more, on batch 25 and batch 24" in n for n in report.trace.notes)

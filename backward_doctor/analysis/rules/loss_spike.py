@@ -14,11 +14,9 @@ ordinary under those weights, the spike came from the training at that moment: c
 """
 from __future__ import annotations
 
-from ..findings import Finding, at
+from ..findings import Finding, at, source_line
 from ...trace.records import Trace, Where
 from ...trace.spikes import LossSpike
-
-_CLIP = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)` between `backward()` and `step()"
 
 
 def _batch_is_odd(s: LossSpike) -> bool:
@@ -29,11 +27,10 @@ def _batch_is_odd(s: LossSpike) -> bool:
 def _fix(s: LossSpike, odd: bool) -> str:
     if odd and s.batch is not None and s.source:
         look = f"look at `{s.fetch}`" if s.fetch else f"look at batch {s.batch} of `{s.source}`"
-        return (f"{look} and fix or drop it in the data; in the loop, skip a batch whose loss jumps "
-                "(`if loss.item() > 5 * recent_median: continue`, before `loss.backward()`) and bound what one batch "
-                f"can do to the weights (`{_CLIP}`)")
-    return (f"bound the update one step can make (`{_CLIP}`) and lower the learning rate or warm it up "
-            "(`torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, total_iters=100)`)")
+        return (f"{look} and fix or drop it in the data; in the loop, skip a batch whose loss jumps before its "
+                "`backward()` and bound what one batch can do to the weights (`clip_grad_norm_`), as below")
+    return (f"bound the update one step can make (`clip_grad_norm_`, as below) and lower the learning rate or warm "
+            "it up (`torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, total_iters=100)`)")
 
 
 def loss_spike(trace: Trace) -> list[Finding]:
@@ -74,6 +71,7 @@ def loss_spike(trace: Trace) -> list[Finding]:
         evidence["loop_line"] = s.loop_line
     if jump is not None:
         evidence["layer"] = jump.module
+    evidence["fix_code"] = _fix_code(trace, s, odd and not s.why_not)
     fix = _fix(s, odd and not s.why_not)
     if s.why_not:  # (the batch is unknown: look at it first, then bound the update)
         fix = (f"check the batch of iteration {s.iteration} (print the loop's batch when `loss.item()` is far above "
@@ -84,6 +82,26 @@ def loss_spike(trace: Trace) -> list[Finding]:
     return [at("loss_spike", where, msg, title=title, severity="warning", iteration=s.iteration, evidence=evidence,
                module_type=jump.cls if jump is not None else "",
                function=None)]
+
+
+def _fix_code(trace: Trace, s: LossSpike, odd: bool) -> str:
+    """The loop's end as code: a batch whose loss jumps skipped (when the batch is the cause), the update clipped.
+
+    >>> print(_fix_code(Trace(), LossSpike(iteration=3, loss=9.0, median=1.0, ratio=9.0, mads=20.0), odd=False), end="")
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # one step moves the weights this far at most
+    optimizer.step()
+    """
+    model = s.jump.module.split(".")[0] if s.jump is not None else "model"
+    steps = [st.cell_line for st in trace.optimizer_steps if st.cell_line is not None]
+    step = source_line(trace, steps[0]) if steps else ""
+    step = step if step.endswith(".step()") else "optimizer.step()"
+    skip = ("if len(recent) >= 20 and loss.item() > 5 * statistics.median(recent):  # recent = [] before the loop\n"
+            f"    continue  # a batch whose loss jumps: skipped (look at `{s.fetch or 'it'}`)\n"
+            "recent = (recent + [loss.item()])[-20:]\n") if odd else ""
+    return (f"{skip}loss.backward()\n"
+            f"torch.nn.utils.clip_grad_norm_({model}.parameters(), max_norm=1.0)  # one step moves the weights this "
+            f"far at most\n{step}\n")
 
 
 def _where(trace: Trace, s: LossSpike) -> Where:
