@@ -50,10 +50,12 @@ def spike_points(loss: list[float | None]) -> list[int]:
     out = []
     for n in range(HISTORY, len(points)):
         i, v = points[n]
+        if v < JUMP * max(points[n - 1][1], points[n - 2][1]):
+            continue  # no jump from the iterations just before (a level reached earlier): most points end here, cheaply
         prev = [u for _, u in points[max(0, n - WINDOW):n]]
         med = statistics.median(prev)
-        if med <= 0 or v < RATIO * med or v < JUMP * max(u for _, u in points[n - 2:n]):
-            continue  # (not above the trend, or no jump from the iterations just before: a level reached earlier)
+        if med <= 0 or v < RATIO * med:
+            continue  # (not far above the trend)
         mad = statistics.median(abs(u - med) for u in prev)
         scale = max(1.4826 * mad, 0.01 * med)  # (a loss flat to the digit: 1% of its level is its noise)
         if (v - med) / scale < MADS:
