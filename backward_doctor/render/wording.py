@@ -33,6 +33,7 @@ KIND_WORDS = {
     "train_eval_mode": "train() / eval() mode", "scheduler_misuse": "Learning-rate scheduler out of step",
     "label_misalignment": "Labels misaligned",
     "frozen_params_updated": "Frozen parameters updated", "untied_weights": "Tied weights trained apart",
+    "loss_spike": "Loss spike",
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from .. import native
 from ..trace import Trace
 from .iteration_replay import IterationRollback, replay_iteration
+from .spike_replay import probe_spike
 
 
 def iteration_replay(engine: str, *, detail: bool, every_iteration: bool, memory_limit: int | None,
@@ -49,11 +50,13 @@ def rollback_for(kind: str | None, source: str, namespace: dict[str, Any],
 
 
 def replayed(trace: Trace, rollback: IterationRollback | None, namespace: dict[str, Any], *,
-             timeout: float | None, engine: str) -> Trace:
-    """``trace`` with the iteration the rollback kept state for replayed in detail (itself when none was)."""
+             timeout: float | None, engine: str, probe: bool = True) -> Trace:
+    """``trace`` with the iteration the rollback kept state for replayed in detail (itself when none was), and a
+    loss that spiked without NaN/Inf probed (``spike_replay.py``: decided from the loss series after the run; not
+    with ``probe=False``, a run that asked for no replay: a rank's, whose collectives would have no peers)."""
     if rollback is not None and rollback.iteration is not None:
         return replay_iteration(trace, rollback, namespace, timeout=timeout, engine=engine)
-    return trace
+    return probe_spike(trace, namespace, run_again=probe)
 
 
 __all__ = ["iteration_replay", "replayed", "rollback_for"]

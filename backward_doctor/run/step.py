@@ -159,7 +159,7 @@ def run_step(source: str, namespace: dict[str, Any], *, timeout: float | None = 
     finally:
         if lib_step is not None:
             lib_step[1]()  # (the trainer's training_step as it was: the replay runs the one it wrapped)
-    trace = replayed(trace, iteration_rollback, namespace, timeout=timeout, engine=chosen)
+    trace = replayed(trace, iteration_rollback, namespace, timeout=timeout, engine=chosen, probe=rollback)
     if compile_plan is not None:
         trace = compile_plan.check(trace, lambda: run_step(
             source, namespace, timeout=timeout, memory_limit=memory_limit, engine=chosen, cell_file=trace.cell_file,

@@ -18,6 +18,7 @@ from .accumulation import Accumulation
 from .frozen import FrozenUpdate
 from .precision import Precision
 from .schedules import SchedulerRecord
+from .spikes import LossSpike
 from .ties import UntiedWeights
 from .stacks import FrameInfo, LoaderRecord, ThreadStack
 from .orphans import UnoptimizedModule
@@ -339,6 +340,8 @@ class Trace:
     untied_weights: list[UntiedWeights] = field(default_factory=list)
     #: modules of a model an optimizer trains whose parameters no optimizer holds (``UnoptimizedModule``)
     unoptimized: list[UnoptimizedModule] = field(default_factory=list)
+    #: the loss jumped far above its recent trend and stayed finite: where, and the probe of its batch (``LossSpike``)
+    loss_spike: LossSpike | None = None
 
     def op(self, index: int | None) -> OpRecord | None:
         """The recorded op with this index, or None (dropped or never recorded)."""

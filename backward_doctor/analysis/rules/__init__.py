@@ -28,6 +28,7 @@ from .labels import label_misalignment
 from .loader_duplicates import duplicated_stream
 from .loop_memory import loop_leak
 from .loss_inputs import loss_on_probabilities
+from .loss_spike import loss_spike
 from .memory import oom
 from .nonfinite import nonfinite
 from .params import left_frozen, orphan_params
@@ -51,7 +52,7 @@ RUN_RULES: list[Rule] = [compile_divergence, direct_step, nonfinite, stale_grad,
 #: Rules for a run that completed without an exception.
 SILENT_RULES: list[Rule] = [no_grad_path, unseen_write, orphan_params, unoptimized_params, detached, broadcast, loss_on_probabilities,
                             train_eval_mode, scheduler_misuse, frozen_params_updated, label_misalignment,
-                            unshifted_targets, untied_weights, duplicated_stream]
+                            unshifted_targets, untied_weights, duplicated_stream, loss_spike]
 
 
 def analyze(trace: Trace) -> list[Finding]:
