@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import ge, is_not, mul
 
 #: points before a candidate that its trend is read from, at most and at least (the first iterations are no trend)
 WINDOW, HISTORY = 20, 8
@@ -43,16 +45,18 @@ def spike_points(loss: list[float | None]) -> list[int]:
     module docstring). A loss that can be negative (a log-likelihood) has no ratio to read: no spike. A jump the
     loss does not come back down from (over the next 5 points) is no spike: a new model's loop later in the same run
     starts high, and a loss that diverged stays up."""
-    points = [(i, v) for i, v in enumerate(loss) if v is not None]
-    if len(points) <= HISTORY:
+    # (the points kept and the jump test are C-level maps: this runs after every loop, over every iteration, and most
+    # points end at the jump test; the loop below sees only the few that jumped)
+    kept = list(map(is_not, loss, repeat(None)))
+    index, vals = list(compress(range(len(loss)), kept)), list(compress(loss, kept))
+    if len(vals) <= HISTORY:
         return []
-    start = max(v for _, v in points[:5])  # (where training began: the first losses)
+    start = max(vals[:5])  # (where training began: the first losses)
     out = []
-    for n in range(HISTORY, len(points)):
-        i, v = points[n]
-        if v < JUMP * max(points[n - 1][1], points[n - 2][1]):
-            continue  # no jump from the iterations just before (a level reached earlier): most points end here, cheaply
-        prev = [u for _, u in points[max(0, n - WINDOW):n]]
+    before = map(mul, repeat(JUMP), map(max, vals[HISTORY - 1:-1], vals[HISTORY - 2:-2]))
+    for n in compress(range(HISTORY, len(vals)), map(ge, vals[HISTORY:], before)):
+        i, v = index[n], vals[n]  # (a jump from the iterations just before it: not a level reached earlier)
+        prev = vals[max(0, n - WINDOW):n]
         med = statistics.median(prev)
         if med <= 0 or v < RATIO * med:
             continue  # (not far above the trend)
@@ -64,7 +68,7 @@ def spike_points(loss: list[float | None]) -> list[int]:
             continue
         # back to the trend after it: a spike, not a level that moved (a new model's loop in the same run, a loss
         # that diverged and stays up)
-        after = [u for _, u in points[n + 1:n + 1 + AFTER]]
+        after = vals[n + 1:n + 1 + AFTER]
         if len(after) < AFTER_MIN or statistics.median(after) > min(med + 0.25 * (v - med), 1.5 * med):
             continue
         out.append(i)
