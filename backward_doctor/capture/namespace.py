@@ -61,10 +61,15 @@ def _attributes(value: Any) -> list[tuple[str, Any]]:
     >>> _attributes(Proxy())
     []
     """
-    try:
-        return list(vars(value).items())[:_MAX_ITEMS]
-    except Exception:  # noqa: BLE001  (TypeError: no __dict__; anything a user's __getattr__ raises)
+    if type(value) in _NO_ATTRIBUTES:  # (a notebook's ``In`` holds a string per cell: most values are these)
         return []
+    try:
+        return list(vars(value).items())[:_MAX_ITEMS] if hasattr(value, "__dict__") else []
+    except Exception:  # noqa: BLE001  (anything a user's __getattr__ or __dict__ raises)
+        return []
+
+
+_NO_ATTRIBUTES = {str, bytes, int, float, bool, complex, type(None), list, tuple, dict, set, frozenset}
 
 
 def modules(namespace: dict[str, Any]) -> Iterator[tuple[str, nn.Module]]:

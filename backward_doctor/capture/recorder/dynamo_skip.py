@@ -39,18 +39,29 @@ def _rules() -> Any:
 
 class DoctorSkipped:
     """Adds the package's directory to ``trace_rules.SKIP_DIRS`` on :meth:`install` (unless it is there already)
-    and removes exactly that entry on :meth:`remove` (safe to call twice)."""
+    and removes exactly that entry on :meth:`remove` (safe to call twice), the matching regex put back as it was."""
 
     def __init__(self) -> None:
         self._added = False
+        self._prior: tuple[Any, tuple[str, ...]] | None = None
 
     def install(self) -> None:
         rules = _rules()
         if rules is None or self._added or _PACKAGE in rules.SKIP_DIRS:
             return
+        dirs = tuple(rules.SKIP_DIRS)
+        self._prior = (rules.SKIP_DIRS_RE, dirs)
         rules.SKIP_DIRS.append(_PACKAGE)
-        rules._recompile_re()
         self._added = True
+        # (torch rebuilds the regex from every directory, each made a posix path: ~0.6 ms, twice a run; the same
+        # list gives the same regex, so a process builds it once)
+        regex = _REGEXES.get(dirs)
+        if regex is None:
+            rules._recompile_re()
+            _REGEXES.clear()
+            _REGEXES[dirs] = rules.SKIP_DIRS_RE
+        else:
+            rules.SKIP_DIRS_RE = regex
 
     def remove(self) -> None:
         if not self._added:
@@ -59,7 +70,16 @@ class DoctorSkipped:
         rules = _rules()
         if rules is not None and _PACKAGE in rules.SKIP_DIRS:
             rules.SKIP_DIRS.remove(_PACKAGE)
-            rules._recompile_re()
+            prior, dirs = self._prior or (None, None)
+            if prior is not None and tuple(rules.SKIP_DIRS) == dirs:
+                rules.SKIP_DIRS_RE = prior  # (the regex object that was there: nobody changed the list meanwhile)
+            else:
+                rules._recompile_re()
+        self._prior = None
+
+
+#: the regex with the package's directory, by the list it was added to (one entry: the list seldom changes)
+_REGEXES: dict[tuple[str, ...], Any] = {}
 
 
 @contextlib.contextmanager
