@@ -1,6 +1,6 @@
 """Where a model's weights were made bf16/fp16: the statement of the user's sources that cast them.
 
-A step on bf16 weights whose small updates round away (``precision_watch.py``) is caused by the line that
+A step on bf16 weights whose small updates round away (``watches/precision.py``) is caused by the line that
 made the weights bf16, often in an earlier cell (``model = model.to(torch.bfloat16)`` "to save memory"), not by
 ``optimizer.step()``. The doctor cannot see that line run (it ran before the doctor did), so it is read from the
 sources: the cells IPython has run, the user's files whose code ran, and the cell (``trainers.user_sources``).
