@@ -63,6 +63,18 @@ def define(source: str, ns: dict[str, Any], name: str | None = None) -> dict[str
     return ns
 
 
+def numbered_cell(shell: Any, source: str) -> int:
+    """Run *source* as the next numbered cell of a real IPython *shell* (its output captured, the cell stored in
+    its history as a notebook's is); returns its ``In[N]``, the number the doctor names its lines by."""
+    from IPython.utils.capture import capture_output
+
+    number = shell.execution_count
+    with capture_output():
+        result = shell.run_cell(source, store_history=True)
+    assert result.error_before_exec is None
+    return number
+
+
 def defined_in(ns: dict[str, Any], name: str) -> str:
     """The file :func:`define` wrote the code of *name* (a class or function of *ns*) into."""
     obj = ns[name]

@@ -172,15 +172,11 @@ def test_lightning_bf16_true_set_in_an_earlier_cell(engine):
 @pytest.mark.ipython
 def test_a_cast_in_an_earlier_cell_of_a_real_shell_is_named_by_its_cell(engine):
     from IPython.core.interactiveshell import InteractiveShell
-    from IPython.utils.capture import capture_output
 
     shell = InteractiveShell.instance()
 
     def cell(source: str) -> int:
-        number = shell.execution_count
-        with capture_output():
-            assert shell.run_cell(source, store_history=True).error_before_exec is None
-        return number
+        return ll.numbered_cell(shell, source)
 
     cell("%load_ext backward_doctor")
     made = cell("import torch\n" + SETUP + "model = model.to(torch.bfloat16)  # save memory\n")

@@ -120,15 +120,11 @@ def test_the_storing_line_rewritten(code, scalar, want):
 @pytest.mark.ipython
 def test_a_trainer_subclass_of_an_earlier_cell_of_a_real_shell_is_named_by_its_cell(engine):
     from IPython.core.interactiveshell import InteractiveShell
-    from IPython.utils.capture import capture_output
 
     shell = InteractiveShell.instance()
 
     def cell(source: str) -> int:
-        number = shell.execution_count
-        with capture_output():
-            assert shell.run_cell(source, store_history=True).error_before_exec is None
-        return number
+        return ll.numbered_cell(shell, source)
 
     cell("%load_ext backward_doctor")
     cell("import library_loops as ll\nfrom transformers import Trainer\n")

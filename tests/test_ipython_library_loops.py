@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
-from IPython.utils.capture import capture_output
 
 import backward_doctor as bd
 
+import library_loops as ll
 from test_library_loop_bugs import BUG, LIT_INPLACE, LIT_LEAK, fixed
 
 pytestmark = pytest.mark.ipython
@@ -28,17 +28,8 @@ def shell():
     yield sh
 
 
-def _cell(shell, source: str) -> int:
-    """Run ``source`` as the next numbered cell; its ``In[N]``."""
-    number = shell.execution_count
-    with capture_output():
-        result = shell.run_cell(source, store_history=True)
-    assert result.error_before_exec is None
-    return number
-
-
 def _fit(shell, engine: str) -> bd.Report:
-    _cell(shell, f"%%backward_doctor --engine {engine}\ntrainer.fit(model, loader)\n")
+    ll.numbered_cell(shell, f"%%backward_doctor --engine {engine}\ntrainer.fit(model, loader)\n")
     return bd.last_report()
 
 
@@ -47,37 +38,37 @@ def _line(source: str, marker: str = BUG) -> int:
 
 
 def test_a_bug_in_a_lightning_module_of_an_earlier_cell_is_named_by_its_cell(shell, engine: str) -> None:
-    defined = _cell(shell, LIT_INPLACE)
-    _cell(shell, SETUP.format(steps=4, model="LitModel()"))
+    defined = ll.numbered_cell(shell, LIT_INPLACE)
+    ll.numbered_cell(shell, SETUP.format(steps=4, model="LitModel()"))
     f = _fit(shell, engine).findings[0]
     assert f.kind == "inplace"
     assert f.location() == (f"Cell In[{defined}], line {_line(LIT_INPLACE)}, in LitModel.training_step, "
                             "in iteration 2 of `trainer.fit(model, loader)` (epoch 0, batch 2)")
-    _cell(shell, fixed(LIT_INPLACE, "h = h + 1"))
-    _cell(shell, SETUP.format(steps=4, model="LitModel()"))
+    ll.numbered_cell(shell, fixed(LIT_INPLACE, "h = h + 1"))
+    ll.numbered_cell(shell, SETUP.format(steps=4, model="LitModel()"))
     assert _fit(shell, engine).findings == []
 
 
 def test_a_graph_a_cell_defined_lightning_module_keeps_gets_its_line(shell, engine: str) -> None:
-    defined = _cell(shell, LIT_LEAK)
-    _cell(shell, SETUP.format(steps=8, model="LitModel()"))
+    defined = ll.numbered_cell(shell, LIT_LEAK)
+    ll.numbered_cell(shell, SETUP.format(steps=8, model="LitModel()"))
     f = _fit(shell, engine).findings[0]
     assert f.kind == "graph_leak"
     assert f.location().startswith(f"Cell In[{defined}], line {_line(LIT_LEAK)}, in LitModel.training_step")
-    _cell(shell, fixed(LIT_LEAK, "self.losses.append(loss.detach())"))
-    _cell(shell, SETUP.format(steps=8, model="LitModel()"))
+    ll.numbered_cell(shell, fixed(LIT_LEAK, "self.losses.append(loss.detach())"))
+    ll.numbered_cell(shell, SETUP.format(steps=8, model="LitModel()"))
     assert _fit(shell, engine).findings == []
 
 
 def test_a_learning_rate_typed_in_a_cell_is_named_there(shell, engine: str) -> None:
-    _cell(shell, "import library_loops as ll\nns = ll.lit_fit()\nLitClassifier = ns['LitClassifier']\n")
+    ll.numbered_cell(shell, "import library_loops as ll\nns = ll.lit_fit()\nLitClassifier = ns['LitClassifier']\n")
     setup = SETUP.format(steps=8, model="LitClassifier(lr=2e5)")  # (a value no other test's cell holds)
-    where = _cell(shell, setup)
+    where = ll.numbered_cell(shell, setup)
     f = _fit(shell, engine).findings[0]
     assert f.title.startswith("The learning rate is too high"), f
     assert f.location().startswith(f"Cell In[{where}], line {_line(setup, 'lr=2e5')}"), f.location()
     assert "`model = LitClassifier(lr=2e5)`" in f.message and "`lr=2e-5`" in f.message, f.message
-    _cell(shell, SETUP.format(steps=8, model="LitClassifier(lr=0.1)"))
+    ll.numbered_cell(shell, SETUP.format(steps=8, model="LitClassifier(lr=0.1)"))
     assert _fit(shell, engine).findings == []
 
 
@@ -86,9 +77,9 @@ def test_the_lightning_callback_in_a_notebook_names_cells_as_the_magic_does(shel
     the magic does, never by IPython's temporary file (issue 47, item 4: ``1925881619.py:21``)."""
     from backward_doctor.integrations import DoctorLightningCallback
 
-    defined = _cell(shell, LIT_INPLACE)
+    defined = ll.numbered_cell(shell, LIT_INPLACE)
     shell.user_ns["doctor_cb"] = DoctorLightningCallback(engine=engine, quiet=True)
-    _cell(shell, SETUP.format(steps=4, model="LitModel()").replace(
+    ll.numbered_cell(shell, SETUP.format(steps=4, model="LitModel()").replace(
         "ll.lit_trainer(4)", "ll.lit_trainer(4, callbacks=[doctor_cb])") + "trainer.fit(model, loader)\n")
     report = shell.user_ns["doctor_cb"].doctor.report
     assert report is not None and report.findings, report
